@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests --ignore=tests/multidevice
+	$(PY) -m pytest -q -n 2 jaxamp tests --ignore=tests/multidevice
 	$(MULTIDEVICE) $(PY) -m pytest -q tests/multidevice
 
 demo: $(STAMP)

@@ -1,0 +1,110 @@
+"""Pytree helpers shared by the loss-scaling core and the optax transformation.
+
+Only *inexact* leaves (floating and complex arrays) are ever touched: integer,
+bool and ``float0`` leaves (what ``jax.grad(..., allow_int=True)`` returns for
+integer inputs) and ``None`` pass through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["all_finite", "is_float_leaf", "map_float_leaves", "select_tree"]
+
+
+def is_float_leaf(x: Any) -> bool:
+    """True for a floating or complex array (or Python float) leaf."""
+    if isinstance(x, float | complex):
+        return True
+    dtype = getattr(x, "dtype", None)
+    # float0 is a structured numpy dtype, not a subtype of inexact.
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def map_float_leaves(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
+    """Applies ``fn`` to every floating leaf of ``tree``; other leaves pass through."""
+    return jax.tree.map(lambda x: fn(x) if is_float_leaf(x) else x, tree)
+
+
+def _axis_all(pred: jax.Array, axis_name: Any) -> jax.Array:
+    if axis_name is None:
+        return pred
+    # Collectives have no bool reduction: the min of 0/1 is a logical AND.
+    return lax.pmin(pred.astype(jnp.int32), axis_name).astype(jnp.bool_)
+
+
+def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
+    """Whether every floating leaf of ``tree`` is free of inf and NaN.
+
+    One reduction per leaf, combined as scalars: nothing is concatenated or
+    materialised, so XLA fuses each ``isfinite`` into a single read of the leaf.
+
+    Args:
+      tree: any pytree; non-floating leaves and ``None`` are ignored.
+      axis_name: name (or tuple of names) of a mapped axis (``pmap``,
+        ``shard_map``, ``vmap``) to agree over: if any device sees a
+        non-finite value, every device gets ``False``.
+
+    Returns:
+      A ``bool[]`` scalar array (``True`` for an empty tree).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> bool(jaxamp.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
+      False
+    """
+    result = jnp.array(True)
+    for leaf in jax.tree.leaves(tree):
+        if is_float_leaf(leaf):
+            result = result & jnp.all(jnp.isfinite(leaf))
+    return _axis_all(result, axis_name)
+
+
+def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """Leafwise ``pred ? on_true : on_false`` over two pytrees of one structure.
+
+    A device-side select (``lax.select``), so it never syncs with the host. For
+    skipping an optimizer step prefer :func:`jaxamp.step`, which skips the whole
+    update instead of computing it and selecting it away.
+
+    Args:
+      pred: a scalar boolean (array or Python bool).
+      on_true: the pytree returned where ``pred`` holds.
+      on_false: a pytree of the same structure, shapes and dtypes.
+
+    Returns:
+      A pytree like ``on_true``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> jaxamp.select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
+      {'w': Array([0., 0.], dtype=float32)}
+    """
+    pred = jnp.asarray(pred)
+    if pred.shape != () or pred.dtype != jnp.bool_:
+        raise ValueError(
+            f"select_tree: `pred` must be a scalar bool, got {pred.dtype}{list(pred.shape)}."
+        )
+    true_leaves, true_def = jax.tree.flatten(on_true)
+    false_leaves, false_def = jax.tree.flatten(on_false)
+    if true_def != false_def:
+        raise ValueError(
+            "select_tree: `on_true` and `on_false` must have the same tree structure, got "
+            f"{true_def} and {false_def}."
+        )
+
+    def select(a: Any, b: Any) -> Any:
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(
+                "select_tree: leaves must match in shape and dtype, got "
+                f"{a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}."
+            )
+        return lax.select(jnp.broadcast_to(pred, a.shape), a, b)
+
+    return jax.tree.unflatten(true_def, [select(a, b) for a, b in zip(true_leaves, false_leaves)])
