@@ -1,0 +1,65 @@
+"""Shared test helpers: scale trajectories and small training problems."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxamp
+
+FIELDS = ("scale", "growth_tracker", "hysteresis_tracker", "nonfinite_streak", "skipped_steps")
+
+
+@functools.partial(jax.jit, static_argnames=())
+def _scan(state, overflow):
+    def body(s, ovf):
+        s = jaxamp.update(s, ~ovf)
+        return s, tuple(getattr(s, f) for f in FIELDS)
+
+    return jax.lax.scan(body, state, overflow)
+
+
+def trajectory(state: jaxamp.LossScaleState, finite) -> dict[str, np.ndarray]:
+    """Per-step state fields after each `update(state, finite[i])`, run as one jitted scan."""
+    _, outs = _scan(state, ~jnp.asarray(finite, bool))
+    return {f: np.asarray(v) for f, v in zip(FIELDS, outs)}
+
+
+def mlp_init(key, sizes=(4, 8, 3)):
+    """A tiny two-layer MLP's params: {'l0': {'w','b'}, 'l1': {...}}."""
+    params = {}
+    for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:])):
+        key, k = jax.random.split(key)
+        params[f"l{i}"] = {"w": jax.random.normal(k, (m, n)) / np.sqrt(m), "b": jnp.zeros(n)}
+    return params
+
+
+def mlp_loss(params, x, y):
+    h = x
+    for i in range(len(params)):
+        h = h @ params[f"l{i}"]["w"] + params[f"l{i}"]["b"]
+        if i + 1 < len(params):
+            h = jnp.tanh(h)
+    return jnp.mean((h - y) ** 2)
+
+
+def batches(n, key=0, batch=16, d_in=4, d_out=3):
+    k = jax.random.PRNGKey(key)
+    kx, ky = jax.random.split(k)
+    xs = jax.random.normal(kx, (n, batch, d_in))
+    ys = jax.random.normal(ky, (n, batch, d_out))
+    return xs, ys
+
+
+def assert_trees_equal(a, b):
+    """Bit-for-bit equality of two pytrees (structure, dtypes and values)."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb, f"{ta} != {tb}"
+    for x, y in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
