@@ -1,6 +1,7 @@
 """jaxamp: automatic mixed precision for JAX, Flax and optax."""
 
 from jaxamp import compat
+from jaxamp.autocast import autocast, full_precision
 from jaxamp.loss_scale import (
     LossScaleState,
     check_health,
@@ -12,6 +13,7 @@ from jaxamp.loss_scale import (
     unscale_and_check,
     update,
 )
+from jaxamp.policy import Policy
 from jaxamp.train_state import TrainState
 from jaxamp.transform import SkipNonfiniteState, get_loss_scale, skip_nonfinite, step
 from jaxamp.tree import all_finite, select_tree
@@ -20,12 +22,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LossScaleState",
+    "Policy",
     "SkipNonfiniteState",
     "TrainState",
     "all_finite",
+    "autocast",
     "check_health",
     "compat",
     "dynamic_scale",
+    "full_precision",
     "get_loss_scale",
     "metrics",
     "no_scale",
