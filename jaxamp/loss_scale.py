@@ -121,6 +121,10 @@ class LossScaleState:
         for name in _FLOAT_FIELDS + _INT_FIELDS:
             value = getattr(self, name)
             if name == "max_consecutive_nonfinite" and value is None:
+                if self.scale is None:
+                    # A placeholder tree (`jax.tree.map(lambda _: None, state)`, as orbax
+                    # builds for its save args) must stay all-None.
+                    continue
                 value = _UNLIMITED
             elif _is_python_number(value):
                 _check_number(name, value)
