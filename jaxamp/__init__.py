@@ -1,6 +1,6 @@
 """jaxamp: automatic mixed precision for JAX, Flax and optax."""
 
-from jaxamp import compat
+from jaxamp import checkpoint, compat
 from jaxamp.autocast import autocast, full_precision
 from jaxamp.loss_scale import (
     LossScaleState,
@@ -28,6 +28,7 @@ __all__ = [
     "all_finite",
     "autocast",
     "check_health",
+    "checkpoint",
     "compat",
     "dynamic_scale",
     "full_precision",
