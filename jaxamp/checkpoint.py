@@ -132,9 +132,7 @@ def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") 
             continue
         covered.update(fields)
         names = ", ".join(sorted(_render(p[len(sp) :]) for p in fields))
-        parts.append(
-            f"{where} has no loss-scale state at `{_render(sp)}` (missing: {names})"
-        )
+        parts.append(f"{where} has no loss-scale state at `{_render(sp)}` (missing: {names})")
     others = [p for p in missing if p not in covered]
     if others:
         listed = ", ".join(f"`{_render(p)}`" for p in others[:_MAX_LISTED])
