@@ -1,0 +1,210 @@
+"""One train-step builder per variant: the same model, loss, data and AdamW for all.
+
+Every step has the signature ``step(params, opt_state, aux, batch) -> (params,
+opt_state, aux, loss)`` and is jitted with ``donate_argnums=(0, 1, 2)``: params,
+optimizer state and any loss-scale state are donated, as in a real training
+loop. ``aux`` holds a peer library's loss-scale state (``None`` where the scale
+lives inside the optax state or there is none).
+
+Params are float32. Every variant except the plain floor scales the loss, takes
+the gradient of the scaled loss, unscales and checks it, and skips the step when
+it is not finite, each the way its library's documentation shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jmp
+import optax
+from flax.training.dynamic_scale import DynamicScale
+
+import jaxamp
+from jaxamp.transform import _fused_step
+
+StepFn = Callable[[Any, Any, Any, Any], tuple[Any, Any, Any, jax.Array]]
+
+LEARNING_RATE = 1e-3
+WEIGHT_DECAY = 0.01
+INIT_SCALE = 2.0**15
+
+
+def adamw() -> optax.GradientTransformation:
+    """The inner optimizer every variant uses."""
+    return optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A named train step and how to build its initial state.
+
+    Attributes:
+      name: short key used in the table, the JSON and ``--only``.
+      description: what the step does, one line.
+      init: ``params -> (params, opt_state, aux)``.
+      step: the un-jitted step function.
+      is_jaxamp: whether the step is one of jaxamp's (checked for host traffic in the test).
+    """
+
+    name: str
+    description: str
+    init: Callable[[Any], tuple[Any, Any, Any]]
+    step: StepFn
+    is_jaxamp: bool = False
+
+
+def _plain(loss: Callable[[Any, Any], jax.Array]) -> Variant:
+    tx = adamw()
+
+    def step(params: Any, opt_state: Any, aux: Any, batch: Any) -> Any:
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, aux, value
+
+    return Variant(
+        "plain", "optax adamw, no scaling, no check (the floor)",
+        lambda p: (p, tx.init(p), None), step,
+    )
+
+
+def _jaxamp_loss_grad(loss: Callable[[Any, Any], jax.Array], params: Any, opt_state: Any,
+                      batch: Any) -> tuple[jax.Array, Any]:
+    """Scaled loss -> scaled gradients, with the scale read from the optax state."""
+    ls = jaxamp.get_loss_scale(opt_state)
+    value, grads = jax.value_and_grad(lambda p: jaxamp.scale(ls, loss(p, batch)))(params)
+    return value / ls.scale, grads
+
+
+def _jaxamp_optax(loss: Callable[[Any, Any], jax.Array]) -> Variant:
+    tx = jaxamp.skip_nonfinite(adamw(), jaxamp.dynamic_scale(INIT_SCALE))
+
+    def step(params: Any, opt_state: Any, aux: Any, batch: Any) -> Any:
+        value, grads = _jaxamp_loss_grad(loss, params, opt_state, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, aux, value
+
+    return Variant(
+        "jaxamp_optax", "jaxamp.skip_nonfinite(adamw, dynamic_scale) + optax.apply_updates",
+        lambda p: (p, tx.init(p), None), step, is_jaxamp=True,
+    )
+
+
+def _jaxamp_step(loss: Callable[[Any, Any], jax.Array], use_cond: bool) -> Variant:
+    tx = jaxamp.skip_nonfinite(adamw(), jaxamp.dynamic_scale(INIT_SCALE))
+
+    def step(params: Any, opt_state: Any, aux: Any, batch: Any) -> Any:
+        value, grads = _jaxamp_loss_grad(loss, params, opt_state, batch)
+        if use_cond:
+            params, opt_state = jaxamp.step(tx, grads, opt_state, params)
+        else:
+            params, opt_state = _fused_step(tx, grads, opt_state, params, {}, use_cond=False)
+        return params, opt_state, aux, value
+
+    if use_cond:
+        name, desc = "jaxamp_step", "jaxamp.step (lax.cond around update + apply)"
+    else:
+        name, desc = "jaxamp_step_select", "jaxamp fused step, compute-then-select design"
+    return Variant(name, desc, lambda p: (p, tx.init(p), None), step, is_jaxamp=True)
+
+
+def _jmp(loss: Callable[[Any, Any], jax.Array]) -> Variant:
+    tx = adamw()
+
+    # The jmp state travels as its two array leaves: jmp.DynamicLossScale's __post_init__
+    # rejects the placeholders that `jit(...).lower` unflattens it with. Same program.
+    def step(params: Any, opt_state: Any, aux: tuple[jax.Array, jax.Array], batch: Any) -> Any:
+        ls = jmp.DynamicLossScale(*aux)
+        # As jmp's README: scale the loss, unscale the grads, all_finite, adjust, select_tree.
+        value, grads = jax.value_and_grad(lambda p: ls.scale(loss(p, batch)))(params)
+        grads = ls.unscale(grads)
+        finite = jmp.all_finite(grads)
+        new_ls = ls.adjust(finite)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        params, opt_state = jmp.select_tree(finite, (new_params, new_opt_state),
+                                            (params, opt_state))
+        return params, opt_state, (new_ls.loss_scale, new_ls.counter), ls.unscale(value)
+
+    def init(p: Any) -> Any:
+        ls = jmp.DynamicLossScale(jnp.asarray(INIT_SCALE, jnp.float32))
+        return p, tx.init(p), (ls.loss_scale, jnp.asarray(ls.counter))
+
+    return Variant("jmp", "jmp.DynamicLossScale + all_finite + select_tree", init, step)
+
+
+def _flax(loss: Callable[[Any, Any], jax.Array]) -> Variant:
+    tx = adamw()
+
+    def step(params: Any, opt_state: Any, ds: DynamicScale, batch: Any) -> Any:
+        # As flax's docs / imagenet example: value_and_grad wrapper, then jnp.where selects.
+        grad_fn = ds.value_and_grad(lambda p: loss(p, batch))
+        ds, finite, value, grads = grad_fn(params)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        select = functools.partial(jnp.where, finite)
+        opt_state = jax.tree.map(select, new_opt_state, opt_state)
+        params = jax.tree.map(select, new_params, params)
+        return params, opt_state, ds, value
+
+    def init(p: Any) -> Any:
+        return p, tx.init(p), DynamicScale(scale=INIT_SCALE)
+
+    return Variant("flax_dynamic_scale", "flax DynamicScale + jnp.where select", init, step)
+
+
+def _apply_if_finite(loss: Callable[[Any, Any], jax.Array]) -> Variant:
+    # optax.apply_if_finite has no loss scale of its own: the scale is a fixed
+    # INIT_SCALE applied and removed by hand around it (a static loss scale).
+    tx = optax.apply_if_finite(adamw(), max_consecutive_errors=5)
+
+    def step(params: Any, opt_state: Any, aux: Any, batch: Any) -> Any:
+        value, grads = jax.value_and_grad(lambda p: loss(p, batch) * INIT_SCALE)(params)
+        grads = jax.tree.map(lambda g: g * (1.0 / INIT_SCALE), grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, aux, value / INIT_SCALE
+
+    return Variant(
+        "optax_apply_if_finite", "optax.apply_if_finite(adamw), static scale by hand",
+        lambda p: (p, tx.init(p), None), step,
+    )
+
+
+VARIANT_NAMES = (
+    "plain",
+    "jaxamp_optax",
+    "jaxamp_step",
+    "jaxamp_step_select",
+    "jmp",
+    "flax_dynamic_scale",
+    "optax_apply_if_finite",
+)
+
+
+def build_variants(loss: Callable[[Any, Any], jax.Array],
+                   only: tuple[str, ...] | None = None) -> list[Variant]:
+    """All variants (or those named in ``only``, plus ``plain``) for ``loss(params, batch)``."""
+    all_variants = [
+        _plain(loss),
+        _jaxamp_optax(loss),
+        _jaxamp_step(loss, use_cond=True),
+        _jaxamp_step(loss, use_cond=False),
+        _jmp(loss),
+        _flax(loss),
+        _apply_if_finite(loss),
+    ]
+    if only:
+        unknown = set(only) - set(VARIANT_NAMES)
+        if unknown:
+            raise ValueError(f"unknown variant(s) {sorted(unknown)}; choose from {VARIANT_NAMES}")
+        all_variants = [v for v in all_variants if v.name == "plain" or v.name in only]
+    return all_variants
+
+
+def jit_step(variant: Variant) -> Callable[..., Any]:
+    """The variant's step under ``jax.jit`` with params, opt state and aux donated."""
+    return jax.jit(variant.step, donate_argnums=(0, 1, 2))
