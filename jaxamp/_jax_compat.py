@@ -9,11 +9,13 @@ silently miscasting.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import jax
 from jax.extend.core import Primitive
 
-__all__ = ["bind", "name_stack", "outputs_as_list"]
+__all__ = ["bind", "name_stack", "outputs_as_list", "shard_map_call"]
 
 
 def name_stack(eqn: Any) -> str:
@@ -47,3 +49,22 @@ def outputs_as_list(prim: Primitive, out: Any) -> list[Any]:
     if prim.multiple_results:
         return list(out)
     return [out]
+
+
+def shard_map_call(fn: Callable[..., Any], args: list[Any], params: dict[str, Any]) -> list[Any]:
+    """Re-issues a ``shard_map`` equation through the public ``jax.shard_map``.
+
+    A shard_map body can only be traced inside the manual-axes context that
+    ``jax.shard_map`` sets up, so autocast calls it again with the equation's
+    own mesh and specs instead of re-tracing the body on its own. The param
+    names are those of JAX >= 0.6 (``check_vma``, ``newly_manual_axes``).
+    """
+    mapped = jax.shard_map(
+        lambda *xs: tuple(fn(*xs)),
+        mesh=params["mesh"],
+        in_specs=tuple(params["in_specs"]),
+        out_specs=tuple(params["out_specs"]),
+        axis_names=frozenset(params.get("newly_manual_axes", frozenset())),
+        check_vma=params.get("check_vma", True),
+    )
+    return list(mapped(*args))

@@ -206,10 +206,21 @@ def _eval_jaxpr(jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any], ctx: _
     return [read(v) for v in jaxpr.outvars]
 
 
-def _dtype_of(x: Any, v: Any) -> np.dtype:
+def _dtype_of(x: Any, v: Any) -> Any:
+    # Not np.dtype(...): extended dtypes (PRNG keys) have no numpy equivalent.
+    return v.aval.dtype if isinstance(v, Literal) else x.dtype
+
+
+_F16_MAX = float(np.finfo(np.float16).max)
+
+
+def _is_weak(v: Any) -> bool:
     if isinstance(v, Literal):
-        return np.dtype(v.aval.dtype)
-    return np.dtype(x.dtype)
+        # A constant too large for float16 (e.g. finfo(float32).min used as an
+        # attention mask) would become inf, so it keeps the op wide.
+        val = float(np.asarray(v.val, dtype=np.float64))
+        return not np.isfinite(val) or abs(val) <= _F16_MAX
+    return bool(v.aval.weak_type)
 
 
 def _eval_eqn(eqn: Any, invals: list[Any], ctx: _Context, as_written: bool) -> list[Any]:
@@ -251,9 +262,10 @@ def _eval_eqn(eqn: Any, invals: list[Any], ctx: _Context, as_written: bool) -> l
     if not floats:  # integer / bool / key ops are never touched
         return _jax_compat.outputs_as_list(prim, _jax_compat.bind(prim, invals, eqn.params))
 
-    # Weakly typed inputs (Python scalars) follow the others, as in JAX's own
-    # type promotion, unless every floating input is weak.
-    strong = [i for i in floats if not eqn.invars[i].aval.weak_type] or floats
+    # Weakly typed inputs and scalar literals (Python scalars, which jnp has
+    # already promoted to float32 in the jaxpr) follow the other inputs, as in
+    # JAX's and PyTorch's promotion, unless every floating input is one.
+    strong = [i for i in floats if not _is_weak(eqn.invars[i])] or floats
     widest = dtypes[strong[0]]
     for i in strong[1:]:
         widest = _promote(widest, dtypes[i])
@@ -302,9 +314,14 @@ def _eval_higher_order(eqn: Any, invals: list[Any], dtypes: list[np.dtype],
     # with exactly the same input and output types. Everything else in the
     # params (shardings, carry counts, custom rules) stays valid untouched.
     sub_ctx = ctx
+    args = _to_original(invals, dtypes, eqn.invars)
     if eqn.primitive.name == "shard_map":
         mesh = eqn.params["mesh"]
         sub_ctx = dataclasses.replace(ctx, axis_env=ctx.axis_env + tuple(mesh.shape.items()))
+        body = eqn.params["jaxpr"]
+        return _jax_compat.shard_map_call(
+            lambda *xs: _eval_to_original(body, (), xs, sub_ctx), args, eqn.params
+        )
     params = {}
     for key, value in eqn.params.items():
         if isinstance(value, (ClosedJaxpr, Jaxpr)):
@@ -317,10 +334,20 @@ def _eval_higher_order(eqn: Any, invals: list[Any], dtypes: list[np.dtype],
                 for v in value
             )
         params[key] = value
-    args = _to_original(invals, dtypes, eqn.invars)
     return _jax_compat.outputs_as_list(
         eqn.primitive, _jax_compat.bind(eqn.primitive, args, params)
     )
+
+
+def _eval_to_original(jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any],
+                      ctx: _Context) -> list[Any]:
+    """Like `_eval_jaxpr`, with outputs cast back to the jaxpr's output dtypes."""
+    outs = _eval_jaxpr(jaxpr, consts, args, ctx)
+    return [
+        lax.convert_element_type(x, v.aval.dtype)
+        if _is_float(x.dtype) and x.dtype != v.aval.dtype else x
+        for x, v in zip(outs, jaxpr.outvars, strict=True)
+    ]
 
 
 def _autocast_subjaxpr(sub: ClosedJaxpr | Jaxpr, ctx: _Context) -> ClosedJaxpr | Jaxpr:
@@ -335,17 +362,10 @@ def _autocast_subjaxpr(sub: ClosedJaxpr | Jaxpr, ctx: _Context) -> ClosedJaxpr |
         if jaxpr.constvars:
             raise NotImplementedError("open inner jaxpr with constvars")
     in_avals = [v.aval for v in jaxpr.invars]
-    out_avals = [v.aval for v in jaxpr.outvars]
-
-    def body(*args: Any) -> list[Any]:
-        outs = _eval_jaxpr(jaxpr, consts, args, ctx)
-        return [
-            lax.convert_element_type(x, a.dtype)
-            if _is_float(np.dtype(x.dtype)) and x.dtype != a.dtype else x
-            for x, a in zip(outs, out_avals, strict=True)
-        ]
-
-    traced = jax.make_jaxpr(body, axis_env=list(ctx.axis_env) or None)(*in_avals)
+    traced = jax.make_jaxpr(
+        lambda *args: _eval_to_original(jaxpr, consts, args, ctx),
+        axis_env=list(ctx.axis_env) or None,
+    )(*in_avals)
     if isinstance(sub, ClosedJaxpr):
         new: ClosedJaxpr | Jaxpr = traced
     else:
@@ -501,7 +521,7 @@ def autocast(
                 want = np.dtype(shape.dtype)
                 if _is_float(want) and output_dtype is not None:
                     want = output_dtype
-                if _is_float(np.dtype(x.dtype)) and x.dtype != want:
+                if _is_float(x.dtype) and x.dtype != want:
                     x = lax.convert_element_type(x, want)
                 final.append(x)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), final)
