@@ -17,7 +17,7 @@ test: $(STAMP)
 	$(MULTIDEVICE) $(PY) -m pytest -q tests/multidevice
 
 demo: $(STAMP)
-	$(PY) examples/quickstart.py
+	$(PY) examples/train_lm.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

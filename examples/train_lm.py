@@ -1,0 +1,841 @@
+"""Mixed-precision training of a small transformer language model, four ways.
+
+The demo behind ``make demo``. It trains a byte-level Flax transformer on the
+Python standard library's own source files (on every machine, no download) with
+optax AdamW inside a jitted train step, from the same initialisation and on the
+same batches, once per run:
+
+* ``fp32``      float32 everywhere: the reference.
+* ``fp16``      float16 compute (``jaxamp.autocast``) with *no* loss scaling and
+                no skipping: small gradients underflow to zero in float16.
+* ``fp16-amp``  float16 compute with ``jaxamp.autocast`` + ``jaxamp.skip_nonfinite``
+                + dynamic loss scaling: what jaxamp is for.
+* ``bf16``      bfloat16 compute with ``jaxamp.autocast`` and skipping only
+                (bfloat16 has float32's range, so it needs no loss scale).
+
+Each run shows a progress bar (loss, loss scale, skipped steps), saves an orbax
+checkpoint every ``--ckpt-every`` steps (``--resume`` continues exactly where a
+run stopped: the batch of step ``i`` is a pure function of ``(seed, i)``), and at
+the end the script prints a table and writes under ``--out``: ``summary.json``,
+``table.txt`` and ``loss_curves.png``.
+
+Run ``python examples/train_lm.py --help`` for the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from flax import struct
+
+import jaxamp
+
+RUN_NAMES = ("fp32", "fp16", "fp16-amp", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """How one run computes and protects its optimizer step."""
+
+    name: str
+    compute_dtype: Any  # None: plain float32, no autocast
+    loss_scaling: bool  # dynamic loss scaling (only meaningful for float16)
+    skip_nonfinite: bool  # wrap the optimizer in jaxamp.skip_nonfinite
+    description: str
+
+
+RUN_SPECS = {
+    "fp32": RunSpec("fp32", None, False, False, "float32"),
+    "fp16": RunSpec("fp16", jnp.float16, False, False, "float16 autocast, no loss scaling"),
+    "fp16-amp": RunSpec(
+        "fp16-amp", jnp.float16, True, True, "float16 autocast + skip_nonfinite + dynamic scale"
+    ),
+    "bf16": RunSpec("bf16", jnp.bfloat16, False, True, "bfloat16 autocast + skip_nonfinite"),
+}
+
+
+# --------------------------------------------------------------------------- flags
+
+
+def _int_at_least(flag: str, low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} must be an integer >= {low}, got {text!r}"
+            ) from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(flag: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} must be a positive number, got {text!r}"
+            ) from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive number, got {text!r}")
+        return value
+
+    return parse
+
+
+def _run_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in RUN_SPECS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"--runs must be a comma-separated subset of {','.join(RUN_NAMES)}, "
+            f"got {text!r}" + (f" (unknown: {', '.join(bad)})" if bad else "")
+        )
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--runs lists a run twice: {text!r}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; every default is sized for a 2-core CPU in a few minutes."""
+    p = argparse.ArgumentParser(
+        description=(
+            "Train a small byte-level transformer LM on the Python standard library's "
+            "source in float32, float16 without loss scaling, float16 with jaxamp "
+            "(autocast + skip_nonfinite + dynamic loss scale) and bfloat16, from the same "
+            "initialisation, and compare them in a table and a plot."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--steps", type=_int_at_least("--steps", 1), default=300, help="optimizer steps per run"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_int_at_least("--batch-size", 1),
+        default=16,
+        help="sequences per batch",
+    )
+    p.add_argument(
+        "--seq-len",
+        type=_int_at_least("--seq-len", 2),
+        default=128,
+        help="bytes per training sequence",
+    )
+    p.add_argument(
+        "--model-dim",
+        type=_int_at_least("--model-dim", 8),
+        default=128,
+        help="transformer width (a multiple of --heads)",
+    )
+    p.add_argument(
+        "--layers", type=_int_at_least("--layers", 1), default=2, help="transformer blocks"
+    )
+    p.add_argument("--heads", type=_int_at_least("--heads", 1), default=4, help="attention heads")
+    p.add_argument(
+        "--lr",
+        type=_positive_float("--lr"),
+        default=3e-3,
+        help="peak AdamW learning rate (linear warmup, cosine decay)",
+    )
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    p.add_argument(
+        "--loss-tokens",
+        type=_int_at_least("--loss-tokens", 0),
+        default=2**19,
+        help="the loss is the sum of per-token losses divided by this: the token "
+        "count of the global batch that each step's batch is one micro-batch "
+        "of (2**19: a 0.5M-token batch, as in GPT-2/3 training). 0: the mean "
+        "over --batch-size x --seq-len",
+    )
+    p.add_argument(
+        "--runs",
+        type=_run_list,
+        default=list(RUN_NAMES),
+        help="comma-separated runs to do: " + ",".join(RUN_NAMES),
+    )
+    p.add_argument(
+        "--init-scale",
+        type=_positive_float("--init-scale"),
+        default=2.0**15,
+        help="initial loss scale of the fp16-amp run",
+    )
+    p.add_argument(
+        "--growth-interval",
+        type=_int_at_least("--growth-interval", 1),
+        default=100,
+        help="clean steps before the fp16-amp loss scale doubles (PyTorch uses "
+        "2000 for long runs; a short demo needs a shorter interval to show growth)",
+    )
+    p.add_argument(
+        "--corpus-bytes",
+        type=_int_at_least("--corpus-bytes", 10_000),
+        default=2_000_000,
+        help="bytes of standard-library source to read",
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=_int_at_least("--eval-batches", 1),
+        default=8,
+        help="held-out batches per evaluation",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=_int_at_least("--eval-every", 1),
+        default=100,
+        help="evaluate every this many steps (and at the end)",
+    )
+    p.add_argument(
+        "--log-every",
+        type=_int_at_least("--log-every", 1),
+        default=10,
+        help="fetch metrics from the device every this many steps",
+    )
+    p.add_argument(
+        "--ckpt-every",
+        type=_int_at_least("--ckpt-every", 1),
+        default=100,
+        help="save an orbax checkpoint every this many steps",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue each run from its latest checkpoint under --out",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=_int_at_least("--stop-after", 1),
+        default=None,
+        help="stop each run (with a checkpoint) after this many steps of this "
+        "session, as if interrupted; continue later with --resume",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for init and data order")
+    p.add_argument("--out", default="runs/demo", help="output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses and cross-checks the flags; bad values exit with a message naming the flag."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_dim % args.heads:
+        parser.error(f"--model-dim ({args.model_dim}) must be a multiple of --heads ({args.heads})")
+    if not 0 <= args.weight_decay < 1:
+        parser.error(f"--weight-decay must be in [0, 1), got {args.weight_decay}")
+    return args
+
+
+# --------------------------------------------------------------------------- data
+
+
+def load_corpus(max_bytes: int, seq_len: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Reads the standard library's ``.py`` files as bytes; splits train/eval by file.
+
+    Files are sorted by name so every machine with the same Python builds the same
+    corpus. Every tenth file goes to the eval split, so no eval text is ever trained on.
+
+    Returns:
+      ``(train_bytes, eval_bytes, files)`` with uint8 arrays.
+    """
+    stdlib = os.path.dirname(os.__file__)
+    files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
+    train, evals, used, total = [], [], [], 0
+    for i, path in enumerate(files):
+        if total >= max_bytes:
+            break
+        with open(path, "rb") as f:
+            data = f.read(max_bytes - total)
+        (evals if i % 10 == 9 else train).append(np.frombuffer(data, np.uint8))
+        used.append(os.path.basename(path))
+        total += len(data)
+    train_arr = np.concatenate(train) if train else np.zeros(0, np.uint8)
+    eval_arr = np.concatenate(evals) if evals else np.zeros(0, np.uint8)
+    if min(len(train_arr), len(eval_arr)) <= seq_len + 1:
+        raise SystemExit(
+            f"error: the corpus read from {stdlib} is too small for --seq-len {seq_len} "
+            f"(train {len(train_arr)} bytes, eval {len(eval_arr)} bytes); raise --corpus-bytes."
+        )
+    return train_arr, eval_arr, used
+
+
+def get_batch(data: jax.Array, key: jax.Array, batch_size: int, seq_len: int) -> jax.Array:
+    """``batch_size`` random windows of ``seq_len + 1`` bytes, as int32 (inputs + next byte)."""
+    starts = jax.random.randint(key, (batch_size,), 0, data.shape[0] - seq_len - 1)
+    window = lambda s: jax.lax.dynamic_slice(data, (s,), (seq_len + 1,))
+    return jax.vmap(window)(starts).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- model
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal self-attention and a GELU MLP."""
+
+    dim: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        hd = self.dim // self.heads
+        h = nn.LayerNorm()(x)
+        qkv = nn.Dense(3 * self.dim, use_bias=False)(h).reshape(b, t, 3, self.heads, hd)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        attn = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        h = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, self.dim)
+        x = x + nn.Dense(self.dim)(h)
+        h = nn.Dense(4 * self.dim)(nn.LayerNorm()(x))
+        return x + nn.Dense(self.dim)(nn.gelu(h))
+
+
+class ByteLM(nn.Module):
+    """A small decoder-only transformer over bytes (vocabulary 256)."""
+
+    dim: int
+    layers: int
+    heads: int
+    max_len: int
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = nn.Embed(256, self.dim)(tokens)
+        pos = self.param("pos", nn.initializers.normal(0.02), (self.max_len, self.dim))
+        x = x + pos[: tokens.shape[1]].astype(x.dtype)
+        for _ in range(self.layers):
+            x = Block(self.dim, self.heads)(x)
+        return nn.Dense(256)(nn.LayerNorm()(x))
+
+
+# --------------------------------------------------------------------------- training
+
+
+@struct.dataclass
+class RunState:
+    """Everything a run needs to continue: parameters and optimizer state."""
+
+    params: Any
+    opt_state: Any
+
+
+def make_optimizer(args: argparse.Namespace, spec: RunSpec) -> optax.GradientTransformation:
+    """AdamW with warmup + cosine decay and clipping, protected as the run asks."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, max(1, args.steps // 20), args.steps, end_value=args.lr / 10
+    )
+    inner = optax.chain(
+        optax.clip_by_global_norm(1.0),  # inside skip_nonfinite: sees unscaled gradients
+        optax.adamw(schedule, weight_decay=args.weight_decay),
+    )
+    if not spec.skip_nonfinite:
+        return inner
+    loss_scale = (
+        jaxamp.dynamic_scale(init_scale=args.init_scale, growth_interval=args.growth_interval)
+        if spec.loss_scaling
+        else None
+    )
+    return jaxamp.skip_nonfinite(inner, loss_scale)
+
+
+def zero_grad_fraction(grads: Any) -> jax.Array:
+    """Share of gradient entries that are exactly zero: the float16 underflow meter.
+
+    The token embedding is left out: its rows for bytes absent from the batch are
+    zero in every precision, which would only hide the difference.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    leaves = [g for path, g in flat if "Embed" not in jax.tree_util.keystr(path)]
+    zeros = sum(jnp.sum(g == 0) for g in leaves)
+    return (zeros / sum(g.size for g in leaves)).astype(jnp.float32)
+
+
+def make_fns(
+    args: argparse.Namespace,
+    spec: RunSpec,
+    model: ByteLM,
+    tx: optax.GradientTransformation,
+    train_data: jax.Array,
+    eval_data: jax.Array,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Builds the jitted ``train_step(state, step) -> (state, metrics)`` and ``evaluate``."""
+    data_key = jax.random.fold_in(jax.random.key(args.seed), 1)
+    eval_key = jax.random.fold_in(jax.random.key(args.seed), 2)
+
+    def loss_fn(params: Any, batch: jax.Array) -> jax.Array:
+        # Mean next-byte cross-entropy over batch * seq: the usual reduction, and the
+        # one that makes per-token gradients small (1 / (batch * seq) each).
+        logits = model.apply(params, batch[:, :-1])
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
+        return per_token.sum() / loss_tokens
+
+    # The loss is a sum over tokens divided by `loss_tokens`: by default the tokens of a
+    # large global batch of which this step's batch is one micro-batch (see --loss-tokens).
+    # `to_mean` turns it back into the per-token mean for logging.
+    loss_tokens = float(args.loss_tokens or args.batch_size * args.seq_len)
+    to_mean = loss_tokens / (args.batch_size * args.seq_len)
+
+    # autocast runs matmuls in float16/bfloat16 and softmax, norms and the loss in float32;
+    # the parameters stay float32 (the master weights AdamW updates).
+    amp_loss = (
+        loss_fn
+        if spec.compute_dtype is None
+        else jaxamp.autocast(loss_fn, dtype=spec.compute_dtype)
+    )
+
+    def train_step(state: RunState, step: jax.Array) -> tuple[RunState, dict[str, jax.Array]]:
+        # The batch of step i depends only on (seed, i): a resumed run sees the same data.
+        batch = get_batch(
+            train_data, jax.random.fold_in(data_key, step), args.batch_size, args.seq_len
+        )
+        if spec.loss_scaling:
+            ls = jaxamp.get_loss_scale(state.opt_state)
+            scaled = lambda p: jaxamp.scale(ls, amp_loss(p, batch))
+            scaled_loss, grads = jax.value_and_grad(scaled)(state.params)
+            loss = scaled_loss.astype(jnp.float32) / ls.scale * to_mean
+        else:
+            loss, grads = jax.value_and_grad(amp_loss)(state.params, batch)
+            loss = loss * to_mean
+        # Underflow meter: the share of gradient entries that are exactly zero.
+        zero_frac = zero_grad_fraction(grads)
+        params, opt_state = jaxamp.step(tx, grads, state.opt_state, state.params)
+        if spec.skip_nonfinite:
+            m = jaxamp.metrics(opt_state)
+            scale, skipped = m["loss_scale"], m["skipped_steps"]
+        else:
+            scale, skipped = jnp.float32(1.0), jnp.int32(0)
+        metrics = {
+            "loss": loss.astype(jnp.float32),
+            "loss_scale": scale,
+            "skipped": skipped,
+            "zero_grad_frac": zero_frac,
+        }
+        return RunState(params, opt_state), metrics
+
+    def evaluate(params: Any) -> jax.Array:
+        def one(i: jax.Array) -> jax.Array:
+            batch = get_batch(
+                eval_data, jax.random.fold_in(eval_key, i), args.batch_size, args.seq_len
+            )
+            return amp_loss(params, batch).astype(jnp.float32) * to_mean
+
+        return jnp.mean(jax.lax.map(one, jnp.arange(args.eval_batches)))
+
+    return jax.jit(train_step, donate_argnums=0), jax.jit(evaluate)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _checkpoint_manager(path: str) -> Any:
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(
+        os.path.abspath(path),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+    )
+
+
+def save_checkpoint(mngr: Any, step: int, state: RunState, history: dict[str, Any]) -> None:
+    """Saves the run state and its metric history (so curves survive a resume)."""
+    import orbax.checkpoint as ocp
+
+    mngr.save(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), history=ocp.args.JsonSave(history)
+        ),
+        force=True,
+    )
+    mngr.wait_until_finished()
+
+
+def restore_checkpoint(mngr: Any, target: RunState) -> tuple[int, RunState, dict[str, Any]] | None:
+    """The latest ``(step, state, history)`` or None; ``target`` gives structure and shardings."""
+    import orbax.checkpoint as ocp
+
+    step = mngr.latest_step()
+    if step is None:
+        return None
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    restored = mngr.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), history=ocp.args.JsonRestore()
+        ),
+    )
+    return step, restored["state"], restored["history"]
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def _config_key(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags that must match for a checkpoint to be resumed."""
+    keys = (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "model_dim",
+        "layers",
+        "heads",
+        "lr",
+        "weight_decay",
+        "loss_tokens",
+        "init_scale",
+        "growth_interval",
+        "corpus_bytes",
+        "seed",
+    )
+    return {k: getattr(args, k) for k in keys}
+
+
+def train_run(
+    args: argparse.Namespace,
+    spec: RunSpec,
+    model: ByteLM,
+    init_params: Any,
+    train_data: jax.Array,
+    eval_data: jax.Array,
+) -> dict[str, Any]:
+    """Trains one run to ``args.steps`` (resuming if asked) and returns its history."""
+    run_dir = os.path.join(args.out, spec.name)
+    os.makedirs(run_dir, exist_ok=True)
+    tx = make_optimizer(args, spec)
+    # A fresh copy per run: the train step donates its input buffers.
+    params = jax.tree.map(jnp.array, init_params)
+    state = RunState(params, tx.init(params))
+    history: dict[str, Any] = {
+        "config": _config_key(args),
+        "step": [],
+        "loss": [],
+        "loss_scale": [],
+        "skipped": [],
+        "zero_grad_frac": [],
+        "eval_step": [],
+        "eval_loss": [],
+        "train_time_s": 0.0,
+        "timed_steps": 0,
+    }
+    mngr = _checkpoint_manager(os.path.join(run_dir, "ckpt"))
+    start = 0
+    if args.resume:
+        found = restore_checkpoint(mngr, state)
+        if found is not None:
+            start, state, history = found
+            if history["config"] != _config_key(args):
+                diff = {
+                    k: (history["config"].get(k), v)
+                    for k, v in _config_key(args).items()
+                    if history["config"].get(k) != v
+                }
+                raise SystemExit(
+                    f"error: --resume: the checkpoint in {run_dir} was made with other "
+                    f"settings (checkpoint, now): {diff}. Use the same flags or another --out."
+                )
+    elif mngr.latest_step() is not None:
+        # A fresh run must not mix with an old one's checkpoints.
+        for s in mngr.all_steps():
+            mngr.delete(s)
+
+    train_step, evaluate = make_fns(args, spec, model, tx, train_data, eval_data)
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=args.steps,
+            initial=start,
+            desc=f"{spec.name:>8}",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stdout,
+        )
+
+    pending: list[tuple[int, dict[str, jax.Array]]] = []
+
+    def flush() -> None:
+        # The only host syncs of the loop: metrics of the last `log_every` steps at once.
+        if not pending:
+            return
+        fetched = jax.device_get([m for _, m in pending])
+        for (i, _), m in zip(pending, fetched, strict=True):
+            history["step"].append(i + 1)
+            for k in ("loss", "loss_scale", "zero_grad_frac"):
+                history[k].append(float(m[k]))
+            history["skipped"].append(int(m["skipped"]))
+        if bar is not None:
+            bar.update(len(pending))
+            bar.set_postfix(
+                loss=f"{history['loss'][-1]:.3f}",
+                scale=f"{history['loss_scale'][-1]:g}",
+                skipped=history["skipped"][-1],
+                refresh=False,
+            )
+        pending.clear()
+
+    # Step time counts training only: the compile step, evals and checkpoints are left out.
+    mark: float | None = None
+    interrupted = False
+
+    def lap() -> None:
+        nonlocal mark
+        if mark is not None:
+            history["train_time_s"] += time.perf_counter() - mark
+            mark = time.perf_counter()
+
+    def on_sigterm(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    old_handler = signal.signal(signal.SIGTERM, on_sigterm)
+    i = start
+    stop = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
+    try:
+        while i < stop:
+            state, m = train_step(state, jnp.int32(i))
+            pending.append((i, m))
+            i += 1
+            if mark is None:  # the first step of a session compiles: start the clock after it
+                jax.block_until_ready(m)
+                mark = time.perf_counter()
+            else:
+                history["timed_steps"] += 1
+            if i % args.log_every == 0 or i == args.steps:
+                flush()
+            if i % args.eval_every == 0 or i == args.steps or i % args.ckpt_every == 0:
+                flush()
+                lap()
+                if i % args.eval_every == 0 or i == args.steps:
+                    history["eval_step"].append(i)
+                    history["eval_loss"].append(float(evaluate(state.params)))
+                if i % args.ckpt_every == 0 or i == args.steps:
+                    save_checkpoint(mngr, i, state, history)
+                mark = time.perf_counter()
+        if i < args.steps:  # --stop-after: leave a checkpoint to resume from
+            flush()
+            save_checkpoint(mngr, i, state, history)
+    except KeyboardInterrupt:
+        interrupted = True
+        flush()
+        save_checkpoint(mngr, i, state, history)
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
+        if bar is not None:
+            bar.close()
+    if interrupted:
+        raise SystemExit(
+            f"\ninterrupted at step {i} of run {spec.name}; checkpoint saved. "
+            "Run again with --resume (and the same flags) to continue."
+        )
+    return history
+
+
+# --------------------------------------------------------------------------- report
+
+
+def summarize(args: argparse.Namespace, histories: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The JSON summary: one entry per run, plus the settings."""
+    tail = max(1, min(20, args.steps // 10))
+    base = histories.get("fp32")
+    base_time = _mean_step_time(base) if base else None
+    runs = {}
+    for name, h in histories.items():
+        t = _mean_step_time(h)
+        runs[name] = {
+            "description": RUN_SPECS[name].description,
+            # Mean of the last `tail` steps: one batch's loss is noisy.
+            "final_train_loss": float(np.mean(h["loss"][-tail:])),
+            "final_eval_loss": h["eval_loss"][-1],
+            "steps_skipped": h["skipped"][-1],
+            "final_loss_scale": h["loss_scale"][-1],
+            "zero_grad_frac_mean": float(np.mean(h["zero_grad_frac"])),
+            "zero_grad_frac_final": float(np.mean(h["zero_grad_frac"][-tail:])),
+            "step_time_s": t,
+            "step_time_vs_fp32": (t / base_time) if (t and base_time) else None,
+            "history": {
+                k: h[k]
+                for k in (
+                    "step",
+                    "loss",
+                    "loss_scale",
+                    "skipped",
+                    "zero_grad_frac",
+                    "eval_step",
+                    "eval_loss",
+                )
+            },
+        }
+    return {
+        "config": {**_config_key(args), "runs": list(histories)},
+        "train_loss_is_mean_of_last_steps": tail,
+        "platform": f"{jax.default_backend()} ({jax.device_count()} device, "
+        f"{os.cpu_count()} CPU cores)",
+        "runs": runs,
+    }
+
+
+def _mean_step_time(h: dict[str, Any]) -> float | None:
+    return h["train_time_s"] / h["timed_steps"] if h["timed_steps"] else None
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The terminal table, with its footnotes."""
+    head = ("run", "train loss", "eval loss", "skipped", "final scale", "zero grads", "step time")
+    rows = [head]
+    for name, r in summary["runs"].items():
+        rel = r["step_time_vs_fp32"]
+        rows.append(
+            (
+                name,
+                f"{r['final_train_loss']:.4f}",
+                f"{r['final_eval_loss']:.4f}",
+                str(r["steps_skipped"]),
+                f"{r['final_loss_scale']:g}" if RUN_SPECS[name].loss_scaling else "-",
+                f"{100 * r['zero_grad_frac_mean']:.2f}%",
+                f"{rel:.2f}x" if rel is not None else "-",
+            )
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
+    line = lambda row: "  ".join(
+        cell.ljust(w) if c == 0 else cell.rjust(w)
+        for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+    )
+    rule = "-" * len(line(head))
+    out = [rule, line(head), rule] + [line(r) for r in rows[1:]] + [rule]
+    out += [
+        f"train loss: mean of the last {summary['train_loss_is_mean_of_last_steps']} steps; "
+        "zero grads: share of gradient entries that are exactly 0 (mean over steps).",
+        "step time: relative to fp32 on this machine (" + summary["platform"] + "). On a CPU "
+        "this is no mixed-precision speedup:",
+        "  XLA's CPU backend runs float16/bfloat16 matmuls in float32 plus casts. The speedup "
+        "needs a GPU/TPU.",
+    ]
+    return "\n".join(out)
+
+
+def plot(summary: dict[str, Any], path: str) -> None:
+    """Loss curves, the loss-scale trajectory and the zero-gradient share, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"fp32": "black", "fp16": "tab:red", "fp16-amp": "tab:blue", "bf16": "tab:green"}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    ax_loss, ax_scale, ax_zero = axes
+    for name, r in summary["runs"].items():
+        h = r["history"]
+        steps, loss = np.asarray(h["step"]), np.asarray(h["loss"])
+        k = max(1, len(loss) // 50)  # light smoothing: a moving average over ~2% of the run
+        smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
+        ax_loss.plot(steps[k - 1 :], smooth, color=colors[name], lw=1.4, label=f"{name} (train)")
+        ax_loss.plot(h["eval_step"], h["eval_loss"], "o", color=colors[name], ms=4)
+        ax_zero.plot(
+            steps, 100 * np.asarray(h["zero_grad_frac"]), color=colors[name], lw=1.2, label=name
+        )
+        if RUN_SPECS[name].loss_scaling:
+            ax_scale.step(steps, h["loss_scale"], where="post", color=colors[name], label=name)
+            skipped = np.diff(np.concatenate([[0], h["skipped"]])) > 0
+            if skipped.any():
+                ax_scale.plot(
+                    steps[skipped],
+                    np.asarray(h["loss_scale"])[skipped],
+                    "x",
+                    color="tab:red",
+                    label="skipped step (overflow)",
+                )
+    ax_loss.set(
+        title="Loss (lines: train, dots: eval)", xlabel="step", ylabel="cross-entropy (nats/byte)"
+    )
+    lo = min(
+        min(r["history"]["eval_loss"] + r["history"]["loss"]) for r in summary["runs"].values()
+    )
+    ax_loss.set_ylim(max(0.0, lo - 0.1), min(6.0, lo + 3.0))
+    ax_loss.legend()
+    ax_scale.set(
+        title="fp16-amp dynamic loss scale",
+        xlabel="step",
+        ylabel="loss scale",
+        yscale="log",
+    )
+    ax_scale.set_yscale("log", base=2)
+    if ax_scale.get_legend_handles_labels()[0]:
+        ax_scale.legend()
+    ax_zero.set(title="Gradient entries exactly zero", xlabel="step", ylabel="% of entries")
+    ax_zero.legend()
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs the demo; returns the summary that it also writes to ``--out/summary.json``."""
+    args = parse_args(argv)
+    train_np, eval_np, files = load_corpus(args.corpus_bytes, args.seq_len)
+    print(
+        f"corpus: {len(files)} files of {os.path.dirname(os.__file__)} "
+        f"({len(train_np):,} train / {len(eval_np):,} eval bytes); "
+        f"{jax.default_backend()} backend"
+    )
+    train_data, eval_data = jnp.asarray(train_np), jnp.asarray(eval_np)
+    model = ByteLM(args.model_dim, args.layers, args.heads, args.seq_len)
+    # One initialisation shared by every run.
+    init_params = model.init(jax.random.key(args.seed), jnp.zeros((1, args.seq_len), jnp.int32))
+    n_params = sum(x.size for x in jax.tree.leaves(init_params))
+    print(
+        f"model: {args.layers} layers, width {args.model_dim}, {n_params:,} parameters; "
+        f"{args.steps} steps of {args.batch_size}x{args.seq_len} bytes per run"
+    )
+    os.makedirs(args.out, exist_ok=True)
+
+    histories = {}
+    for name in args.runs:
+        histories[name] = train_run(
+            args, RUN_SPECS[name], model, init_params, train_data, eval_data
+        )
+    unfinished = [n for n, h in histories.items() if not h["step"] or h["step"][-1] < args.steps]
+    if unfinished:
+        print(f"stopped early (--stop-after) in: {', '.join(unfinished)}; continue with --resume")
+        return {}
+
+    summary = summarize(args, histories)
+    table = format_table(summary)
+    print(table)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(args.out, "table.txt"), "w") as f:
+        f.write(table + "\n")
+    png = os.path.join(args.out, "loss_curves.png")
+    plot(summary, png)
+    print(f"wrote {args.out}/summary.json, table.txt and loss_curves.png")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
