@@ -10,13 +10,13 @@ whether non-finite steps are skipped) is static, because it changes the program.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from jaxamp.tree import all_finite, map_float_leaves
 
@@ -76,7 +76,7 @@ def _check_number(name: str, value: Any) -> None:
         raise ValueError(f"max_scale must be > 0 (inf allowed), got {value!r}.")
 
 
-@struct.dataclass
+@dataclasses.dataclass(frozen=True)
 class LossScaleState:
     """Loss-scale state: counters, run-time configuration and mode.
 
@@ -109,29 +109,48 @@ class LossScaleState:
     min_scale: jax.Array
     max_scale: jax.Array
     max_consecutive_nonfinite: jax.Array
-    dynamic: bool = struct.field(pytree_node=False, default=True)
-    enabled: bool = struct.field(pytree_node=False, default=True)
-    skip_nonfinite: bool = struct.field(pytree_node=False, default=True)
+    dynamic: bool = True
+    enabled: bool = True
+    skip_nonfinite: bool = True
 
-    def __post_init__(self) -> None:
-        # Runs on construction, on `replace` and on every unflatten. Python numbers
-        # (construction, `replace(growth_factor=4.0)`) are validated and become arrays of
-        # the field's dtype, so a replaced state keeps its types through jit and scan.
-        # Arrays, tracers and placeholders (eval_shape, orbax targets) pass untouched.
-        for name in _FLOAT_FIELDS + _INT_FIELDS:
-            value = getattr(self, name)
-            if name == "max_consecutive_nonfinite" and value is None:
-                if self.scale is None:
-                    # A placeholder tree (`jax.tree.map(lambda _: None, state)`, as orbax
-                    # builds for its save args) must stay all-None.
-                    continue
-                value = _UNLIMITED
-            elif _is_python_number(value):
-                _check_number(name, value)
-            else:
-                continue
-            dtype = jnp.float32 if name in _FLOAT_FIELDS else jnp.int32
-            object.__setattr__(self, name, jnp.asarray(value, dtype))
+    def replace(self, **updates: Any) -> LossScaleState:
+        """A copy with some fields replaced, e.g. ``state.replace(growth_factor=4.0)``.
+
+        Python numbers are validated like the constructors' arguments and stored as
+        arrays of the field's dtype, so the new state keeps its leaf types through
+        ``jit`` and ``scan`` (PyTorch's ``set_growth_factor`` and friends).
+        """
+        unknown = set(updates) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"LossScaleState has no field(s) {sorted(unknown)}.")
+        return dataclasses.replace(self, **_as_leaves(updates))
+
+
+# The mode changes the program, so it is static (aux data, compared by jit's cache);
+# every number is a leaf.
+jax.tree_util.register_dataclass(
+    LossScaleState,
+    data_fields=list(_FLOAT_FIELDS + _INT_FIELDS),
+    meta_fields=["dynamic", "enabled", "skip_nonfinite"],
+)
+
+
+def _as_leaves(fields: dict[str, Any]) -> dict[str, Any]:
+    # Only construction and `replace` pass through here, never unflattening, so
+    # tree maps that put other values in the leaves (None, sizes) are left alone.
+    out = dict(fields)
+    for name, value in fields.items():
+        if name not in _FLOAT_FIELDS + _INT_FIELDS:
+            continue
+        if name == "max_consecutive_nonfinite" and value is None:
+            value = _UNLIMITED
+        elif _is_python_number(value):
+            _check_number(name, value)
+        else:
+            continue
+        dtype = jnp.float32 if name in _FLOAT_FIELDS else jnp.int32
+        out[name] = jnp.asarray(value, dtype)
+    return out
 
 
 def _state(
@@ -158,21 +177,25 @@ def _state(
                 f"[{min_scale}, {max_scale}]."
             )
     return LossScaleState(
-        scale=scale,
-        growth_tracker=0,
-        hysteresis_tracker=hysteresis,
-        nonfinite_streak=0,
-        skipped_steps=0,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        hysteresis=hysteresis,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        max_consecutive_nonfinite=max_consecutive_nonfinite,
-        dynamic=dynamic,
-        enabled=enabled,
-        skip_nonfinite=skip_nonfinite,
+        **_as_leaves(
+            dict(
+                scale=scale,
+                growth_tracker=0,
+                hysteresis_tracker=hysteresis,
+                nonfinite_streak=0,
+                skipped_steps=0,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                min_scale=min_scale,
+                max_scale=max_scale,
+                max_consecutive_nonfinite=max_consecutive_nonfinite,
+                dynamic=dynamic,
+                enabled=enabled,
+                skip_nonfinite=skip_nonfinite,
+            )
+        )
     )
 
 

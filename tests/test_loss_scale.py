@@ -296,3 +296,14 @@ def test_unscale_inverts_scale_and_finds_any_nonfinite(tree, log2_scale, poison,
         if poison is None:
             # Powers of two scale exactly unless float16 overflows (not with |x| <= 100, 2**8).
             np.testing.assert_array_equal(np.asarray(out[k], np.float32), np.asarray(v, np.float32))
+
+
+def test_tree_maps_to_other_leaf_values_are_not_validated():
+    """Unflattening must not validate: sizes, None placeholders and ints are fine leaves."""
+    s = jaxamp.dynamic_scale()
+    sizes = jax.tree.map(lambda x: x.size, s)
+    assert sizes.growth_factor == 1 and sum(jax.tree.leaves(sizes)) == 12
+    assert jax.tree.map(lambda x: None, s).scale is None
+    assert jax.tree.map(lambda x: 0, s).backoff_factor == 0
+    with pytest.raises(TypeError, match="no field"):
+        s.replace(growth=2.0)
