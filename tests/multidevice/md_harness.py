@@ -101,6 +101,31 @@ def replica_step(tx, params, opt_state, x, y, bad_device, *, axis: str):
     return new_params, new_state, _unchanged(params, new_params)
 
 
+# The resumed runs (test_resume.py, resume_worker.py): faults at 3, then 6 and 7 in a
+# row (hysteresis 2: the second backs off). Checkpoints after 2 steps (growth_tracker
+# 2) and after 7 steps (mid-hysteresis: hysteresis_tracker 1, nonfinite_streak 1).
+RESUME_STEPS = 10
+RESUME_FAULTS = (3, 6, 7)
+RESUME_SAVES = (2, 7)
+
+
+def resume_fault(i: int) -> dict[str, np.ndarray]:
+    """The fault of step ``i``: an inf in row 11 of grads["w1"], which one device owns."""
+    return {"x_row": np.int32(NO_FAULT), "w1_row": np.int32(11 if i in RESUME_FAULTS else -1)}
+
+
+def fsdp_shardings(mesh: jax.sharding.Mesh, tree: Any) -> Any:
+    """FSDP layout: every array's first dimension split over "data"; scalars replicated."""
+    spec = lambda a: jax.P("data") if np.ndim(a) else jax.P()  # noqa: E731
+    return jax.tree.map(lambda a: jax.NamedSharding(mesh, spec(a)), tree)
+
+
+def fsdp_init(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> Any:
+    """``tx.init`` with the moments sharded like the params (not left to propagation)."""
+    shardings = fsdp_shardings(mesh, jax.eval_shape(tx.init, params))
+    return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
 def leaves_np(tree: Any) -> list[np.ndarray]:
     """Every leaf as a numpy array (gathered from all its shards)."""
     return [np.asarray(jax.device_get(a)) for a in jax.tree.leaves(tree)]

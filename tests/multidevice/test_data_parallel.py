@@ -20,6 +20,7 @@ from md_harness import (
     N_DEV,
     NO_FAULT,
     batches,
+    fsdp_init,
     global_step,
     init_params,
     leaves_np,
@@ -187,7 +188,11 @@ def _jit_over_a_mesh(mesh, data, reference, layout: str) -> None:
     tx = make_tx()
     xs, ys = data
     params = jax.device_put(init_params(), param_sharding)
-    opt_state = jax.jit(tx.init)(params)
+    if layout == "fsdp":
+        opt_state = fsdp_init(tx, params, mesh)
+        assert opt_state.inner_state[0].nu["w2"].sharding.is_equivalent_to(param_sharding, 2)
+    else:
+        opt_state = jax.jit(tx.init)(params)
     step = jax.jit(functools.partial(global_step, tx))
     # The fault lands on one device only: in its slice of the batch (data parallel),
     # or in the rows of grads["w1"] it owns (FSDP: 2 rows per device).
