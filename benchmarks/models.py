@@ -32,8 +32,9 @@ class ModelConfig:
 
 
 SIZES: dict[str, ModelConfig] = {
-    # ~7.4M params: 4 layers, tied 16k embedding; small batch so a step is ~0.1 s on 2 CPU cores.
-    "default": ModelConfig(vocab=16384, d_model=256, n_layers=4, n_heads=4, seq_len=64, batch=4),
+    # ~7.4M params: 4 layers, tied 16k embedding; a small batch, so that the
+    # optimizer step is a visible share of the train step (as in large-model training).
+    "default": ModelConfig(vocab=16384, d_model=256, n_layers=4, n_heads=4, seq_len=32, batch=2),
     # ~124M params, GPT-2 small shape; for a GPU.
     "large": ModelConfig(vocab=50304, d_model=768, n_layers=12, n_heads=12, seq_len=1024, batch=8),
     # For the smoke test only.

@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=str(HERE / "results.json"))
     ap.add_argument("--no-finite-check", action="store_true", help="skip the finite-check study")
     ap.add_argument("--no-autocast", action="store_true", help="skip bench_autocast.py")
+    ap.add_argument("--autocast-full", action="store_true",
+                    help="bench_autocast.run(quick=False): more repetitions, slower")
     args = ap.parse_args(argv)
     steps, rounds, warmup = _SCHEDULE[args.size]
     steps = args.steps or steps
@@ -301,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"({models.param_count(grads) / 1e6:.2f}M float32 values)")
         print(finite_check.format_table(fc))
 
-    autocast = None if args.no_autocast else run_autocast(quick=args.size == "tiny")
+    autocast = None if args.no_autocast else run_autocast(quick=not args.autocast_full)
     total_s = time.perf_counter() - t_start
     print(f"\ntotal wall time {total_s:.0f} s")
 
