@@ -15,7 +15,11 @@ from typing import Any
 import jax
 from jax.extend.core import Primitive
 
-__all__ = ["bind", "name_stack", "outputs_as_list", "shard_map_call"]
+__all__ = ["HAS_SHARD_MAP", "bind", "name_stack", "outputs_as_list", "shard_map_call"]
+
+#: ``jax.shard_map`` (public since JAX 0.7; before, jax.experimental.shard_map
+#: had other parameter names). Without it autocast runs shard_map as written.
+HAS_SHARD_MAP: bool = hasattr(jax, "shard_map") and callable(getattr(jax, "shard_map", None))
 
 
 def name_stack(eqn: Any) -> str:

@@ -237,7 +237,7 @@ def _eval_eqn(eqn: Any, invals: list[Any], ctx: _Context, as_written: bool) -> l
 
     rule = ctx.rules.get(name, WIDEST)
     if rule != AS_WRITTEN and _has_subjaxprs(eqn.params):
-        if name in HIGHER_ORDER_OPS:
+        if name in HIGHER_ORDER_OPS and (name != "shard_map" or _jax_compat.HAS_SHARD_MAP):
             return _eval_higher_order(eqn, invals, dtypes, ctx)
         if rule == WIDEST:  # not declared by the table: an unknown higher-order primitive
             if ctx.unknown_higher_order == "error":

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import jaxamp
+from jaxamp import _jax_compat
 from jaxamp.autocast import DEFAULT_RULES, FLOAT32_OPS, LOWER_PRECISION_OPS
 
 F16 = jnp.float16
@@ -414,7 +415,8 @@ def test_integer_bool_untouched_and_output_dtypes():
 
 
 def test_float64_not_downcast():
-    with jax.enable_x64(True):
+    enable_x64 = getattr(jax, "enable_x64", None) or jax.experimental.enable_x64
+    with enable_x64(True):
         x = jnp.linspace(0.0, 1.0, 8, dtype=jnp.float64).reshape(2, 4)
         g = jaxamp.autocast(lambda x: jnp.exp(x) + jnp.sum(x @ x.T), dtype=F16)
         _assert_all(g, x, prim="exp", dtype=jnp.float64)
@@ -462,6 +464,7 @@ def test_scatter_runs_as_written():
         _assert_all(g, x, x, prim="scatter-add", dtype=F32)
 
 
+@pytest.mark.skipif(not _jax_compat.HAS_SHARD_MAP, reason="jax.shard_map is JAX >= 0.7")
 def test_shard_map():
     from jax.sharding import PartitionSpec as P
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jaxamp import _jax_compat
@@ -62,6 +63,14 @@ def test_higher_order_params_hold_jaxprs():
             assert isinstance(eqn.params["jaxpr"], Jaxpr)
 
 
+def test_shard_map_availability_matches_version():
+    # jaxamp enters shard_map through the public jax.shard_map (JAX >= 0.7).
+    major, minor = (int(p) for p in jax.__version__.split(".")[:2])
+    if (major, minor) >= (0, 7):
+        assert _jax_compat.HAS_SHARD_MAP
+
+
+@pytest.mark.skipif(not _jax_compat.HAS_SHARD_MAP, reason="jax.shard_map is JAX >= 0.7")
 def test_shard_map_call():
     from jax.sharding import PartitionSpec as P
 
