@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
-        "--steps", type=_int_at_least("--steps", 1), default=300, help="optimizer steps per run"
+        "--steps", type=_int_at_least("--steps", 1), default=250, help="optimizer steps per run"
     )
     p.add_argument(
         "--batch-size",
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--growth-interval",
         type=_int_at_least("--growth-interval", 1),
-        default=100,
+        default=50,
         help="clean steps before the fp16-amp loss scale doubles (PyTorch uses "
         "2000 for long runs; a short demo needs a shorter interval to show growth)",
     )
@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eval-every",
         type=_int_at_least("--eval-every", 1),
-        default=100,
+        default=50,
         help="evaluate every this many steps (and at the end)",
     )
     p.add_argument(
@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ckpt-every",
         type=_int_at_least("--ckpt-every", 1),
-        default=100,
+        default=50,
         help="save an orbax checkpoint every this many steps",
     )
     p.add_argument(
@@ -586,13 +586,13 @@ def train_run(
                 history[k].append(float(m[k]))
             history["skipped"].append(int(m["skipped"]))
         if bar is not None:
-            bar.update(len(pending))
             bar.set_postfix(
                 loss=f"{history['loss'][-1]:.3f}",
                 scale=f"{history['loss_scale'][-1]:g}",
                 skipped=history["skipped"][-1],
                 refresh=False,
             )
+            bar.update(len(pending))
         pending.clear()
 
     # Step time counts training only: the compile step, evals and checkpoints are left out.
