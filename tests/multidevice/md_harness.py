@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxamp
 
@@ -52,7 +53,7 @@ def _gathered(params: Any) -> Any:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not mesh.explicit_axes:
         return params
-    return jax.tree.map(lambda a: jax.sharding.reshard(a, jax.P()), params)
+    return jax.tree.map(lambda a: jax.sharding.reshard(a, PartitionSpec()), params)
 
 
 def loss_fn(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -116,8 +117,8 @@ def resume_fault(i: int) -> dict[str, np.ndarray]:
 
 def fsdp_shardings(mesh: jax.sharding.Mesh, tree: Any) -> Any:
     """FSDP layout: every array's first dimension split over "data"; scalars replicated."""
-    spec = lambda a: jax.P("data") if np.ndim(a) else jax.P()  # noqa: E731
-    return jax.tree.map(lambda a: jax.NamedSharding(mesh, spec(a)), tree)
+    spec = lambda a: PartitionSpec("data") if np.ndim(a) else PartitionSpec()  # noqa: E731
+    return jax.tree.map(lambda a: NamedSharding(mesh, spec(a)), tree)
 
 
 def fsdp_init(tx: optax.GradientTransformation, params: Any, mesh: jax.sharding.Mesh) -> Any:
