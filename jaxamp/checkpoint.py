@@ -150,10 +150,14 @@ def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") 
 
 
 def _manager_metadata(manager: Any, step: int) -> Any:
+    import orbax.checkpoint as ocp
+
     try:
-        return manager.item_metadata(step)
+        saved = manager.item_metadata(step)
     except Exception:  # an item whose handler is not known yet: checked after the restore
         return None
+    # A multi-item manager describes several items: leave those to orbax.
+    return None if isinstance(saved, ocp.args.Composite) else saved
 
 
 def restore(
