@@ -415,7 +415,7 @@ def test_integer_bool_untouched_and_output_dtypes():
 
 
 def test_float64_not_downcast():
-    enable_x64 = getattr(jax, "enable_x64", None) or jax.experimental.enable_x64
+    enable_x64 = jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experimental.enable_x64
     with enable_x64(True):
         x = jnp.linspace(0.0, 1.0, 8, dtype=jnp.float64).reshape(2, 4)
         g = jaxamp.autocast(lambda x: jnp.exp(x) + jnp.sum(x @ x.T), dtype=F16)
