@@ -276,6 +276,7 @@ class Policy:
 
         Example:
           >>> policy.with_output_dtype(jnp.bfloat16)
+          Policy(param_dtype=float32, compute_dtype=float16, output_dtype=bfloat16)
         """
         return dataclasses.replace(self, output_dtype=dtype)
 

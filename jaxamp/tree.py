@@ -107,4 +107,6 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
             )
         return lax.select(jnp.broadcast_to(pred, a.shape), a, b)
 
-    return jax.tree.unflatten(true_def, [select(a, b) for a, b in zip(true_leaves, false_leaves)])
+    return jax.tree.unflatten(
+        true_def, [select(a, b) for a, b in zip(true_leaves, false_leaves, strict=False)]
+    )

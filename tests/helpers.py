@@ -25,13 +25,13 @@ def _scan(state, overflow):
 def trajectory(state: jaxamp.LossScaleState, finite) -> dict[str, np.ndarray]:
     """Per-step state fields after each `update(state, finite[i])`, run as one jitted scan."""
     _, outs = _scan(state, ~jnp.asarray(finite, bool))
-    return {f: np.asarray(v) for f, v in zip(FIELDS, outs)}
+    return {f: np.asarray(v) for f, v in zip(FIELDS, outs, strict=False)}
 
 
 def mlp_init(key, sizes=(4, 8, 3)):
     """A tiny two-layer MLP's params: {'l0': {'w','b'}, 'l1': {...}}."""
     params = {}
-    for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:])):
+    for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=False)):
         key, k = jax.random.split(key)
         params[f"l{i}"] = {"w": jax.random.normal(k, (m, n)) / np.sqrt(m), "b": jnp.zeros(n)}
     return params
@@ -59,7 +59,9 @@ def assert_trees_equal(a, b):
     la, ta = jax.tree.flatten(a)
     lb, tb = jax.tree.flatten(b)
     assert ta == tb, f"{ta} != {tb}"
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=False):
         x, y = np.asarray(x), np.asarray(y)
         assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8))
+        np.testing.assert_array_equal(
+            np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8)
+        )

@@ -29,7 +29,7 @@ def _train_scaled(tx, params, losses, steps=STEPS, bad_step=BAD_STEP, use_step=F
         s = jaxamp.get_loss_scale(state)
         grads = None
         for loss in losses:  # several losses under one scale: gradients add up
-            g = jax.grad(lambda p: jaxamp.scale(s, loss(p, x, y)))(params)
+            g = jax.grad(lambda p, loss=loss: jaxamp.scale(s, loss(p, x, y)))(params)
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
         grads = jax.lax.cond(bad, _poison, lambda g: g, grads)
         if use_step:
@@ -68,7 +68,9 @@ def _ls():
 
 
 def _allclose(a, b):
-    chex_like = jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-7), a, b)
+    chex_like = jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-7), a, b
+    )
     return chex_like
 
 
@@ -123,7 +125,9 @@ def test_multisteps_inside_skip_nonfinite():
     p0 = mlp_init(jax.random.PRNGKey(3))
     tx = jaxamp.skip_nonfinite(optax.MultiSteps(optax.adam(1e-2), 2), _ls())
     params, state = _train_scaled(tx, p0, [mlp_loss], steps=9)
-    ref_params, ref_state = _train_reference(optax.MultiSteps(optax.adam(1e-2), 2), p0, [mlp_loss], steps=9)
+    ref_params, ref_state = _train_reference(
+        optax.MultiSteps(optax.adam(1e-2), 2), p0, [mlp_loss], steps=9
+    )
     _allclose(params, ref_params)
     _allclose(state.inner_state, ref_state)
 
@@ -154,15 +158,21 @@ def test_skipped_step_leaves_params_and_inner_state_bit_identical():
     tx = jaxamp.skip_nonfinite(optax.adamw(1e-2), jaxamp.dynamic_scale())
     state = tx.init(params)
     xs, ys = batches(2)
-    grads = jax.grad(lambda p: jaxamp.scale(jaxamp.get_loss_scale(state), mlp_loss(p, xs[0], ys[0])))(params)
+    grads = jax.grad(
+        lambda p: jaxamp.scale(jaxamp.get_loss_scale(state), mlp_loss(p, xs[0], ys[0]))
+    )(params)
     updates, state = jax.jit(tx.update)(grads, state, params)  # one real step first
     params = optax.apply_updates(params, updates)
     for value in (jnp.inf, -jnp.inf, jnp.nan):
-        bad = _poison(grads, ("l1", "b"), value) if value is jnp.nan else _poison(grads, value=value)
+        bad = (
+            _poison(grads, ("l1", "b"), value) if value is jnp.nan else _poison(grads, value=value)
+        )
         updates, new_state = jax.jit(tx.update)(bad, state, params)
         assert_trees_equal(new_state.inner_state, state.inner_state)  # Adam's count included
         assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
-        new_params, new_state2 = jax.jit(lambda g, s, p: jaxamp.step(tx, g, s, p))(bad, state, params)
+        new_params, new_state2 = jax.jit(lambda g, s, p: jaxamp.step(tx, g, s, p))(
+            bad, state, params
+        )
         assert_trees_equal(new_params, params)
         assert_trees_equal(new_state2.inner_state, state.inner_state)
         assert int(new_state.inner_state[0].count) == 1
@@ -171,7 +181,9 @@ def test_skipped_step_leaves_params_and_inner_state_bit_identical():
 def test_updates_use_the_scale_the_gradients_were_scaled_with():
     """MPX unscales with the *updated* scale, halving gradients on growth steps."""
     params = {"w": jnp.array([1.0, 2.0])}
-    tx = jaxamp.skip_nonfinite(optax.sgd(1.0), jaxamp.dynamic_scale(init_scale=8.0, growth_interval=1))
+    tx = jaxamp.skip_nonfinite(
+        optax.sgd(1.0), jaxamp.dynamic_scale(init_scale=8.0, growth_interval=1)
+    )
     state = tx.init(params)
     true_grad = jnp.array([0.25, -0.5])
     for expected_scale in (16.0, 32.0):
@@ -194,7 +206,9 @@ def test_step_matches_update_then_apply_and_the_plain_optimizer():
     def make_inner():
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
 
-    tx = jaxamp.skip_nonfinite(make_inner(), jaxamp.dynamic_scale(init_scale=2.0**8, growth_interval=2))
+    tx = jaxamp.skip_nonfinite(
+        make_inner(), jaxamp.dynamic_scale(init_scale=2.0**8, growth_interval=2)
+    )
     plain = make_inner()
     xs, ys = batches(6)
     true_grads = jax.jit(jax.grad(mlp_loss))
@@ -235,7 +249,9 @@ def test_step_matches_update_then_apply_and_the_plain_optimizer():
 
 def test_jitted_loop_with_donation_under_transfer_guard_and_in_scan():
     params = mlp_init(jax.random.PRNGKey(7))
-    tx = jaxamp.skip_nonfinite(optax.adam(1e-2), jaxamp.dynamic_scale(init_scale=2.0**12, growth_interval=5))
+    tx = jaxamp.skip_nonfinite(
+        optax.adam(1e-2), jaxamp.dynamic_scale(init_scale=2.0**12, growth_interval=5)
+    )
     xs, ys = batches(20)
     bad = jnp.zeros(20, bool).at[jnp.array([4, 11, 12])].set(True)
 
@@ -270,7 +286,7 @@ def test_init_returns_fresh_buffers():
     params = {"w": jnp.ones(3)}
     tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
     a, b = tx.init(params), tx.init(params)
-    for x, y in zip(jax.tree.leaves(a.loss_scale), jax.tree.leaves(b.loss_scale)):
+    for x, y in zip(jax.tree.leaves(a.loss_scale), jax.tree.leaves(b.loss_scale), strict=False):
         assert x.unsafe_buffer_pointer() != y.unsafe_buffer_pointer()
     donate = jax.jit(lambda s: jaxamp.update(s, True), donate_argnums=0)
     donate(a.loss_scale)
@@ -326,9 +342,9 @@ def test_get_loss_scale_through_nesting():
         optax.chain(optax.identity(), jaxamp.skip_nonfinite(optax.sgd(0.1), ls)),
         optax.MultiSteps(jaxamp.skip_nonfinite(optax.sgd(0.1), ls), 2),
         optax.multi_transform({"a": jaxamp.skip_nonfinite(optax.sgd(0.1), ls)}, {"w": "a"}),
-        optax.inject_hyperparams(lambda learning_rate: jaxamp.skip_nonfinite(optax.sgd(learning_rate), ls))(
-            learning_rate=0.1
-        ),
+        optax.inject_hyperparams(
+            lambda learning_rate: jaxamp.skip_nonfinite(optax.sgd(learning_rate), ls)
+        )(learning_rate=0.1),
         jaxamp.skip_nonfinite(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), ls),
     ]
     for tx in nested:
@@ -340,7 +356,9 @@ def test_get_loss_scale_through_nesting():
     assert float(jaxamp.get_loss_scale(ts.opt_state).scale) == 64.0
     with pytest.raises(ValueError, match="no LossScaleState"):
         jaxamp.get_loss_scale(optax.adam(0.1).init(params))
-    two = optax.chain(jaxamp.skip_nonfinite(optax.sgd(0.1), ls), jaxamp.skip_nonfinite(optax.sgd(0.1), ls))
+    two = optax.chain(
+        jaxamp.skip_nonfinite(optax.sgd(0.1), ls), jaxamp.skip_nonfinite(optax.sgd(0.1), ls)
+    )
     with pytest.raises(ValueError, match="found 2"):
         jaxamp.get_loss_scale(two.init(params))
 
@@ -354,7 +372,9 @@ def test_train_state():
 
     @jax.jit
     def train(state, x, y, bad):
-        grads = jax.grad(lambda p: jaxamp.scale(state.loss_scale, state.apply_fn(p, x, y)))(state.params)
+        grads = jax.grad(lambda p: jaxamp.scale(state.loss_scale, state.apply_fn(p, x, y)))(
+            state.params
+        )
         grads = jax.lax.cond(bad, _poison, lambda g: g, grads)
         return state.apply_gradients(grads=grads)
 
@@ -375,7 +395,9 @@ def test_bad_arguments():
         jaxamp.skip_nonfinite(optax.sgd(0.1), max_consecutive_nonfinite=-1)
     tx = jaxamp.skip_nonfinite(optax.sgd(0.1))
     with pytest.raises(TypeError, match="SkipNonfiniteState"):
-        jaxamp.step(tx, {"w": jnp.ones(1)}, optax.sgd(0.1).init({"w": jnp.ones(1)}), {"w": jnp.ones(1)})
+        jaxamp.step(
+            tx, {"w": jnp.ones(1)}, optax.sgd(0.1).init({"w": jnp.ones(1)}), {"w": jnp.ones(1)}
+        )
     with pytest.raises(ValueError, match="scalar bool"):
         jaxamp.select_tree(jnp.ones(2, bool), {"a": jnp.ones(2)}, {"a": jnp.ones(2)})
     with pytest.raises(ValueError, match="structure"):
