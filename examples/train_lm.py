@@ -711,7 +711,7 @@ def format_table(summary: dict[str, Any]) -> str:
                 f"{r['final_train_loss']:.4f}",
                 f"{r['final_eval_loss']:.4f}",
                 str(r["steps_skipped"]),
-                f"{r['final_loss_scale']:g}" if RUN_SPECS[name].loss_scaling else "-",
+                _format_scale(r["final_loss_scale"]) if RUN_SPECS[name].loss_scaling else "-",
                 f"{100 * r['zero_grad_frac_mean']:.2f}%",
                 f"{rel:.2f}x" if rel is not None else "-",
             )
@@ -734,6 +734,11 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _format_scale(scale: float) -> str:
+    exponent = math.log2(scale) if scale > 0 else 0.5
+    return f"2^{int(exponent)}" if exponent == int(exponent) else f"{scale:g}"
+
+
 def plot(summary: dict[str, Any], path: str) -> None:
     """Loss curves, the loss-scale trajectory and the zero-gradient share, in one PNG."""
     import matplotlib
@@ -742,6 +747,13 @@ def plot(summary: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     colors = {"fp32": "black", "fp16": "tab:red", "fp16-amp": "tab:blue", "bf16": "tab:green"}
+    # fp32, fp16-amp and bf16 lie on top of each other: widths and dashes keep all visible.
+    styles = {
+        "fp32": {"lw": 3.5, "alpha": 0.35},
+        "fp16": {"lw": 1.4},
+        "fp16-amp": {"lw": 1.4, "ls": "--"},
+        "bf16": {"lw": 1.2, "ls": ":"},
+    }
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     ax_loss, ax_scale, ax_zero = axes
     for name, r in summary["runs"].items():
@@ -749,11 +761,10 @@ def plot(summary: dict[str, Any], path: str) -> None:
         steps, loss = np.asarray(h["step"]), np.asarray(h["loss"])
         k = max(1, len(loss) // 50)  # light smoothing: a moving average over ~2% of the run
         smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
-        ax_loss.plot(steps[k - 1 :], smooth, color=colors[name], lw=1.4, label=f"{name} (train)")
+        style = {"color": colors[name], **styles[name]}
+        ax_loss.plot(steps[k - 1 :], smooth, label=f"{name} (train)", **style)
         ax_loss.plot(h["eval_step"], h["eval_loss"], "o", color=colors[name], ms=4)
-        ax_zero.plot(
-            steps, 100 * np.asarray(h["zero_grad_frac"]), color=colors[name], lw=1.2, label=name
-        )
+        ax_zero.plot(steps, 100 * np.asarray(h["zero_grad_frac"]), label=name, **style)
         if RUN_SPECS[name].loss_scaling:
             ax_scale.step(steps, h["loss_scale"], where="post", color=colors[name], label=name)
             skipped = np.diff(np.concatenate([[0], h["skipped"]])) > 0
