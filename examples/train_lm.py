@@ -72,31 +72,29 @@ RUN_SPECS = {
 # --------------------------------------------------------------------------- flags
 
 
-def _int_at_least(flag: str, low: int) -> Callable[[str], int]:
+# argparse `type=` parsers: argparse prefixes their message with the flag, e.g.
+# "argument --steps: must be an integer >= 1, got 0", and exits with status 2.
+def _int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{flag} must be an integer >= {low}, got {text!r}"
-            ) from None
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
         if value < low:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
         return value
 
     return parse
 
 
-def _positive_float(flag: str) -> Callable[[str], float]:
+def _positive_float() -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{flag} must be a positive number, got {text!r}"
-            ) from None
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
         if not (math.isfinite(value) and value > 0):
-            raise argparse.ArgumentTypeError(f"{flag} must be a positive number, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
         return value
 
     return parse
@@ -107,11 +105,11 @@ def _run_list(text: str) -> list[str]:
     bad = [n for n in names if n not in RUN_SPECS]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"--runs must be a comma-separated subset of {','.join(RUN_NAMES)}, "
+            f"must be a comma-separated subset of {','.join(RUN_NAMES)}, "
             f"got {text!r}" + (f" (unknown: {', '.join(bad)})" if bad else "")
         )
     if len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"--runs lists a run twice: {text!r}")
+        raise argparse.ArgumentTypeError(f"lists a run twice: {text!r}")
     return names
 
 
@@ -126,41 +124,37 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument(
-        "--steps", type=_int_at_least("--steps", 1), default=250, help="optimizer steps per run"
-    )
+    p.add_argument("--steps", type=_int_at_least(1), default=250, help="optimizer steps per run")
     p.add_argument(
         "--batch-size",
-        type=_int_at_least("--batch-size", 1),
+        type=_int_at_least(1),
         default=16,
         help="sequences per batch",
     )
     p.add_argument(
         "--seq-len",
-        type=_int_at_least("--seq-len", 2),
+        type=_int_at_least(2),
         default=128,
         help="bytes per training sequence",
     )
     p.add_argument(
         "--model-dim",
-        type=_int_at_least("--model-dim", 8),
+        type=_int_at_least(8),
         default=128,
         help="transformer width (a multiple of --heads)",
     )
-    p.add_argument(
-        "--layers", type=_int_at_least("--layers", 1), default=2, help="transformer blocks"
-    )
-    p.add_argument("--heads", type=_int_at_least("--heads", 1), default=4, help="attention heads")
+    p.add_argument("--layers", type=_int_at_least(1), default=2, help="transformer blocks")
+    p.add_argument("--heads", type=_int_at_least(1), default=4, help="attention heads")
     p.add_argument(
         "--lr",
-        type=_positive_float("--lr"),
+        type=_positive_float(),
         default=3e-3,
         help="peak AdamW learning rate (linear warmup, cosine decay)",
     )
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument(
         "--loss-tokens",
-        type=_int_at_least("--loss-tokens", 0),
+        type=_int_at_least(0),
         default=2**19,
         help="the loss is the sum of per-token losses divided by this: the token "
         "count of the global batch that each step's batch is one micro-batch "
@@ -175,44 +169,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--init-scale",
-        type=_positive_float("--init-scale"),
+        type=_positive_float(),
         default=2.0**15,
         help="initial loss scale of the fp16-amp run",
     )
     p.add_argument(
         "--growth-interval",
-        type=_int_at_least("--growth-interval", 1),
+        type=_int_at_least(1),
         default=50,
         help="clean steps before the fp16-amp loss scale doubles (PyTorch uses "
         "2000 for long runs; a short demo needs a shorter interval to show growth)",
     )
     p.add_argument(
         "--corpus-bytes",
-        type=_int_at_least("--corpus-bytes", 10_000),
+        type=_int_at_least(10_000),
         default=2_000_000,
         help="bytes of standard-library source to read",
     )
     p.add_argument(
         "--eval-batches",
-        type=_int_at_least("--eval-batches", 1),
+        type=_int_at_least(1),
         default=8,
         help="held-out batches per evaluation",
     )
     p.add_argument(
         "--eval-every",
-        type=_int_at_least("--eval-every", 1),
+        type=_int_at_least(1),
         default=50,
         help="evaluate every this many steps (and at the end)",
     )
     p.add_argument(
         "--log-every",
-        type=_int_at_least("--log-every", 1),
+        type=_int_at_least(1),
         default=10,
         help="fetch metrics from the device every this many steps",
     )
     p.add_argument(
         "--ckpt-every",
-        type=_int_at_least("--ckpt-every", 1),
+        type=_int_at_least(1),
         default=50,
         help="save an orbax checkpoint every this many steps",
     )
@@ -223,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--stop-after",
-        type=_int_at_least("--stop-after", 1),
+        type=_int_at_least(1),
         default=None,
         help="stop each run (with a checkpoint) after this many steps of this "
         "session, as if interrupted; continue later with --resume",
