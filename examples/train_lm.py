@@ -582,7 +582,7 @@ def train_run(
         if bar is not None:
             bar.set_postfix(
                 loss=f"{history['loss'][-1]:.3f}",
-                scale=f"{history['loss_scale'][-1]:g}",
+                scale=_format_scale(history["loss_scale"][-1]),
                 skipped=history["skipped"][-1],
                 refresh=False,
             )
