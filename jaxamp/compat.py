@@ -23,6 +23,21 @@ __all__ = [
 _MINDSPORE_BAD_STEP_MAX = 1000
 
 
+def _unbounded(
+    init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int
+) -> LossScaleState:
+    """PyTorch's rule, shared by MegEngine: no bounds, back off on every overflow."""
+    return dynamic_scale(
+        init_scale=init_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        hysteresis=1,
+        min_scale=0.0,
+        max_scale=math.inf,
+    )
+
+
 def torch_grad_scaler(
     init_scale: float = 2.0**16,
     growth_factor: float = 2.0,
@@ -49,15 +64,7 @@ def torch_grad_scaler(
         raise ValueError(f"growth_factor must be > 1.0 (as in PyTorch), got {growth_factor!r}.")
     if backoff_factor >= 1.0:
         raise ValueError(f"backoff_factor must be < 1.0 (as in PyTorch), got {backoff_factor!r}.")
-    return dynamic_scale(
-        init_scale=init_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        hysteresis=1,
-        min_scale=0.0,
-        max_scale=math.inf,
-    )
+    return _unbounded(init_scale, growth_factor, backoff_factor, growth_interval)
 
 
 def paddle_grad_scaler(
@@ -137,15 +144,7 @@ def megengine_grad_scaler(
         return static_scale(init_scale, skip_nonfinite=True)
     if growth_interval < 0:
         raise ValueError(f"growth_interval must be >= 0, got {growth_interval!r}.")
-    return dynamic_scale(
-        init_scale=init_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        hysteresis=1,
-        min_scale=0.0,
-        max_scale=math.inf,
-    )
+    return _unbounded(init_scale, growth_factor, backoff_factor, growth_interval)
 
 
 def mindspore_fixed(loss_scale: float = 128.0, drop_overflow_update: bool = True) -> LossScaleState:

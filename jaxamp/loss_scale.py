@@ -280,19 +280,7 @@ def static_scale(scale: float = 2.0**15, skip_nonfinite: bool = True) -> LossSca
       128.0
     """
     _check_number("scale", scale)
-    return _state(
-        scale=scale,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=2**30,
-        hysteresis=1,
-        min_scale=0.0,
-        max_scale=math.inf,
-        max_consecutive_nonfinite=None,
-        dynamic=False,
-        enabled=True,
-        skip_nonfinite=bool(skip_nonfinite),
-    )
+    return _fixed(scale, enabled=True, skip_nonfinite=bool(skip_nonfinite))
 
 
 def no_scale() -> LossScaleState:
@@ -311,8 +299,13 @@ def no_scale() -> LossScaleState:
       >>> jaxamp.scale(jaxamp.no_scale(), jnp.array(3.0))
       Array(3., dtype=float32, weak_type=True)
     """
+    return _fixed(1.0, enabled=False, skip_nonfinite=False)
+
+
+def _fixed(scale: float, *, enabled: bool, skip_nonfinite: bool) -> LossScaleState:
+    # The growth settings are never used by a fixed scale; they only keep the leaves valid.
     return _state(
-        scale=1.0,
+        scale=scale,
         growth_factor=2.0,
         backoff_factor=0.5,
         growth_interval=2**30,
@@ -321,8 +314,8 @@ def no_scale() -> LossScaleState:
         max_scale=math.inf,
         max_consecutive_nonfinite=None,
         dynamic=False,
-        enabled=False,
-        skip_nonfinite=False,
+        enabled=enabled,
+        skip_nonfinite=skip_nonfinite,
     )
 
 
