@@ -1,0 +1,40 @@
+"""Tree helpers: all_finite and select_tree."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+
+def test_all_finite_ignores_non_float_leaves_and_is_true_for_empty_trees():
+    assert bool(jaxamp.all_finite({})) and bool(jaxamp.all_finite([None, ()]))
+    tree = {"i": jnp.array([1, 2]), "b": jnp.array(True), "f": jnp.ones(2, jnp.bfloat16)}
+    assert bool(jaxamp.all_finite(tree))
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        assert not bool(jaxamp.all_finite(dict(tree, f=jnp.array([1.0, bad], jnp.bfloat16))))
+    out = jax.jit(jaxamp.all_finite)(tree)
+    assert out.shape == () and out.dtype == jnp.bool_
+
+
+def test_all_finite_agrees_across_a_named_axis():
+    xs = jnp.ones((4, 3)).at[2, 1].set(jnp.nan)
+    local = jax.vmap(lambda x: jaxamp.all_finite(x))(xs)
+    agreed = jax.vmap(lambda x: jaxamp.all_finite(x, axis_name="d"), axis_name="d")(xs)
+    np.testing.assert_array_equal(local, [True, True, False, True])
+    np.testing.assert_array_equal(agreed, [False] * 4)
+
+
+def test_select_tree_selects_leafwise_and_checks_its_inputs():
+    a = {"w": jnp.ones(2), "n": jnp.array([1, 2])}
+    b = {"w": jnp.zeros(2), "n": jnp.array([3, 4])}
+    out = jax.jit(jaxamp.select_tree)(jnp.array(True), a, b)
+    np.testing.assert_array_equal(out["w"], a["w"])
+    np.testing.assert_array_equal(out["n"], a["n"])
+    out = jaxamp.select_tree(False, a, b)
+    np.testing.assert_array_equal(out["n"], b["n"])
+    with pytest.raises(ValueError, match="shape and dtype"):
+        jaxamp.select_tree(jnp.array(True), {"w": jnp.ones(2)}, {"w": jnp.ones(3)})
+    with pytest.raises(ValueError, match="shape and dtype"):
+        jaxamp.select_tree(jnp.array(True), {"w": jnp.ones(2)}, {"w": jnp.ones(2, jnp.float16)})
