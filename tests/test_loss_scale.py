@@ -194,7 +194,13 @@ def test_unscale_overflow_is_caught():
 
 
 def test_float64_leaves_unscale_in_float64():
-    with jax.enable_x64(True):
+    if hasattr(jax, "enable_x64"):
+        x64 = jax.enable_x64(True)
+    else:  # JAX < 0.7
+        from jax.experimental import enable_x64
+
+        x64 = enable_x64()
+    with x64:
         s = jaxamp.static_scale(3.0)
         g = jnp.array([1.0], jnp.float64)
         out, finite = jaxamp.unscale_and_check(s, g)
