@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MULTIDEVICE := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: test demo bench lint clean
+.PHONY: test demo bench lint clean test-oldest
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,21 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
+# The library's tests on the oldest versions pyproject.toml admits (not run by CI:
+# a second environment of ~600 MB). The multi-device, checkpoint and example tests
+# use newer JAX APIs (jax.shard_map, AxisType) and run on the newest only.
+OLDEST := .venv-oldest
+test-oldest:
+	test -x $(OLDEST)/bin/python || $(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet "jax==0.5.0" "jaxlib==0.5.0" "flax==0.10.2" \
+		"optax==0.2.4" "chex==0.1.90" "orbax-checkpoint==0.11.0" pytest hypothesis
+	$(OLDEST)/bin/python -m pip install --quiet --no-deps -e .
+	$(OLDEST)/bin/python -m pytest -q tests/test_loss_scale.py tests/test_compat.py \
+		tests/test_transform.py tests/test_tree.py tests/test_autocast.py tests/test_policy.py \
+		tests/test_jax_compat.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(OLDEST) runs

@@ -1,5 +1,6 @@
 """skip_nonfinite, step, get_loss_scale and TrainState in real optax / flax training loops."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,10 +69,7 @@ def _ls():
 
 
 def _allclose(a, b):
-    chex_like = jax.tree.map(
-        lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-7), a, b
-    )
-    return chex_like
+    chex.assert_trees_all_close(a, b, rtol=2e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(
