@@ -17,6 +17,7 @@ from jax import lax
 
 from jaxamp import loss_scale as ls_lib
 from jaxamp.loss_scale import LossScaleState
+from jaxamp.tree import is_float_leaf, select_tree
 
 __all__ = ["SkipNonfiniteState", "get_loss_scale", "skip_nonfinite", "step"]
 
@@ -200,6 +201,31 @@ def get_loss_scale(opt_state: Any) -> LossScaleState:
     return found[0]
 
 
+_BITS = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def _rounded(updates: Any, zero: jax.Array) -> Any:
+    """The updates as ``tx.update`` hands them out: each rounded to its dtype.
+
+    ``tx.update`` returns its updates out of a ``lax.cond``, so the parameter add
+    that follows sees rounded values. Fused into the update, ``p + u`` would let the
+    compiler contract u's last multiply and the add into one FMA and differ in the
+    last bit. Adding to u's bits a zero the compiler cannot see (``zero``, an int32
+    run-time value; free, in registers, no memory traffic) keeps the two forms equal
+    bit for bit.
+    """
+
+    def opaque(u: Any) -> Any:
+        if not is_float_leaf(u) or jnp.iscomplexobj(u) or u.dtype.itemsize not in _BITS:
+            return u
+        bits = _BITS[u.dtype.itemsize]
+        return lax.bitcast_convert_type(
+            lax.bitcast_convert_type(u, bits) + zero.astype(bits), u.dtype
+        )
+
+    return jax.tree.map(opaque, updates)
+
+
 def _fused_step(
     tx: _SkipNonfinite,
     grads: Any,
@@ -209,12 +235,14 @@ def _fused_step(
     use_cond: bool = True,
 ) -> tuple[Any, SkipNonfiniteState]:
     ls = opt_state.loss_scale
+    # The tracker is never negative, but XLA cannot know: a zero it cannot fold.
+    opaque_zero = jnp.minimum(ls.growth_tracker, 0)
 
     def apply(params: Any, inner_state: Any, grads: Any) -> tuple[Any, Any]:
         updates, inner_state = tx.inner.update(
             ls_lib._unscale(ls, grads), inner_state, params, **extra_args
         )
-        return optax.apply_updates(params, updates), inner_state
+        return optax.apply_updates(params, _rounded(updates, opaque_zero)), inner_state
 
     if not ls.skip_nonfinite:
         params, inner_state = apply(params, opt_state.inner_state, grads)
@@ -230,8 +258,6 @@ def _fused_step(
 
         new_params, inner_state = lax.cond(finite, apply, skip, *operands)
     else:  # compute, then select: kept for the benchmark that compares the two designs
-        from jaxamp.tree import select_tree
-
         new = apply(*operands)
         new_params, inner_state = select_tree(finite, new, _like(operands[:2], new))
     return new_params, SkipNonfiniteState(inner_state, ls_lib.update(ls, finite))

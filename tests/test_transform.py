@@ -191,15 +191,15 @@ def test_updates_use_the_scale_the_gradients_were_scaled_with():
         assert float(jaxamp.get_loss_scale(state).scale) == expected_scale
 
 
-def test_step_matches_update_then_apply_and_the_plain_optimizer():
-    """step == tx.update + apply_updates: bit for bit on skipped steps, to one rounding otherwise.
+def test_step_is_bit_identical_to_update_then_apply():
+    """step == tx.update + apply_updates, bit for bit, on applied and on skipped steps.
 
-    On applied steps the fused step lets XLA fuse the parameter add into the
-    optimizer's arithmetic, as the plain optax step does (so a multiply-add may
-    become one FMA), while tx.update must hand its updates out first. The fused step
-    is therefore bit-identical to the plain, unwrapped optimizer on the same gradients.
+    Fused into the update, `p + u` could become an FMA with u's last multiply and
+    differ in the last bit from adding the rounded updates tx.update hands out;
+    step keeps the two equal. Against the plain, unwrapped optimizer (which may
+    contract) it agrees to a rounding per step.
     """
-    params = mlp_init(jax.random.PRNGKey(6))
+    params = mlp_init(jax.random.PRNGKey(6), sizes=(16, 64, 8))
 
     def make_inner():
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
@@ -208,7 +208,8 @@ def test_step_matches_update_then_apply_and_the_plain_optimizer():
         make_inner(), jaxamp.dynamic_scale(init_scale=2.0**8, growth_interval=2)
     )
     plain = make_inner()
-    xs, ys = batches(6)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(9))
+    xs, ys = jax.random.normal(k1, (6, 16, 16)), jax.random.normal(k2, (6, 16, 8))
     true_grads = jax.jit(jax.grad(mlp_loss))
 
     @jax.jit
@@ -233,15 +234,12 @@ def test_step_matches_update_then_apply_and_the_plain_optimizer():
             g = _poison(g)
         # Scaling by a power of two is exact, so unscaling gives back g bit for bit.
         scaled = jaxamp.scale(jaxamp.get_loss_scale(b[1]), g)
-        a, b = via_update(*b, scaled), via_step(*b, scaled)
-        if i == 2:
-            assert_trees_equal(a, b)
-        else:
+        a, b = via_update(*a, scaled), via_step(*b, scaled)
+        assert_trees_equal(a, b)
+        if i != 2:
             c = via_plain(*c, g)
-            assert_trees_equal(b[0], c[0])
-            assert_trees_equal(b[1].inner_state, c[1])
-            # One rounding of the update (|u| <= lr) apart, even where p + u cancels.
-            jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9), a, b)
+            chex.assert_trees_all_close(b[0], c[0], rtol=1e-5, atol=1e-8)
+            chex.assert_trees_all_close(b[1].inner_state, c[1], rtol=1e-5, atol=1e-8)
     assert int(jaxamp.get_loss_scale(b[1]).skipped_steps) == 1
 
 
