@@ -95,6 +95,9 @@ class LossScaleState:
       dynamic: static; whether :func:`update` moves the scale.
       enabled: static; whether :func:`scale` and :func:`unscale_and_check` scale at all.
       skip_nonfinite: static; whether gradients are checked and non-finite steps skipped.
+      scale_may_drop_below_one: static; derived from ``scale`` and ``min_scale``. Below 1,
+        unscaling multiplies by more than 1 and can overflow, so the check must read
+        the unscaled gradients; otherwise it reads the scaled ones (cheaper).
     """
 
     scale: jax.Array
@@ -112,6 +115,7 @@ class LossScaleState:
     dynamic: bool = True
     enabled: bool = True
     skip_nonfinite: bool = True
+    scale_may_drop_below_one: bool = False
 
     def replace(self, **updates: Any) -> LossScaleState:
         """A copy with some fields replaced, e.g. ``state.replace(growth_factor=4.0)``.
@@ -123,6 +127,12 @@ class LossScaleState:
         unknown = set(updates) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise TypeError(f"LossScaleState has no field(s) {sorted(unknown)}.")
+        if "scale" in updates or "min_scale" in updates:
+            updates.setdefault(
+                "scale_may_drop_below_one",
+                self.scale_may_drop_below_one
+                or any(_below_one(updates.get(k)) for k in ("scale", "min_scale")),
+            )
         return dataclasses.replace(self, **_as_leaves(updates))
 
 
@@ -131,8 +141,15 @@ class LossScaleState:
 jax.tree_util.register_dataclass(
     LossScaleState,
     data_fields=list(_FLOAT_FIELDS + _INT_FIELDS),
-    meta_fields=["dynamic", "enabled", "skip_nonfinite"],
+    meta_fields=["dynamic", "enabled", "skip_nonfinite", "scale_may_drop_below_one"],
 )
+
+
+def _below_one(value: Any) -> bool:
+    """Whether a new scale or min_scale may be below 1 (unknown values: assume so)."""
+    if value is None:
+        return False
+    return not _is_python_number(value) or value < 1
 
 
 def _as_leaves(fields: dict[str, Any]) -> dict[str, Any]:
@@ -194,6 +211,7 @@ def _state(
                 dynamic=dynamic,
                 enabled=enabled,
                 skip_nonfinite=skip_nonfinite,
+                scale_may_drop_below_one=_below_one(scale) or (dynamic and _below_one(min_scale)),
             )
         )
     )
@@ -375,10 +393,20 @@ def _unscale(state: LossScaleState, tree: Any) -> Any:
     return map_float_leaves(mul, tree)
 
 
-def _check(state: LossScaleState, unscaled: Any, axis_name: Any) -> jax.Array:
+def _check(state: LossScaleState, grads: Any, axis_name: Any) -> jax.Array:
+    """Whether the *unscaled* gradients are finite, read from the scaled ones.
+
+    Multiplying by 1/scale <= 1 cannot turn a finite value into an inf or NaN, so
+    while the scale cannot drop below 1 the scaled gradients are checked as they
+    are: the check then reads them once and fuses with nothing else. A state whose
+    scale may fall below 1 (``min_scale`` or the scale itself under 1) checks the
+    unscaled values, which can overflow.
+    """
     if not state.skip_nonfinite:
         return jnp.array(True)
-    return all_finite(unscaled, axis_name=axis_name)
+    if state.enabled and state.scale_may_drop_below_one:
+        grads = _unscale(state, grads)
+    return all_finite(grads, axis_name=axis_name)
 
 
 def unscale_and_check(
@@ -405,8 +433,7 @@ def unscale_and_check(
       (Array([0.5, 2. ], dtype=float32), True)
     """
     _check_state(state, "unscale_and_check")
-    unscaled = _unscale(state, grads)
-    return unscaled, _check(state, unscaled, axis_name)
+    return _unscale(state, grads), _check(state, grads, axis_name)
 
 
 def update(state: LossScaleState, finite: Any) -> LossScaleState:
@@ -459,7 +486,10 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
         shrunk = jnp.maximum(state.scale * state.backoff_factor, state.min_scale)
         new_scale = jnp.where(grow, grown, jnp.where(backoff, shrunk, state.scale))
 
-    return state.replace(
+    # Not `state.replace`: the scale moves only within the configured bounds, so the
+    # static `scale_may_drop_below_one` must not change (that would change the tree).
+    return dataclasses.replace(
+        state,
         scale=new_scale.astype(jnp.float32),
         growth_tracker=growth_tracker.astype(jnp.int32),
         hysteresis_tracker=hysteresis_tracker.astype(jnp.int32),

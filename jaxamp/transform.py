@@ -138,7 +138,7 @@ def skip_nonfinite(
             new_updates, inner_state = apply()
             return new_updates, SkipNonfiniteState(inner_state, ls_lib.update(ls, True))
 
-        finite = ls_lib._check(ls, ls_lib._unscale(ls, updates), axis_name)
+        finite = ls_lib._check(ls, updates, axis_name)
         out_shapes = jax.eval_shape(apply)
 
         def skip() -> tuple[optax.Updates, optax.OptState]:
@@ -248,7 +248,7 @@ def _fused_step(
         params, inner_state = apply(params, opt_state.inner_state, grads)
         return params, SkipNonfiniteState(inner_state, ls_lib.update(ls, True))
 
-    finite = ls_lib._check(ls, ls_lib._unscale(ls, grads), tx.axis_name)
+    finite = ls_lib._check(ls, grads, tx.axis_name)
     operands = (params, opt_state.inner_state, grads)
     if use_cond:
         out_shapes = jax.eval_shape(apply, *operands)

@@ -313,3 +313,23 @@ def test_tree_maps_to_other_leaf_values_are_not_validated():
     assert jax.tree.map(lambda x: 0, s).backoff_factor == 0
     with pytest.raises(TypeError, match="no field"):
         s.replace(growth=2.0)
+
+
+def test_check_reads_unscaled_values_whenever_the_scale_may_drop_below_one():
+    """Above 1 the scaled gradients are checked directly (cheaper, same answer); below 1
+    unscaling can overflow, so those states check the unscaled values."""
+    assert not jaxamp.dynamic_scale().scale_may_drop_below_one
+    assert jaxamp.compat.torch_grad_scaler().scale_may_drop_below_one  # min_scale 0
+    assert jaxamp.static_scale(0.5).scale_may_drop_below_one
+    s = jaxamp.dynamic_scale(init_scale=4.0, min_scale=2.0)
+    assert not s.replace(growth_factor=4.0).scale_may_drop_below_one
+    assert s.replace(min_scale=0.0).scale_may_drop_below_one
+    assert s.replace(scale=jnp.float32(0.5)).scale_may_drop_below_one  # an array: assume so
+    g = jnp.array([60000.0], jnp.float16)  # finite, but 60000 / 0.5 overflows float16
+    for state in (s.replace(scale=jnp.float32(0.5)), jaxamp.static_scale(0.5)):
+        out, finite = jax.jit(jaxamp.unscale_and_check)(state, g)
+        assert not bool(finite) and bool(jnp.isinf(out[0]))
+    # A torch-style scale that backed off below 1 still catches the overflow.
+    t = jaxamp.compat.torch_grad_scaler(init_scale=1.0)
+    t = jaxamp.update(t, False)
+    assert float(t.scale) == 0.5 and not bool(jaxamp.unscale_and_check(t, g)[1])

@@ -38,3 +38,10 @@ def test_select_tree_selects_leafwise_and_checks_its_inputs():
         jaxamp.select_tree(jnp.array(True), {"w": jnp.ones(2)}, {"w": jnp.ones(3)})
     with pytest.raises(ValueError, match="shape and dtype"):
         jaxamp.select_tree(jnp.array(True), {"w": jnp.ones(2)}, {"w": jnp.ones(2, jnp.float16)})
+
+
+def test_all_finite_has_no_false_alarm_on_large_finite_values():
+    # Their plain sum overflows to inf; each value is finite.
+    big = {"f32": jnp.full((4,), 3e38), "f16": jnp.full((8,), 60000.0, jnp.float16)}
+    assert bool(jaxamp.all_finite(big))
+    assert bool(jax.jit(jaxamp.all_finite)(big))
