@@ -44,7 +44,7 @@ _OPS = {
 # Defaults per size: (timed steps per round, rounds, warm-up steps).
 # (steps per round, rounds, warm-up): CPU step times vary +-10 % round to round,
 # so the default takes many short interleaved rounds.
-_SCHEDULE = {"default": (3, 21, 2), "large": (10, 7, 3), "tiny": (1, 2, 1)}
+_SCHEDULE = {"default": (3, 15, 2), "large": (10, 7, 3), "tiny": (1, 2, 1)}
 
 
 def scan_hlo(text: str) -> dict[str, Any]:
