@@ -114,9 +114,10 @@ class Policy:
         ``dtype`` that :func:`jaxamp.autocast` uses when given this policy.
       output_dtype: dtype floating outputs are returned in.
 
-    All three are canonicalised to ``numpy.dtype`` objects and must be floating.
-    A ``Policy`` is hashable, so it can be a static argument of ``jax.jit`` or a
-    field of a Flax module.
+    ``Policy()`` is float32 params and outputs with float16 compute (like
+    ``Policy.from_string("half")``). All three are canonicalised to
+    ``numpy.dtype`` objects and must be floating. A ``Policy`` is hashable, so it
+    can be a static argument of ``jax.jit`` or a field of a Flax module.
 
     Example:
       >>> import jax.numpy as jnp, jaxamp
@@ -127,8 +128,9 @@ class Policy:
       dtype(bfloat16)
     """
 
+    # The defaults are API.md's: float32 master weights and outputs, float16 compute.
     param_dtype: Any = jnp.float32
-    compute_dtype: Any = jnp.float32
+    compute_dtype: Any = jnp.float16
     output_dtype: Any = jnp.float32
 
     def __post_init__(self) -> None:

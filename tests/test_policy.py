@@ -100,3 +100,17 @@ def test_flax_kwargs():
     assert params["params"]["kernel"].dtype == F32
     assert layer.apply(params, x).dtype == BF16
     assert policy.with_output_dtype(jnp.float16).output_dtype == F16
+
+
+def test_default_policy_is_api_md_mixed_float16():
+    import jax.numpy as jnp
+
+    import jaxamp
+
+    p = jaxamp.Policy()
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (
+        jnp.dtype(jnp.float32),
+        jnp.dtype(jnp.float16),
+        jnp.dtype(jnp.float32),
+    )
+    assert p == jaxamp.Policy.from_string("half")
