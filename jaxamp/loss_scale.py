@@ -184,10 +184,13 @@ def _state(
     enabled: bool,
     skip_nonfinite: bool,
 ) -> LossScaleState:
+    # The bounds first, so a bad one is named before the cross-checks; `_as_leaves`
+    # validates every other field.
+    for name, value in (("scale", scale), ("min_scale", min_scale), ("max_scale", max_scale)):
+        _check_number(name, value)
     if _is_python_number(min_scale) and _is_python_number(max_scale) and min_scale > max_scale:
         raise ValueError(f"min_scale ({min_scale}) must be <= max_scale ({max_scale}).")
     if _is_python_number(scale) and _is_python_number(min_scale) and dynamic:
-        _check_number("scale", scale)
         if not min_scale <= scale <= max_scale:
             raise ValueError(
                 f"init_scale ({scale}) must lie in [min_scale, max_scale] = "
@@ -254,17 +257,6 @@ def dynamic_scale(
       >>> float(jaxamp.update(state, False).scale)
       2048.0
     """
-    for name, value in (
-        ("scale", init_scale),
-        ("growth_factor", growth_factor),
-        ("backoff_factor", backoff_factor),
-        ("growth_interval", growth_interval),
-        ("hysteresis", hysteresis),
-        ("min_scale", min_scale),
-        ("max_scale", max_scale),
-        ("max_consecutive_nonfinite", max_consecutive_nonfinite),
-    ):
-        _check_number(name, value)
     return _state(
         scale=init_scale,
         growth_factor=growth_factor,
@@ -297,7 +289,6 @@ def static_scale(scale: float = 2.0**15, skip_nonfinite: bool = True) -> LossSca
       >>> float(jaxamp.update(jaxamp.static_scale(128.0), False).scale)
       128.0
     """
-    _check_number("scale", scale)
     return _fixed(scale, enabled=True, skip_nonfinite=bool(skip_nonfinite))
 
 

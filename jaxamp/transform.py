@@ -242,9 +242,11 @@ def _fused_step(
         updates, inner_state = tx.inner.update(
             ls_lib._unscale(ls, grads), inner_state, params, **extra_args
         )
-        return optax.apply_updates(params, _rounded(updates, opaque_zero)), inner_state
+        if ls.skip_nonfinite:  # tx.update hands these out of a cond: keep its rounding
+            updates = _rounded(updates, opaque_zero)
+        return optax.apply_updates(params, updates), inner_state
 
-    if not ls.skip_nonfinite:
+    if not ls.skip_nonfinite:  # nothing is checked: tx.update has no cond either
         params, inner_state = apply(params, opt_state.inner_state, grads)
         return params, SkipNonfiniteState(inner_state, ls_lib.update(ls, True))
 

@@ -398,3 +398,25 @@ def test_bad_arguments():
         jaxamp.select_tree(jnp.ones(2, bool), {"a": jnp.ones(2)}, {"a": jnp.ones(2)})
     with pytest.raises(ValueError, match="structure"):
         jaxamp.select_tree(jnp.array(True), {"a": jnp.ones(2)}, {"b": jnp.ones(2)})
+
+
+def test_step_is_bit_identical_to_update_then_apply_without_a_check():
+    """No check (no_scale, unchecked static scale): neither form has a cond to round through."""
+    params = mlp_init(jax.random.PRNGKey(10), sizes=(16, 64, 8))
+    g = jax.tree.map(lambda p: jnp.sin(p * 3.0), params)
+    for ls in (jaxamp.no_scale(), jaxamp.static_scale(4.0, skip_nonfinite=False)):
+        tx = jaxamp.skip_nonfinite(optax.adamw(1e-2, weight_decay=0.1), ls)
+
+        @jax.jit
+        def via_update(p, s, tx=tx):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        @jax.jit
+        def via_step(p, s, tx=tx):
+            return jaxamp.step(tx, g, s, p)
+
+        a = b = (params, tx.init(params))
+        for _ in range(3):
+            a, b = via_update(*a), via_step(*b)
+            assert_trees_equal(a, b)
