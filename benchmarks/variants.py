@@ -25,7 +25,6 @@ import optax
 from flax.training.dynamic_scale import DynamicScale
 
 import jaxamp
-from jaxamp.transform import _fused_step
 
 StepFn = Callable[[Any, Any, Any, Any], tuple[Any, Any, Any, jax.Array]]
 
@@ -101,8 +100,13 @@ def _jaxamp_step(loss: Callable[[Any, Any], jax.Array], use_cond: bool) -> Varia
         value, grads = _jaxamp_loss_grad(loss, params, opt_state, batch)
         if use_cond:
             params, opt_state = jaxamp.step(tx, grads, opt_state, params)
-        else:
-            params, opt_state = _fused_step(tx, grads, opt_state, params, {}, use_cond=False)
+        else:  # the design jaxamp.step avoids: compute the step, then select it away
+            ls = opt_state.loss_scale
+            unscaled, finite = jaxamp.unscale_and_check(ls, grads)
+            updates, inner = tx.update.inner.update(unscaled, opt_state.inner_state, params)
+            new = (optax.apply_updates(params, updates), inner)
+            params, inner = jaxamp.select_tree(finite, new, (params, opt_state.inner_state))
+            opt_state = opt_state._replace(inner_state=inner, loss_scale=jaxamp.update(ls, finite))
         return params, opt_state, aux, value
 
     if use_cond:

@@ -1,11 +1,16 @@
-"""jaxamp: automatic mixed precision for JAX, Flax and optax."""
+"""jaxamp: automatic mixed precision for JAX, Flax and optax.
+
+The modules are private; everything public is re-exported here (and in the
+``jaxamp.compat`` and ``jaxamp.checkpoint`` namespaces).
+"""
 
 from jaxamp import checkpoint, compat
-from jaxamp.autocast import autocast, full_precision
-from jaxamp.loss_scale import (
+from jaxamp._loss_scale import (
     LossScaleState,
+    Mode,
     check_health,
     dynamic_scale,
+    get_loss_scale,
     metrics,
     no_scale,
     scale,
@@ -13,15 +18,25 @@ from jaxamp.loss_scale import (
     unscale_and_check,
     update,
 )
+from jaxamp._train_state import TrainState
+from jaxamp._transform import (
+    MultiTransformState,
+    SkipNonfiniteState,
+    multi_transform,
+    skip_nonfinite,
+    step,
+    value_and_grad,
+)
+from jaxamp._tree import all_finite, select_tree
+from jaxamp.autocast import autocast, full_precision
 from jaxamp.policy import Policy
-from jaxamp.train_state import TrainState
-from jaxamp.transform import SkipNonfiniteState, get_loss_scale, skip_nonfinite, step
-from jaxamp.tree import all_finite, select_tree
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "LossScaleState",
+    "Mode",
+    "MultiTransformState",
     "Policy",
     "SkipNonfiniteState",
     "TrainState",
@@ -34,6 +49,7 @@ __all__ = [
     "full_precision",
     "get_loss_scale",
     "metrics",
+    "multi_transform",
     "no_scale",
     "scale",
     "select_tree",
@@ -42,4 +58,5 @@ __all__ = [
     "step",
     "unscale_and_check",
     "update",
+    "value_and_grad",
 ]

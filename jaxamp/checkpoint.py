@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from jaxamp.loss_scale import LossScaleState
+from jaxamp._loss_scale import LossScaleState
 
 __all__ = ["check_restorable", "restore"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from jaxamp.loss_scale import LossScaleState, dynamic_scale, no_scale, static_scale
+from jaxamp._loss_scale import LossScaleState, Mode, _fresh_state, no_scale, static_scale
 
 __all__ = [
     "megengine_grad_scaler",
@@ -27,14 +27,17 @@ def _unbounded(
     init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int
 ) -> LossScaleState:
     """PyTorch's rule, shared by MegEngine: no bounds, back off on every overflow."""
-    return dynamic_scale(
-        init_scale=init_scale,
+    return _fresh_state(
+        Mode.DYNAMIC,
+        {"scale": "init_scale"},
+        scale=init_scale,
         growth_factor=growth_factor,
         backoff_factor=backoff_factor,
         growth_interval=growth_interval,
         hysteresis=1,
         min_scale=0.0,
         max_scale=math.inf,
+        max_consecutive_nonfinite=None,
     )
 
 
@@ -101,18 +104,18 @@ def paddle_grad_scaler(
         raise ValueError(f"decr_ratio must be < 1.0 (as in Paddle), got {decr_ratio!r}.")
     if not use_dynamic_loss_scaling:
         return static_scale(init_loss_scaling)
-    try:
-        return dynamic_scale(
-            init_scale=init_loss_scaling,
-            growth_factor=incr_ratio,
-            backoff_factor=decr_ratio,
-            growth_interval=incr_every_n_steps,
-            hysteresis=decr_every_n_nan_or_inf,
-            min_scale=1.0,
-            max_scale=math.inf,
-        )
-    except ValueError as e:
-        raise ValueError(f"paddle_grad_scaler: {_rename(e, _PADDLE_NAMES)}") from None
+    return _fresh_state(
+        Mode.DYNAMIC,
+        _PADDLE_NAMES,
+        scale=init_loss_scaling,
+        growth_factor=incr_ratio,
+        backoff_factor=decr_ratio,
+        growth_interval=incr_every_n_steps,
+        hysteresis=decr_every_n_nan_or_inf,
+        min_scale=1.0,
+        max_scale=math.inf,
+        max_consecutive_nonfinite=None,
+    )
 
 
 def megengine_grad_scaler(
@@ -208,8 +211,10 @@ def mindspore_dynamic(
     if scale_factor == 1:
         state = static_scale(init_loss_scale)
         return state.replace(max_consecutive_nonfinite=_MINDSPORE_BAD_STEP_MAX)
-    return dynamic_scale(
-        init_scale=init_loss_scale,
+    return _fresh_state(
+        Mode.DYNAMIC,
+        {"scale": "init_loss_scale", "growth_interval": "scale_window"},
+        scale=init_loss_scale,
         growth_factor=float(scale_factor),
         backoff_factor=1.0 / scale_factor,
         growth_interval=scale_window,
@@ -220,18 +225,11 @@ def mindspore_dynamic(
     )
 
 
+# jaxamp's field names in Paddle's vocabulary, so errors name Paddle's arguments.
 _PADDLE_NAMES = {
-    "init_scale": "init_loss_scaling",
+    "scale": "init_loss_scaling",
     "growth_factor": "incr_ratio",
     "backoff_factor": "decr_ratio",
     "growth_interval": "incr_every_n_steps",
     "hysteresis": "decr_every_n_nan_or_inf",
 }
-
-
-def _rename(err: ValueError, names: dict[str, str]) -> str:
-    """Rewrites jaxamp's argument names in an error into the original framework's."""
-    msg = str(err)
-    for ours, theirs in names.items():
-        msg = msg.replace(ours, theirs)
-    return msg

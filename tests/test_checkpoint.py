@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxamp
-from jaxamp.loss_scale import LossScaleState
+from jaxamp._loss_scale import LossScaleState
 
 
 def _assert_trees_equal(a, b) -> None:

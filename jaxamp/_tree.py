@@ -1,8 +1,8 @@
-"""Pytree helpers shared by the loss-scaling core and the optax transformation.
+"""Pytree helpers shared by the loss-scaling core and the optax transformations.
 
-Only *inexact* leaves (floating and complex arrays) are ever touched: integer,
-bool and ``float0`` leaves (what ``jax.grad(..., allow_int=True)`` returns for
-integer inputs) and ``None`` pass through unchanged.
+Only *inexact* leaves (floating and complex arrays, float8 included) are ever
+touched: integer, bool and ``float0`` leaves (what ``jax.grad(..., allow_int=True)``
+returns for integer inputs) and ``None`` pass through unchanged.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-__all__ = ["all_finite", "is_float_leaf", "map_float_leaves", "select_tree"]
+__all__ = ["all_finite", "select_tree"]
 
 
 def is_float_leaf(x: Any) -> bool:
-    """True for a floating or complex array (or Python float) leaf."""
+    """True for a floating or complex array (or Python float) leaf; float8 included."""
     if isinstance(x, float | complex):
         return True
     dtype = getattr(x, "dtype", None)
@@ -26,16 +27,62 @@ def is_float_leaf(x: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
+def wide_dtype(dtype: Any) -> np.dtype:
+    """The dtype scale arithmetic runs in for a leaf: float32, or the leaf's own if wider.
+
+    Narrow floats (float16, bfloat16, the float8 family) are widened to float32:
+    ``jnp.promote_types`` refuses float8, and ``1 / 2**24`` underflows float16.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.itemsize >= 4 and jnp.issubdtype(dtype, jnp.inexact):
+        return dtype
+    return np.dtype(np.float32)
+
+
 def map_float_leaves(fn: Callable[[jax.Array], jax.Array], tree: Any) -> Any:
     """Applies ``fn`` to every floating leaf of ``tree``; other leaves pass through."""
     return jax.tree.map(lambda x: fn(x) if is_float_leaf(x) else x, tree)
 
 
-def _axis_all(pred: jax.Array, axis_name: Any) -> jax.Array:
+def leaf_finite(leaf: Any) -> jax.Array:
+    """Whether one floating leaf is free of inf and NaN, as one fused reduction.
+
+    ``x - x`` is 0 for every finite ``x`` and NaN for inf or NaN, and a sum of zeros
+    is NaN exactly when one term is: one read of the leaf, no false alarm from
+    overflow (a plain sum has those), NaN caught on every backend (``max(abs(x))``
+    misses it where min/max drop NaN), and a float reduction that XLA fuses
+    (``all(isfinite(x))`` writes a bool mask first on XLA:CPU).
+    """
+    leaf = jnp.asarray(leaf)
+    if leaf.dtype.itemsize == 1:  # float8: reduce in float32 (e4m3fn has no inf, only NaN)
+        leaf = leaf.astype(jnp.float32)
+    return jnp.isfinite(jnp.sum(leaf - leaf))
+
+
+def agree(pred: jax.Array, axis_name: Any) -> jax.Array:
+    """ANDs boolean ``pred`` (any shape) across a mapped axis; a no-op for ``None``."""
     if axis_name is None:
         return pred
-    # Collectives have no bool reduction: the min of 0/1 is a logical AND.
-    return lax.pmin(pred.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    try:
+        # Collectives have no bool reduction: the min of 0/1 is a logical AND.
+        return lax.pmin(pred.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    except NameError as e:
+        raise NameError(
+            f"axis_name={axis_name!r} is not a mapped axis here. Pass the axis name of the "
+            "enclosing shard_map / pmap, or axis_name=None under jax.jit with sharded "
+            "arrays (the finiteness check is then a global reduction)."
+        ) from e
+
+
+def check_axis_name(axis_name: Any, fn: str) -> Any:
+    """Validates an ``axis_name`` argument at construction: None, a str or a tuple of str."""
+    names = axis_name if isinstance(axis_name, tuple | list) else (axis_name,)
+    if axis_name is not None and not (names and all(isinstance(n, str) for n in names)):
+        raise TypeError(
+            f"{fn}: axis_name must be None, a string or a tuple of strings naming the axis of "
+            f"the enclosing shard_map / pmap, got {axis_name!r}."
+        )
+    return tuple(axis_name) if isinstance(axis_name, list) else axis_name
 
 
 def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
@@ -61,13 +108,8 @@ def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
     result = jnp.array(True)
     for leaf in jax.tree.leaves(tree):
         if is_float_leaf(leaf):
-            # x - x is 0 for every finite x and NaN for inf or NaN, and a sum of zeros
-            # is NaN exactly when one term is: one read of the leaf, no false alarm from
-            # overflow (a plain sum has those), NaN caught on every backend (max(abs(x))
-            # misses it where min/max drop NaN), and a float reduction that XLA fuses
-            # (all(isfinite(x)) writes a bool mask first on XLA:CPU).
-            result = result & jnp.isfinite(jnp.sum(leaf - leaf))
-    return _axis_all(result, axis_name)
+            result = result & leaf_finite(leaf)
+    return agree(result, axis_name)
 
 
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
@@ -113,5 +155,5 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
         return lax.select(jnp.broadcast_to(pred, a.shape), a, b)
 
     return jax.tree.unflatten(
-        true_def, [select(a, b) for a, b in zip(true_leaves, false_leaves, strict=False)]
+        true_def, [select(a, b) for a, b in zip(true_leaves, false_leaves, strict=True)]
     )

@@ -1,0 +1,149 @@
+"""The one guarded step: unscale, check, run or skip under ``lax.cond``, update the scale.
+
+Every public path that can skip an update (``skip_nonfinite``'s ``update``,
+``multi_transform``'s ``update``, ``jaxamp.step`` with either, with or without
+``finite=``) goes through :func:`guarded`. A grads value flows like this::
+
+    scaled grads ──unscale──▶ check (one fused reduction per leaf, agreed over
+         │                    axis_name) ──▶ finite
+         └──────────────▶ lax.cond(finite,
+                            apply: inner.update(unscale(grads)) [+ apply_updates],
+                            skip:  zero updates [or the params] and the inner state as it was)
+    loss-scale state ──update(finite)──▶ next loss-scale state
+
+The skip is a ``lax.cond`` around the whole update rather than a select after
+it, which would keep a second copy of the optimizer state alive.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxamp import _loss_scale as ls_lib
+from jaxamp._loss_scale import LossScaleState
+from jaxamp._tree import agree, is_float_leaf
+
+_BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+class Part(NamedTuple):
+    """One independently skipped group: an inner optimizer and its share of the trees."""
+
+    inner: optax.GradientTransformationExtraArgs
+    state: Any
+    grads: Any
+    params: Any
+
+
+def like(old: Any, new_shapes: Any) -> Any:
+    """``old`` with each leaf in the dtype of ``new_shapes`` (a no-op when they agree)."""
+
+    def cast(o: Any, n: Any) -> Any:
+        if o is None or getattr(o, "dtype", None) == n.dtype:
+            return o
+        return jnp.asarray(o).astype(n.dtype)
+
+    return jax.tree.map(cast, old, new_shapes)
+
+
+def _opaque(updates: Any, zero: jax.Array) -> Any:
+    """The updates rounded to their dtype, as ``tx.update`` hands them out of its cond.
+
+    Fused with the parameter add, ``p + u`` would let the compiler contract u's last
+    multiply and the add into one FMA and differ from ``tx.update`` +
+    ``apply_updates`` in the last bit. Adding to u's bits an integer the compiler
+    cannot see is zero keeps the two forms equal bit for bit: ``zero`` is
+    ``int(not finite)``, an operand of the cond, and this runs only in the branch
+    taken when ``finite`` holds. Free: in registers, no memory traffic.
+    """
+
+    def one(u: Any) -> Any:
+        if not is_float_leaf(u) or jnp.iscomplexobj(u) or u.dtype.itemsize not in _BITS:
+            return u
+        bits = _BITS[u.dtype.itemsize]
+        return lax.bitcast_convert_type(
+            lax.bitcast_convert_type(u, bits) + zero.astype(bits), u.dtype
+        )
+
+    return jax.tree.map(one, updates)
+
+
+def _run_part(
+    part: Part,
+    finite: jax.Array | None,
+    unscale: Any,
+    extra_args: dict[str, Any],
+    to_params: bool,
+) -> tuple[Any, Any]:
+    def apply(state: Any, grads: Any, params: Any, nonfinite: Any) -> tuple[Any, Any]:
+        updates, state = part.inner.update(unscale(grads), state, params, **extra_args)
+        if not to_params:
+            return updates, state
+        if nonfinite is not None:
+            updates = _opaque(updates, nonfinite)
+        return optax.apply_updates(params, updates), state
+
+    if finite is None:  # nothing is checked: no cond, and so nothing to round either
+        return apply(part.state, part.grads, part.params, None)
+    operands = (part.state, part.grads, part.params, (~finite).astype(jnp.int32))
+    shapes = jax.eval_shape(apply, *operands)
+
+    def skip(state: Any, grads: Any, params: Any, nonfinite: Any) -> tuple[Any, Any]:
+        if to_params:
+            out = params
+        else:
+            out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+        return like(out, shapes[0]), like(state, shapes[1])
+
+    return lax.cond(finite, apply, skip, *operands)
+
+
+def guarded(
+    ls: LossScaleState,
+    parts: list[Part],
+    *,
+    finite: Any,
+    axis_name: Any,
+    extra_args: dict[str, Any],
+    to_params: bool,
+) -> tuple[list[Any], list[Any], LossScaleState]:
+    """Runs each part's inner update if its gradients are finite; updates the scale once.
+
+    Args:
+      ls: the loss-scale state the gradients were scaled with.
+      parts: the groups; each is checked and skipped on its own.
+      finite: ``None`` (the gradients are scaled: unscale and check them here) or a
+        bool scalar (they are already unscaled and checked by the user).
+      axis_name: mapped axis over which the finiteness is agreed.
+      extra_args: forwarded to every inner ``update``.
+      to_params: return new params (``jaxamp.step``) instead of updates.
+
+    Returns:
+      ``(outs, inner_states, next_loss_scale_state)``, one out and state per part;
+      the scale advances with "every part finite".
+    """
+    if finite is not None:
+        finite = ls_lib.as_finite(finite, "jaxamp.step")
+        unscale = lambda g: g
+        finites: list[Any] = [finite] * len(parts)
+    else:
+        unscale = lambda g: ls_lib.unscale(ls, g)
+        local = [ls_lib.local_finite(ls, unscale(p.grads)) for p in parts]
+        if local and local[0] is not None:
+            agreed = agree(jnp.stack(local), axis_name)  # one collective for all parts
+            finites = [agreed[i] for i in range(len(parts))]
+        else:
+            finites = [None] * len(parts)
+    outs, states = [], []
+    for part, part_finite in zip(parts, finites, strict=True):
+        out, state = _run_part(part, part_finite, unscale, extra_args, to_params)
+        outs.append(out)
+        states.append(state)
+    checked = [f for f in finites if f is not None]
+    every = jnp.all(jnp.stack(checked)) if checked else jnp.array(True)
+    return outs, states, ls_lib.update(ls, every)

@@ -1,0 +1,573 @@
+"""The optax side: ``skip_nonfinite``, ``multi_transform`` and the fused ``step``.
+
+Each transformation is a plain ``optax.GradientTransformationExtraArgs`` whose
+``update`` is a small object holding the transformation's parts as fields (equinox
+style), so that ``tx._replace(...)`` and pytree round trips keep them and
+:func:`step` can run the same guarded core (``_guard.guarded``) with the
+parameter update fused in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jaxamp import _loss_scale as ls_lib
+from jaxamp._guard import Part, guarded, like
+from jaxamp._loss_scale import LossScaleState
+from jaxamp._tree import check_axis_name, is_float_leaf
+
+__all__ = [
+    "MultiTransformState",
+    "SkipNonfiniteState",
+    "multi_transform",
+    "skip_nonfinite",
+    "step",
+]
+
+
+class SkipNonfiniteState(NamedTuple):
+    """State of :func:`skip_nonfinite`.
+
+    Attributes:
+      inner_state: the inner optimizer's state.
+      loss_scale: the :class:`jaxamp.LossScaleState`.
+      acc: with ``every_k > 1``, the sum of the window's scaled gradients so far
+        (``None`` otherwise).
+      mini_step: with ``every_k > 1``, an int32 count of the calls in this window
+        so far (``None`` otherwise).
+    """
+
+    inner_state: optax.OptState
+    loss_scale: LossScaleState
+    acc: Any = None
+    mini_step: Any = None
+
+
+class MultiTransformState(NamedTuple):
+    """State of :func:`multi_transform`: one inner state per label, one shared loss scale."""
+
+    inner_states: dict[Any, optax.OptState]
+    loss_scale: LossScaleState
+
+
+def _loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> LossScaleState:
+    if loss_scale is None:
+        loss_scale = ls_lib.check_only()  # check and skip, never scale: the bfloat16 case
+    elif not isinstance(loss_scale, LossScaleState):
+        raise TypeError(
+            f"{fn}: `loss_scale` must be a LossScaleState (jaxamp.dynamic_scale(), "
+            f"jaxamp.static_scale(), jaxamp.no_scale()) or None, got {type(loss_scale).__name__}."
+        )
+    if max_consecutive_nonfinite is not None:
+        if isinstance(max_consecutive_nonfinite, bool) or not isinstance(
+            max_consecutive_nonfinite, int
+        ):
+            raise TypeError(
+                f"{fn}: max_consecutive_nonfinite must be None or an integer >= 0, "
+                f"got {max_consecutive_nonfinite!r}."
+            )
+        try:
+            loss_scale = loss_scale.replace(max_consecutive_nonfinite=max_consecutive_nonfinite)
+        except ValueError as e:
+            raise ValueError(f"{fn}: {e}") from None
+    return loss_scale
+
+
+def _check_inner(inner: Any, fn: str, what: str = "inner") -> optax.GradientTransformationExtraArgs:
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(
+            f"{fn}: `{what}` must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
+            f"got {type(inner).__name__}."
+        )
+    return optax.with_extra_args_support(inner)
+
+
+def _path(path: Any) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def _check_grads(grads: Any, params: Any, fn: str) -> None:
+    """Gradients must match the params leaf for leaf, shapes included (no broadcasting)."""
+    if params is None:
+        return
+    g_def, p_def = jax.tree.structure(grads), jax.tree.structure(params)
+    if g_def != p_def:
+        raise ValueError(
+            f"{fn}: the gradients' tree does not match the params' tree.\n  grads:  {g_def}\n"
+            f"  params: {p_def}\nPass the gradients of the loss with respect to these params."
+        )
+    for (path, g), p in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(params), strict=True
+    ):
+        g_shape, p_shape = jnp.shape(g), jnp.shape(p)
+        if g_shape != p_shape:
+            raise ValueError(
+                f"{fn}: the gradient at {_path(path)} has shape {g_shape} but the param has "
+                f"shape {p_shape}; gradients must have their params' shapes exactly."
+            )
+
+
+def _check_inner_state(inner: Any, state: Any, like_params: Any, fn: str, where: str) -> None:
+    """The opt state must be the one ``inner.init`` builds (same tree), or a clear error."""
+    expected = jax.tree.structure(jax.eval_shape(inner.init, like_params))
+    got = jax.tree.structure(state)
+    if expected != got:
+        raise TypeError(
+            f"{fn}: {where} does not match the inner optimizer: it was not made by this "
+            f"transformation's init.\n  expected: {expected}\n  got:      {got}\n"
+            "Pass the opt_state that tx.init(params) returned for this same tx."
+        )
+
+
+def _check_state_type(state: Any, cls: type, fn: str) -> None:
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"{fn}: expected the state returned by this transformation's init (a "
+            f"{cls.__name__}), got {type(state).__name__}. Pass the opt_state that "
+            "tx.init(params) returned for this transformation."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _SkipNonfiniteUpdate:
+    """``skip_nonfinite``'s update function; its parts are its fields."""
+
+    inner: optax.GradientTransformationExtraArgs
+    axis_name: Any
+    every_k: int
+
+    def __call__(
+        self,
+        updates: optax.Updates,
+        state: SkipNonfiniteState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, SkipNonfiniteState]:
+        return self.run(updates, state, params, extra_args, None, to_params=False)
+
+    def run(
+        self,
+        grads: Any,
+        state: SkipNonfiniteState,
+        params: Any,
+        extra_args: dict[str, Any],
+        finite: Any,
+        to_params: bool,
+    ) -> tuple[Any, SkipNonfiniteState]:
+        fn = "jaxamp.step" if to_params else "skip_nonfinite.update"
+        _check_state_type(state, SkipNonfiniteState, fn)
+        _check_grads(grads, params, fn)
+        _check_inner_state(
+            self.inner,
+            state.inner_state,
+            grads if params is None else params,
+            fn,
+            "opt_state.inner_state",
+        )
+
+        def window(grads: Any, state: SkipNonfiniteState) -> tuple[Any, SkipNonfiniteState]:
+            part = Part(self.inner, state.inner_state, grads, params)
+            (out,), (inner_state,), ls = guarded(
+                state.loss_scale,
+                [part],
+                finite=finite,
+                axis_name=self.axis_name,
+                extra_args=extra_args,
+                to_params=to_params,
+            )
+            return out, state._replace(inner_state=inner_state, loss_scale=ls)
+
+        if self.every_k == 1:
+            return window(grads, state)
+        if finite is not None:
+            raise ValueError(
+                "jaxamp.step: finite= cannot be combined with every_k > 1: the window's "
+                "gradients are accumulated inside the optimizer state and checked at its end."
+            )
+        return self._accumulate(grads, state, params, window, to_params)
+
+    def _accumulate(
+        self, grads: Any, state: SkipNonfiniteState, params: Any, window: Any, to_params: bool
+    ) -> tuple[Any, SkipNonfiniteState]:
+        k = self.every_k
+
+        def add(a: Any, g: Any) -> Any:
+            return a + g.astype(a.dtype) if is_float_leaf(a) else a
+
+        def finish(grads: Any, state: SkipNonfiniteState) -> tuple[Any, SkipNonfiniteState]:
+            # The window's mean, in the accumulator's dtype, then one guarded step.
+            mean = jax.tree.map(
+                lambda a, g: (add(a, g) / k).astype(a.dtype) if is_float_leaf(a) else g,
+                state.acc,
+                grads,
+            )
+            out, state = window(mean, state)
+            # Reset by replacement: `acc * 0` would keep an overflowed micro-batch's NaN.
+            zeros = jax.tree.map(jnp.zeros_like, state.acc)
+            return out, state._replace(acc=zeros, mini_step=jnp.zeros((), jnp.int32))
+
+        shapes = jax.eval_shape(finish, grads, state)
+
+        def accumulate(grads: Any, state: SkipNonfiniteState) -> tuple[Any, SkipNonfiniteState]:
+            if to_params:
+                out = params
+            else:
+                out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+            acc = jax.tree.map(add, state.acc, grads)
+            return like((out, state._replace(acc=acc, mini_step=state.mini_step + 1)), shapes)
+
+        return lax.cond(state.mini_step >= k - 1, finish, accumulate, grads, state)
+
+
+def skip_nonfinite(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScaleState | None = None,
+    *,
+    every_k: int = 1,
+    max_consecutive_nonfinite: int | None = None,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Unscales gradients, skips non-finite steps and updates the loss scale.
+
+    ``update`` unscales the incoming gradients with the current loss scale, checks
+    them, and runs ``inner.update`` on the unscaled gradients only if every value
+    is finite. A skipped step returns all-zero updates and the inner state
+    unchanged, bit for bit (so optax schedules and step counts do not advance). The
+    loss scale then advances with :func:`jaxamp.update`. Clipping, weight decay and
+    schedules inside ``inner`` see true (unscaled) gradients, like
+    ``scaler.unscale_(optimizer)`` before clipping in PyTorch.
+
+    With ``every_k=k > 1`` this is PyTorch's gradient accumulation: calls 1..k-1 of
+    a window add the scaled gradients to an accumulator and change nothing else
+    (zero updates, scale unchanged); call k averages the window, then unscales,
+    checks, applies or skips it as one step and updates the scale once, and resets
+    the accumulator by replacement, so an overflowing micro-batch costs exactly one
+    window.
+
+    Args:
+      inner: the optimizer to protect (any optax transformation or chain).
+      loss_scale: a :class:`LossScaleState`; ``None`` skips non-finite steps
+        without scaling (the bfloat16 case).
+      every_k: micro-batches per optimizer step (an int >= 1).
+      max_consecutive_nonfinite: if set, more than this many skipped steps in a
+        row make :func:`jaxamp.check_health` raise ``FloatingPointError``. The
+        step itself is always skipped: a non-finite update is never applied.
+      axis_name: mapped axis name(s) (``pmap`` / ``shard_map``) over which the
+        finiteness check is agreed, so every device skips together. Not needed
+        under ``jax.jit`` with sharded arrays, where the check is a global reduction.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; extra arguments (``value=``,
+      ...) are forwarded to ``inner``. Its state is a :class:`SkipNonfiniteState`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxamp
+      >>> tx = jaxamp.skip_nonfinite(optax.adam(1e-3), jaxamp.dynamic_scale())
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> grads = {"w": jnp.array([1.0, jnp.inf, 0.0])}
+      >>> updates, state = tx.update(grads, state, params)
+      >>> updates["w"], int(jaxamp.metrics(state)["skipped_steps"])
+      (Array([0., 0., 0.], dtype=float32), 1)
+    """
+    fn = "skip_nonfinite"
+    inner = _check_inner(inner, fn)
+    loss_scale = _loss_scale_arg(loss_scale, max_consecutive_nonfinite, fn)
+    if isinstance(every_k, bool) or not isinstance(every_k, int):
+        raise TypeError(f"{fn}: every_k must be an int >= 1, got {every_k!r}.")
+    if every_k < 1:
+        raise ValueError(f"{fn}: every_k must be >= 1, got {every_k}.")
+    axis_name = check_axis_name(axis_name, fn)
+
+    def init_fn(params: optax.Params) -> SkipNonfiniteState:
+        # Fresh arrays throughout, so a donated opt state never frees these leaves.
+        ls = jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale)
+        if every_k == 1:
+            return SkipNonfiniteState(inner.init(params), ls)
+        acc = jax.tree.map(jnp.zeros_like, params)
+        return SkipNonfiniteState(inner.init(params), ls, acc, jnp.zeros((), jnp.int32))
+
+    return optax.GradientTransformationExtraArgs(
+        init_fn, _SkipNonfiniteUpdate(inner, axis_name, every_k)
+    )
+
+
+def _full_labels(labels: Any, tree: Any, transforms: Mapping[Any, Any], fn: str) -> Any:
+    """``labels`` (a tree, a prefix of one, or a callable) spread over every leaf of ``tree``."""
+    if callable(labels):
+        labels = labels(tree)
+    try:
+        full = jax.tree.map(lambda lab, sub: jax.tree.map(lambda _: lab, sub), labels, tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{fn}: param_labels must have the params' tree structure (or a prefix of it), "
+            f"with one label per leaf: {e}"
+        ) from None
+    missing = sorted({str(x) for x in jax.tree.leaves(full)} - {str(k) for k in transforms})
+    if missing:
+        raise ValueError(
+            f"{fn}: param_labels name label(s) {missing} that have no transformation; "
+            f"`transforms` has {sorted(map(str, transforms))}."
+        )
+    return full
+
+
+def _mask(tree: Any, full_labels: Any, label: Any) -> Any:
+    if tree is None:
+        return None
+    return jax.tree.map(lambda x, lab: x if lab == label else optax.MaskedNode(), tree, full_labels)
+
+
+def _merge(trees: Mapping[Any, Any], full_labels: Any, like_tree: Any) -> Any:
+    """One tree from the per-label trees, each leaf taken from its label's tree."""
+    treedef = jax.tree.structure(like_tree)
+    labels = treedef.flatten_up_to(full_labels)
+    flat = {label: treedef.flatten_up_to(t) for label, t in trees.items()}
+    return treedef.unflatten([flat[label][i] for i, label in enumerate(labels)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _MultiTransformUpdate:
+    """``multi_transform``'s update function; its parts are its fields."""
+
+    transforms: dict[Any, optax.GradientTransformationExtraArgs]
+    param_labels: Any
+    axis_name: Any
+
+    def __call__(
+        self,
+        updates: optax.Updates,
+        state: MultiTransformState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, MultiTransformState]:
+        return self.run(updates, state, params, extra_args, None, to_params=False)
+
+    def run(
+        self,
+        grads: Any,
+        state: MultiTransformState,
+        params: Any,
+        extra_args: dict[str, Any],
+        finite: Any,
+        to_params: bool,
+    ) -> tuple[Any, MultiTransformState]:
+        fn = "jaxamp.step" if to_params else "multi_transform.update"
+        _check_state_type(state, MultiTransformState, fn)
+        _check_grads(grads, params, fn)
+        labels = _full_labels(self.param_labels, grads, self.transforms, fn)
+        parts = []
+        for label, tx in self.transforms.items():
+            masked = _mask(grads, labels, label)
+            masked_params = _mask(params, labels, label)
+            _check_inner_state(
+                tx,
+                state.inner_states[label],
+                masked if params is None else masked_params,
+                fn,
+                f"opt_state.inner_states[{label!r}]",
+            )
+            parts.append(Part(tx, state.inner_states[label], masked, masked_params))
+        outs, inner_states, ls = guarded(
+            state.loss_scale,
+            parts,
+            finite=finite,
+            axis_name=self.axis_name,
+            extra_args=extra_args,
+            to_params=to_params,
+        )
+        out = _merge(dict(zip(self.transforms, outs, strict=True)), labels, grads)
+        return out, MultiTransformState(dict(zip(self.transforms, inner_states, strict=True)), ls)
+
+
+def multi_transform(
+    transforms: Mapping[Any, optax.GradientTransformation],
+    param_labels: Any,
+    loss_scale: LossScaleState | None = None,
+    *,
+    max_consecutive_nonfinite: int | None = None,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Several optimizers sharing one loss scale, each skipped on its own.
+
+    PyTorch's "multiple optimizers, one scaler". Like ``optax.multi_transform``,
+    each label's transformation sees only its own parameters' gradients, all
+    unscaled with the one shared scale. A non-finite gradient in one partition
+    skips that partition's update (its params and inner state unchanged bit for
+    bit) while the others step; the shared scale updates once per step with
+    "every partition finite" (PyTorch's combined ``found_inf``), so
+    ``metrics(...)["skipped"]`` is True when any partition was skipped.
+
+    Args:
+      transforms: a mapping from label to optax transformation.
+      param_labels: a tree of labels with the params' structure (or a prefix of
+        it), or a function of the params returning one.
+      loss_scale: the shared :class:`LossScaleState`; ``None`` only skips.
+      max_consecutive_nonfinite: as in :func:`skip_nonfinite`.
+      axis_name: as in :func:`skip_nonfinite`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`MultiTransformState`; extra arguments are forwarded to every
+      transformation.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = jaxamp.multi_transform(
+      ...     {"body": optax.sgd(1.0), "head": optax.sgd(1.0)},
+      ...     {"w": "body", "b": "head"}, jaxamp.static_scale(2.0))
+      >>> params = {"w": jnp.ones(2), "b": jnp.ones(2)}
+      >>> grads = {"w": jnp.array([2.0, 2.0]), "b": jnp.array([jnp.inf, 2.0])}
+      >>> params, state = jaxamp.step(tx, grads, tx.init(params), params)
+      >>> params["w"], params["b"]
+      (Array([0., 0.], dtype=float32), Array([1., 1.], dtype=float32))
+    """
+    fn = "multi_transform"
+    if not isinstance(transforms, Mapping) or not transforms:
+        raise TypeError(
+            f"{fn}: `transforms` must be a non-empty mapping from label to optax "
+            f"transformation, got {transforms!r}."
+        )
+    checked = {k: _check_inner(v, fn, f"transforms[{k!r}]") for k, v in transforms.items()}
+    loss_scale = _loss_scale_arg(loss_scale, max_consecutive_nonfinite, fn)
+    axis_name = check_axis_name(axis_name, fn)
+
+    def init_fn(params: optax.Params) -> MultiTransformState:
+        labels = _full_labels(param_labels, params, checked, fn)
+        states = {k: tx.init(_mask(params, labels, k)) for k, tx in checked.items()}
+        ls = jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale)
+        return MultiTransformState(states, ls)
+
+    return optax.GradientTransformationExtraArgs(
+        init_fn, _MultiTransformUpdate(checked, param_labels, axis_name)
+    )
+
+
+_GUARDED = (_SkipNonfiniteUpdate, _MultiTransformUpdate)
+
+
+def step(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    *,
+    finite: Any = None,
+    **extra_args: Any,
+) -> tuple[Any, Any]:
+    """One optimizer step: ``tx.update`` and ``optax.apply_updates`` fused.
+
+    PyTorch's ``scaler.step(optimizer)``. For a :func:`skip_nonfinite` or
+    :func:`multi_transform` transformation the results equal ``tx.update``
+    followed by ``optax.apply_updates`` bit for bit, but a non-finite step is
+    skipped as a whole (params and inner state pass through a ``lax.cond``), so no
+    zero updates and no second copy of the optimizer state are materialised. Any
+    other transformation takes the plain ``update`` + ``apply_updates`` path.
+
+    Args:
+      tx: the optimizer, ideally one :func:`skip_nonfinite` or
+        :func:`multi_transform` returned.
+      grads: the (scaled) gradients; with ``finite=``, already unscaled.
+      opt_state: ``tx``'s state.
+      params: the parameters.
+      finite: PyTorch's ``unscale_`` then ``step``: a bool scalar saying that
+        ``grads`` were already unscaled and checked (by
+        :func:`jaxamp.unscale_and_check`, then clipped or edited). They are not
+        unscaled or checked again; the step is skipped where ``finite`` is False,
+        and the scale updates with it.
+      **extra_args: forwarded to the inner optimizer (e.g. ``value=`` for
+        ``optax.contrib.reduce_on_plateau``).
+
+    Returns:
+      ``(new_params, new_opt_state)``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.5), jaxamp.static_scale(2.0))
+      >>> params = {"w": jnp.ones(2)}
+      >>> params, state = jaxamp.step(tx, {"w": jnp.array([2.0, 4.0])}, tx.init(params), params)
+      >>> params["w"]
+      Array([0.5, 0. ], dtype=float32)
+    """
+    if params is None:
+        raise ValueError(
+            "jaxamp.step needs the params (it returns the new params); to get updates "
+            "instead, call tx.update(grads, opt_state, params)."
+        )
+    update = getattr(tx, "update", None)
+    if isinstance(update, _GUARDED):
+        return update.run(grads, opt_state, params, extra_args, finite, to_params=True)
+    if finite is not None:
+        raise TypeError(
+            "jaxamp.step: finite= needs a transformation from jaxamp.skip_nonfinite or "
+            f"jaxamp.multi_transform, got {type(tx).__name__}."
+        )
+    updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def value_and_grad(
+    fun: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+) -> Callable[..., Any]:
+    """``jax.value_and_grad`` of the *scaled* loss, returning the *unscaled* loss.
+
+    Flax ``DynamicScale.value_and_grad`` users' habit, without a ``jaxamp.scale``
+    lambda in every train step: the returned function takes the loss-scale state
+    (or an optimizer state / ``TrainState`` holding one) first, then ``fun``'s
+    arguments. ``argnums`` counts ``fun``'s arguments, as in JAX.
+
+    Args:
+      fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
+      argnums: which of ``fun``'s positional arguments to differentiate.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A function ``(state, *args, **kwargs) -> (value, grads)`` (``((value, aux),
+      grads)`` with ``has_aux``): the loss as ``fun`` computed it and the gradients
+      of the scaled loss, ready for :func:`jaxamp.step` or ``tx.update``.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> loss_fn = lambda w, x: jnp.sum(w * x)
+      >>> value, grads = jaxamp.value_and_grad(loss_fn)(jaxamp.static_scale(8.0), jnp.ones(2), 3.0)
+      >>> value, grads
+      (Array(6., dtype=float32), Array([24., 24.], dtype=float32))
+    """
+    if not callable(fun):
+        raise TypeError(f"value_and_grad: `fun` must be callable, got {type(fun).__name__}.")
+
+    def scaled_fun(ls: LossScaleState, *args: Any, **kwargs: Any) -> Any:
+        out = fun(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple | list) and len(out) == 2):
+                raise TypeError(
+                    "value_and_grad: with has_aux=True, `fun` must return a pair (loss, aux), "
+                    f"got {type(out).__name__}."
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        if jnp.shape(loss) != () or not is_float_leaf(jnp.asarray(loss)):
+            raise TypeError(
+                "value_and_grad: `fun` must return a scalar floating loss"
+                + (" as the first element of its pair" if has_aux else "")
+                + f", got {jnp.asarray(loss).dtype}{list(jnp.shape(loss))}. Use has_aux=True "
+                "to return (loss, aux)."
+            )
+        return ls_lib.scale(ls, loss), (loss, aux)
+
+    def wrapped(state: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        ls = ls_lib.find_state(state, "value_and_grad")
+        shifted = tuple(a + 1 for a in argnums) if isinstance(argnums, tuple) else argnums + 1
+        grad_fn = jax.value_and_grad(scaled_fun, argnums=shifted, has_aux=True)
+        (_, (loss, aux)), grads = grad_fn(ls, *args, **kwargs)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped
