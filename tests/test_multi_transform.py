@@ -33,7 +33,9 @@ def test_a_non_finite_partition_is_skipped_while_the_other_steps():
     # The head: params and inner state bit for bit as they were.
     np.testing.assert_array_equal(params["head"], PARAMS["head"])
     for a, b in zip(
-        jax.tree.leaves(new.inner_states["head"]), jax.tree.leaves(state.inner_states["head"])
+        jax.tree.leaves(new.inner_states["head"]),
+        jax.tree.leaves(state.inner_states["head"]),
+        strict=True,
     ):
         np.testing.assert_array_equal(a, b)
     # The body stepped as optax.multi_transform would (eager op-by-op here, one fused
