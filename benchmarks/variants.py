@@ -74,9 +74,7 @@ def _plain(loss: Callable[[Any, Any], jax.Array]) -> Variant:
 def _jaxamp_loss_grad(loss: Callable[[Any, Any], jax.Array], params: Any, opt_state: Any,
                       batch: Any) -> tuple[jax.Array, Any]:
     """Scaled loss -> scaled gradients, with the scale read from the optax state."""
-    ls = jaxamp.get_loss_scale(opt_state)
-    value, grads = jax.value_and_grad(lambda p: jaxamp.scale(ls, loss(p, batch)))(params)
-    return value / ls.scale, grads
+    return jaxamp.value_and_grad(loss)(opt_state, params, batch)
 
 
 def _jaxamp_optax(loss: Callable[[Any, Any], jax.Array]) -> Variant:
@@ -114,6 +112,37 @@ def _jaxamp_step(loss: Callable[[Any, Any], jax.Array], use_cond: bool) -> Varia
     else:
         name, desc = "jaxamp_step_select", "jaxamp fused step, compute-then-select design"
     return Variant(name, desc, lambda p: (p, tx.init(p), None), step, is_jaxamp=True)
+
+
+EVERY_K = 4
+
+
+def _optax_multisteps(loss: Callable[[Any, Any], jax.Array]) -> Variant:
+    tx = optax.MultiSteps(adamw(), every_k_schedule=EVERY_K)
+
+    def step(params: Any, opt_state: Any, aux: Any, batch: Any) -> Any:
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, aux, value
+
+    return Variant(
+        "optax_multisteps", f"optax.MultiSteps(adamw, {EVERY_K}): accumulation, no scaling",
+        lambda p: (p, tx.init(p), None), step,
+    )
+
+
+def _jaxamp_every_k(loss: Callable[[Any, Any], jax.Array]) -> Variant:
+    tx = jaxamp.skip_nonfinite(adamw(), jaxamp.dynamic_scale(INIT_SCALE), every_k=EVERY_K)
+
+    def step(params: Any, opt_state: Any, aux: Any, batch: Any) -> Any:
+        value, grads = _jaxamp_loss_grad(loss, params, opt_state, batch)
+        params, opt_state = jaxamp.step(tx, grads, opt_state, params)
+        return params, opt_state, aux, value
+
+    return Variant(
+        "jaxamp_every_k", f"jaxamp.step, skip_nonfinite(adamw, every_k={EVERY_K})",
+        lambda p: (p, tx.init(p), None), step, is_jaxamp=True,
+    )
 
 
 def _jmp(loss: Callable[[Any, Any], jax.Array]) -> Variant:
@@ -186,6 +215,8 @@ VARIANT_NAMES = (
     "jmp",
     "flax_dynamic_scale",
     "optax_apply_if_finite",
+    "optax_multisteps",
+    "jaxamp_every_k",
 )
 
 
@@ -200,6 +231,8 @@ def build_variants(loss: Callable[[Any, Any], jax.Array],
         _jmp(loss),
         _flax(loss),
         _apply_if_finite(loss),
+        _optax_multisteps(loss),
+        _jaxamp_every_k(loss),
     ]
     if only:
         unknown = set(only) - set(VARIANT_NAMES)

@@ -492,21 +492,44 @@ def unscale(state: LossScaleState, tree: Any) -> Any:
     return map_float_leaves(mul, tree)
 
 
-def local_finite(state: LossScaleState, unscaled: Any) -> jax.Array | None:
+def local_finite(state: LossScaleState, grads: Any) -> jax.Array | None:
     """Whether the *unscaled* gradients are finite on this device; None if unchecked.
 
-    The check always reads the values the optimizer will see: a scale below 1
-    multiplies by more than 1 and can overflow, and whether it is below 1 is a
-    run-time fact. The multiply fuses into the reduction, so it costs no memory
-    traffic over reading the scaled gradients.
+    Reads the *scaled* gradients once: ``sum(x - x)`` is finite iff every ``x`` is,
+    and since rounding is monotonic, ``x / scale`` overflows the leaf's dtype for
+    some ``x`` iff it does for ``max(|x|)``. So the answer is exactly "every value the
+    optimizer will see is finite", whatever the scale (a scale below 1 multiplies by
+    more than 1 and can overflow): a run-time fact, not a configuration flag. Both
+    reductions read the same leaf and fuse; nothing is materialised.
     """
     if not state.mode.checks:
         return None
     result = jnp.array(True)
-    for leaf in jax.tree.leaves(unscaled):
-        if is_float_leaf(leaf):
+    for leaf in jax.tree.leaves(grads):
+        if not is_float_leaf(leaf):
+            continue
+        leaf = jnp.asarray(leaf)
+        if not state.mode.scales:
             result = result & leaf_finite(leaf)
+            continue
+        wide = wide_dtype(leaf.dtype)
+        total, biggest = _sum_and_max_abs(leaf.astype(wide))
+        unscaled_max = (biggest * (1.0 / state.scale.astype(wide))).astype(leaf.dtype)
+        result = result & jnp.isfinite(total) & jnp.isfinite(unscaled_max)
     return result
+
+
+def _sum_and_max_abs(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``sum(x - x)`` and ``max(|x|)`` in one variadic reduction: one read of ``x``."""
+    zero = jnp.zeros((), x.dtype)
+    if jnp.iscomplexobj(x):
+        return jnp.sum(x - x), jnp.max(jnp.abs(x))
+    return jax.lax.reduce(
+        (x - x, jnp.abs(x)),
+        (zero, zero),
+        lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
+        tuple(range(x.ndim)),
+    )
 
 
 def unscale_and_check(
@@ -534,7 +557,7 @@ def unscale_and_check(
     """
     _check_state(state, "unscale_and_check")
     unscaled = unscale(state, grads)
-    finite = local_finite(state, unscaled)
+    finite = local_finite(state, grads)
     if finite is None:
         return unscaled, jnp.array(True)
     return unscaled, agree(finite, axis_name)

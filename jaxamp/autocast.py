@@ -186,8 +186,13 @@ def _to_original(vals: list[Any], dtypes: list[np.dtype], invars: list[Any]) -> 
     return out
 
 
-def _eval_jaxpr(jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any], ctx: _Context,
-                as_written: bool = False) -> list[Any]:
+def _eval_jaxpr(
+    jaxpr: Jaxpr,
+    consts: Iterable[Any],
+    args: Iterable[Any],
+    ctx: _Context,
+    as_written: bool = False,
+) -> list[Any]:
     """Evaluates `jaxpr` with autocast rules; outputs keep whatever dtype they get."""
     env: dict[Any, Any] = {}
     for v, x in zip(jaxpr.constvars, consts, strict=True):
@@ -270,8 +275,9 @@ def _eval_eqn(eqn: Any, invals: list[Any], ctx: _Context, as_written: bool) -> l
     for i in strong[1:]:
         widest = _promote(widest, dtypes[i])
     if rule == LOWER:
-        target = widest if widest.itemsize > ctx.dtype.itemsize and widest.itemsize > 4 \
-            else ctx.dtype
+        target = (
+            widest if widest.itemsize > ctx.dtype.itemsize and widest.itemsize > 4 else ctx.dtype
+        )
     elif rule == FLOAT32:
         target = _promote(widest, _FLOAT32)
     elif rule == WIDEST:
@@ -307,8 +313,9 @@ def _has_subjaxprs(params: Mapping[str, Any]) -> bool:
     return False
 
 
-def _eval_higher_order(eqn: Any, invals: list[Any], dtypes: list[np.dtype],
-                       ctx: _Context) -> list[Any]:
+def _eval_higher_order(
+    eqn: Any, invals: list[Any], dtypes: list[np.dtype], ctx: _Context
+) -> list[Any]:
     # The primitive keeps its original signature: inputs go back to their
     # original dtypes and every inner jaxpr is replaced by an autocast jaxpr
     # with exactly the same input and output types. Everything else in the
@@ -334,18 +341,18 @@ def _eval_higher_order(eqn: Any, invals: list[Any], dtypes: list[np.dtype],
                 for v in value
             )
         params[key] = value
-    return _jax_compat.outputs_as_list(
-        eqn.primitive, _jax_compat.bind(eqn.primitive, args, params)
-    )
+    return _jax_compat.outputs_as_list(eqn.primitive, _jax_compat.bind(eqn.primitive, args, params))
 
 
-def _eval_to_original(jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any],
-                      ctx: _Context) -> list[Any]:
+def _eval_to_original(
+    jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any], ctx: _Context
+) -> list[Any]:
     """Like `_eval_jaxpr`, with outputs cast back to the jaxpr's output dtypes."""
     outs = _eval_jaxpr(jaxpr, consts, args, ctx)
     return [
         lax.convert_element_type(x, v.aval.dtype)
-        if _is_float(x.dtype) and x.dtype != v.aval.dtype else x
+        if _is_float(x.dtype) and x.dtype != v.aval.dtype
+        else x
         for x, v in zip(outs, jaxpr.outvars, strict=True)
     ]
 
@@ -425,9 +432,7 @@ def _resolve_rules(rules: Mapping[Any, str] | None) -> Mapping[str, str]:
         if not isinstance(name, str):
             raise TypeError(f"autocast: rules keys must be primitive names, got {key!r}")
         if value not in _OP_CLASSES:
-            raise ValueError(
-                f"autocast: rules[{name!r}]={value!r}; expected one of {_OP_CLASSES}"
-            )
+            raise ValueError(f"autocast: rules[{name!r}]={value!r}; expected one of {_OP_CLASSES}")
         merged[name] = value
     return merged
 

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxamp
 
@@ -282,3 +284,25 @@ def test_the_private_modules_import_without_a_cycle():
     for m in graph:
         if m != "__init__":
             visit(m, [])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from([jnp.float16, jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn]),
+    log2_scale=st.integers(-126, 126),
+    values=st.lists(
+        st.one_of(
+            st.floats(-7e4, 7e4, width=32),
+            st.sampled_from([np.inf, -np.inf, np.nan, 65504.0, 3e38, 448.0, 1e-30]),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_finite_is_exactly_whether_every_unscaled_value_is_finite(dtype, log2_scale, values):
+    """The check reads the scaled gradients once, yet answers for the unscaled ones."""
+    s = jaxamp.static_scale(2.0**log2_scale)
+    g = jnp.asarray(np.asarray(values, np.float32)).astype(dtype)
+    out, finite = jax.jit(jaxamp.unscale_and_check)(s, {"g": g})
+    want = bool(jnp.all(jnp.isfinite(out["g"].astype(jnp.float32))))
+    assert bool(finite) == want
