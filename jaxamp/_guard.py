@@ -38,6 +38,9 @@ class Part(NamedTuple):
     state: Any
     grads: Any
     params: Any
+    # Maps ``grads`` to the scaled gradients inside the check and the cond's branches,
+    # so that a derived tree (an accumulation window's mean) is never materialised.
+    prepare: Any = None
 
 
 def like(old: Any, new_shapes: Any) -> Any:
@@ -80,8 +83,10 @@ def _run_part(
     extra_args: dict[str, Any],
     to_params: bool,
 ) -> tuple[Any, Any]:
+    prepare = part.prepare or (lambda g: g)
+
     def apply(state: Any, grads: Any, params: Any, nonfinite: Any) -> tuple[Any, Any]:
-        updates, state = part.inner.update(unscale(grads), state, params, **extra_args)
+        updates, state = part.inner.update(unscale(prepare(grads)), state, params, **extra_args)
         if not to_params:
             return updates, state
         if nonfinite is not None:
@@ -133,7 +138,7 @@ def guarded(
         finites: list[Any] = [finite] * len(parts)
     else:
         unscale = lambda g: ls_lib.unscale(ls, g)
-        local = [ls_lib.local_finite(ls, p.grads) for p in parts]
+        local = [ls_lib.local_finite(ls, (p.prepare or (lambda g: g))(p.grads)) for p in parts]
         if local and local[0] is not None:
             agreed = agree(jnp.stack(local), axis_name)  # one collective for all parts
             finites = [agreed[i] for i in range(len(parts))]

@@ -172,8 +172,10 @@ class _SkipNonfiniteUpdate:
             "opt_state.inner_state",
         )
 
-        def window(grads: Any, state: SkipNonfiniteState) -> tuple[Any, SkipNonfiniteState]:
-            part = Part(self.inner, state.inner_state, grads, params)
+        def window(
+            grads: Any, state: SkipNonfiniteState, prepare: Any = None
+        ) -> tuple[Any, SkipNonfiniteState]:
+            part = Part(self.inner, state.inner_state, grads, params, prepare)
             (out,), (inner_state,), ls = guarded(
                 state.loss_scale,
                 [part],
@@ -201,14 +203,15 @@ class _SkipNonfiniteUpdate:
         def add(a: Any, g: Any) -> Any:
             return a + g.astype(a.dtype) if is_float_leaf(a) else a
 
-        def finish(grads: Any, state: SkipNonfiniteState) -> tuple[Any, SkipNonfiniteState]:
-            # The window's mean, in the accumulator's dtype, then one guarded step.
-            mean = jax.tree.map(
-                lambda a, g: (add(a, g) / k).astype(a.dtype) if is_float_leaf(a) else g,
-                state.acc,
-                grads,
+        def mean(acc_and_grads: Any) -> Any:
+            acc, grads = acc_and_grads
+            return jax.tree.map(
+                lambda a, g: (add(a, g) / k).astype(a.dtype) if is_float_leaf(a) else g, acc, grads
             )
-            out, state = window(mean, state)
+
+        def finish(grads: Any, state: SkipNonfiniteState) -> tuple[Any, SkipNonfiniteState]:
+            # One guarded step on the window's mean, computed where it is read.
+            out, state = window((state.acc, grads), state, mean)
             # Reset by replacement: `acc * 0` would keep an overflowed micro-batch's NaN.
             zeros = jax.tree.map(jnp.zeros_like, state.acc)
             return out, state._replace(acc=zeros, mini_step=jnp.zeros((), jnp.int32))
