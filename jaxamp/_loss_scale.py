@@ -509,11 +509,11 @@ def local_finite(state: LossScaleState, grads: Any) -> jax.Array | None:
         if not is_float_leaf(leaf):
             continue
         leaf = jnp.asarray(leaf)
-        if not state.mode.scales:
-            result = result & leaf_finite(leaf)
-            continue
         wide = wide_dtype(leaf.dtype)
         total, biggest = _sum_and_max_abs(leaf.astype(wide))
+        if not state.mode.scales:
+            result = result & jnp.isfinite(total)
+            continue
         unscaled_max = (biggest * (1.0 / state.scale.astype(wide))).astype(leaf.dtype)
         result = result & jnp.isfinite(total) & jnp.isfinite(unscaled_max)
     return result
