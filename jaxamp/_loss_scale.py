@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._tree import agree, is_float_leaf, leaf_finite, map_float_leaves, wide_dtype
+from jaxamp._tree import agree, finite_and_max_abs, is_float_leaf, map_float_leaves, wide_dtype
 
 __all__ = [
     "LossScaleState",
@@ -509,27 +509,13 @@ def local_finite(state: LossScaleState, grads: Any) -> jax.Array | None:
         if not is_float_leaf(leaf):
             continue
         leaf = jnp.asarray(leaf)
-        wide = wide_dtype(leaf.dtype)
-        total, biggest = _sum_and_max_abs(leaf.astype(wide))
-        if not state.mode.scales:
-            result = result & jnp.isfinite(total)
-            continue
-        unscaled_max = (biggest * (1.0 / state.scale.astype(wide))).astype(leaf.dtype)
-        result = result & jnp.isfinite(total) & jnp.isfinite(unscaled_max)
+        finite, biggest = finite_and_max_abs(leaf)
+        if state.mode.scales:
+            wide = wide_dtype(leaf.dtype)
+            unscaled_max = (biggest * (1.0 / state.scale.astype(wide))).astype(leaf.dtype)
+            finite = finite & jnp.isfinite(unscaled_max)
+        result = result & finite
     return result
-
-
-def _sum_and_max_abs(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``sum(x - x)`` and ``max(|x|)`` in one variadic reduction: one read of ``x``."""
-    zero = jnp.zeros((), x.dtype)
-    if jnp.iscomplexobj(x):
-        return jnp.sum(x - x), jnp.max(jnp.abs(x))
-    return jax.lax.reduce(
-        (x - x, jnp.abs(x)),
-        (zero, zero),
-        lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
-        tuple(range(x.ndim)),
-    )
 
 
 def unscale_and_check(

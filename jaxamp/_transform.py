@@ -135,22 +135,37 @@ def _check_state_type(state: Any, cls: type, fn: str) -> None:
         )
 
 
+class _GuardedUpdate:
+    """An update function that :func:`step` can also run with the param update fused in."""
+
+    def __call__(
+        self,
+        updates: optax.Updates,
+        state: Any,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, Any]:
+        return self.run(updates, state, params, extra_args, None, to_params=False)
+
+    def run(
+        self,
+        grads: Any,
+        state: Any,
+        params: Any,
+        extra_args: dict[str, Any],
+        finite: Any,
+        to_params: bool,
+    ) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+
 @dataclasses.dataclass(frozen=True)
-class _SkipNonfiniteUpdate:
+class _SkipNonfiniteUpdate(_GuardedUpdate):
     """``skip_nonfinite``'s update function; its parts are its fields."""
 
     inner: optax.GradientTransformationExtraArgs
     axis_name: Any
     every_k: int
-
-    def __call__(
-        self,
-        updates: optax.Updates,
-        state: SkipNonfiniteState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, SkipNonfiniteState]:
-        return self.run(updates, state, params, extra_args, None, to_params=False)
 
     def run(
         self,
@@ -337,21 +352,12 @@ def _merge(trees: Mapping[Any, Any], full_labels: Any, like_tree: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class _MultiTransformUpdate:
+class _MultiTransformUpdate(_GuardedUpdate):
     """``multi_transform``'s update function; its parts are its fields."""
 
     transforms: dict[Any, optax.GradientTransformationExtraArgs]
     param_labels: Any
     axis_name: Any
-
-    def __call__(
-        self,
-        updates: optax.Updates,
-        state: MultiTransformState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, MultiTransformState]:
-        return self.run(updates, state, params, extra_args, None, to_params=False)
 
     def run(
         self,
@@ -453,9 +459,6 @@ def multi_transform(
     )
 
 
-_GUARDED = (_SkipNonfiniteUpdate, _MultiTransformUpdate)
-
-
 def step(
     tx: optax.GradientTransformation,
     grads: Any,
@@ -505,7 +508,7 @@ def step(
             "instead, call tx.update(grads, opt_state, params)."
         )
     update = getattr(tx, "update", None)
-    if isinstance(update, _GUARDED):
+    if isinstance(update, _GuardedUpdate):
         return update.run(grads, opt_state, params, extra_args, finite, to_params=True)
     if finite is not None:
         raise TypeError(
