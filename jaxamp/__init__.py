@@ -1,6 +1,7 @@
 """jaxamp: automatic mixed precision for JAX, Flax and optax."""
 
 from jaxamp import checkpoint, compat
+from jaxamp._distributed import check_in_sync
 from jaxamp.autocast import autocast, full_precision
 from jaxamp.loss_scale import (
     LossScaleState,
@@ -28,6 +29,7 @@ __all__ = [
     "all_finite",
     "autocast",
     "check_health",
+    "check_in_sync",
     "checkpoint",
     "compat",
     "dynamic_scale",
