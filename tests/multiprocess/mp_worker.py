@@ -174,7 +174,9 @@ def _unchanged(old, new):
 
 def jit_step(tx, params, opt_state, x, y, grad_row, grad_value):
     """Global arrays, jit over the mesh: no axis_name. ``grad_row`` >= 0 puts
-    ``grad_value`` into that row of grads["w1"] (under FSDP: one device's shard)."""
+    ``grad_value`` into that row of grads["w1"] (under FSDP: one device's shard).
+    Returns the new params and state, whether the params are unchanged, and the same
+    per parameter (sorted by name)."""
     import jax
     import jax.numpy as jnp
 
@@ -185,7 +187,8 @@ def jit_step(tx, params, opt_state, x, y, grad_row, grad_value):
     hit = (jnp.arange(IN)[:, None] == grad_row) & (jnp.arange(HIDDEN) == 0)
     grads = dict(grads, w1=jnp.where(hit, grad_value, grads["w1"]))
     new_params, new_state = jaxamp.step(tx, grads, opt_state, params)
-    return new_params, new_state, _unchanged(params, new_params)
+    per_leaf = jnp.stack([_unchanged(params[k], new_params[k]) for k in sorted(params)])
+    return new_params, new_state, _unchanged(params, new_params), per_leaf
 
 
 # ------------------------------------------------------------------ global arrays
@@ -341,12 +344,14 @@ def _jit_run(ctx: Ctx, name: str, fsdp: bool, tx=None, faults=None, steps=STEPS)
         if mine:
             injected.append(i)
 
-    log = []
+    log, per_leaf = [], []
     with jax.transfer_guard("disallow"):  # no host sync inside the training loop
         for i in range(steps):
-            params, opt_state, unchanged = step(params, opt_state, *inputs[i])
+            params, opt_state, unchanged, leaves = step(params, opt_state, *inputs[i])
             log.append((unchanged, ls_fields(opt_state)))
+            per_leaf.append(leaves)
     rec = trajectory(log)
+    rec["unchanged_per_param"] = np.stack([local_copies(u) for u in per_leaf])
     rec.update(state_record("state", {"params": params, "opt_state": opt_state}))
     rec["injected"] = np.asarray(injected, np.int64)
     np.savez(ctx.path(name), **rec)
@@ -581,7 +586,7 @@ def _ck_train(ctx: Ctx, tx, state, start: int, mngr=None) -> tuple[Any, list]:
             saved = {"params": params, "opt_state": opt_state}
             mngr.save(i, args=ocp.args.StandardSave(saved))
         with jax.transfer_guard("disallow"):
-            params, opt_state, unchanged = step(params, opt_state, *inputs[i - start])
+            params, opt_state, unchanged, _ = step(params, opt_state, *inputs[i - start])
         log.append((unchanged, ls_fields(opt_state)))
     return {"params": params, "opt_state": opt_state}, log, saved
 
@@ -644,7 +649,7 @@ def die(ctx: Ctx) -> None:
             os._exit(17)
         x, _ = local_batch(ctx, xs[i], None, 0.0)
         y, _ = local_batch(ctx, ys[i], None, 0.0)
-        params, opt_state, _ = step(
+        params, opt_state, _, _ = step(
             params, opt_state, x, y, replicated(ctx, np.int32(-1)), replicated(ctx, np.float32(0))
         )
         jax.block_until_ready(params)
