@@ -419,3 +419,23 @@ def test_a_hung_process_times_out_and_everything_is_killed(tmp_path: Path) -> No
             except OSError:
                 continue
             assert str(tmp_path).encode() not in cmd, f"process {pid} survived"
+
+
+def test_the_multiprocess_example_runs(tmp_path: Path, cache: Path) -> None:
+    import subprocess
+    import sys
+
+    from mp_harness import ROOT, worker_env
+
+    env = worker_env(1, cache)  # the example sets each process's device count itself
+    proc = subprocess.run(
+        [sys.executable, "examples/multiprocess.py", "--processes", "2", "--devices", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 processes, 4 devices: every process skipped step 3" in proc.stdout
+    assert "in sync on every device" in proc.stdout
