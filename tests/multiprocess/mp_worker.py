@@ -633,6 +633,24 @@ def ckpt_restore(ctx: Ctx) -> None:
 
 
 @scenario
+def ckpt_restore_indivisible(ctx: Ctx) -> None:
+    """Restoring onto a mesh the FSDP dimensions do not divide by (3 devices): it must
+    fail at once, in every process, with an error that says why (not hang)."""
+    import orbax.checkpoint as ocp
+
+    import jaxamp
+
+    with ocp.CheckpointManager(ctx.ckpt) as mngr:
+        try:
+            jaxamp.checkpoint.restore(mngr, _ck_target(ctx, make_tx()), step=CK_SAVE)
+            message = "restored"
+        except Exception as e:  # recorded for the test to judge
+            message = f"{type(e).__name__}: {e}"
+    (ctx.out / "ckpt_restore_indivisible").mkdir(parents=True, exist_ok=True)
+    (ctx.out / "ckpt_restore_indivisible" / f"p{ctx.process}.txt").write_text(message)
+
+
+@scenario
 def die(ctx: Ctx) -> None:
     """The last process dies after two training steps; the others go on into a collective."""
     import jax

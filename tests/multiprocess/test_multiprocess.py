@@ -386,6 +386,19 @@ def test_restore_into_another_process_count_and_continue(
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
+def test_restore_onto_a_mesh_that_does_not_divide_fails_clearly(
+    tmp_path: Path, cache: Path, ckpt: Path, two: Path
+) -> None:
+    # 3 processes x 1 device: w1's 16 rows (and b1's 64) do not split in 3.
+    run_scenarios(
+        ["ckpt_restore_indivisible"], 3, 1, tmp_path, cache=cache, extra=["--ckpt", str(ckpt)]
+    )
+    for p in range(3):
+        message = (tmp_path / "ckpt_restore_indivisible" / f"p{p}.txt").read_text()
+        assert message.startswith("IndivisibleError"), message
+        assert "partitioned 3 times" in message and "evenly divide" in message, message
+
+
 def test_a_process_that_dies_fails_the_launch_at_once(tmp_path: Path, cache: Path) -> None:
     start = time.monotonic()
     with pytest.raises(LaunchError) as err:
