@@ -84,12 +84,14 @@ def fault_schedule(num_processes: int, steps: int = STEPS, seed: int = FAULT_SEE
     return faults
 
 
-def simulate_loss_scale(skipped: list[bool]) -> np.ndarray:
+def simulate_loss_scale(skipped: list[bool], start: tuple | None = None) -> np.ndarray:
     """API.md's update rule for dynamic_scale(INIT_SCALE, growth_interval=2, hysteresis=2).
 
+    ``start``: the state to begin from (LS_FIELDS order); default the initial state.
     Returns (steps, 5): the state after each step, in LS_FIELDS order (as float64).
     """
-    scale, growth, hyst, streak, total = np.float32(INIT_SCALE), 0, HYSTERESIS, 0, 0
+    scale, growth, hyst, streak, total = start or (INIT_SCALE, 0, HYSTERESIS, 0, 0)
+    scale, growth, hyst, streak, total = np.float32(scale), *map(int, (growth, hyst, streak, total))
     out = []
     for bad in skipped:
         if not bad:
