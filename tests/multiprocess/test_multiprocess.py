@@ -14,7 +14,13 @@ writes what it sees. The tests compare the processes' files:
 - 4 processes x 2 devices: the three fault-injected runs again; restore onto 8 devices.
 - restore onto 2 x 2, 4 x 1 and 1 x 4 devices (the saving run's layout: bit for bit).
 - 1 process x 4 devices: the single-process reference of the 2 x 2 runs.
+- 3 processes x 1 device: a restore onto a mesh the FSDP dimensions do not divide
+  by fails at once, in every process, with JAX's error.
 - a process that dies, and one that hangs: the harness fails fast and kills the rest.
+- ``examples/multiprocess.py`` with 2 processes x 2 devices.
+
+Launching tests skip (with the reason) only if this jaxlib has no CPU collectives
+between processes (gloo).
 """
 
 from __future__ import annotations
@@ -46,9 +52,6 @@ from mp_worker import (
 
 import jaxamp
 
-_missing = cpu_collectives_missing()
-pytestmark = pytest.mark.skipif(_missing is not None, reason=f"no CPU collectives: {_missing}")
-
 MAIN = [
     "dp_jit",
     "fsdp_jit",
@@ -68,7 +71,14 @@ PARAMS = sorted(init_params())  # the order of jit_step's per-parameter flags
 
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> Path:
-    """A compilation cache shared by all launches (the same programs recur)."""
+    """A compilation cache shared by all launches (the same programs recur).
+
+    Every test that launches processes asks for it: they skip, with the reason, if
+    this jaxlib cannot run collectives between CPU processes.
+    """
+    missing = cpu_collectives_missing()
+    if missing is not None:
+        pytest.skip(f"no CPU collectives between processes: {missing}")
     return tmp_path_factory.mktemp("jax_cache")
 
 
@@ -416,7 +426,7 @@ def test_a_process_that_dies_fails_the_launch_at_once(tmp_path: Path, cache: Pat
     assert elapsed < 60, f"took {elapsed:.0f}s to notice"
 
 
-def test_a_hung_process_times_out_and_everything_is_killed(tmp_path: Path) -> None:
+def test_a_hung_process_times_out_and_everything_is_killed(tmp_path: Path, cache: Path) -> None:
     import os
 
     with pytest.raises(LaunchError, match=r"timed out after 15s; processes \[0, 1\]"):
