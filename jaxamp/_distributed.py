@@ -8,24 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp.loss_scale import LossScaleState
-
 _WIDTH = 8  # bytes kept per leaf: enough for any scalar dtype up to 64 bits
 _STATIC = "static configuration"
-
-
-def _find(state: Any) -> LossScaleState:
-    found = [
-        x
-        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, LossScaleState))
-        if isinstance(x, LossScaleState)
-    ]
-    if len(found) != 1:
-        raise ValueError(
-            f"check_in_sync: expected one LossScaleState in the state, found {len(found)}. "
-            "Pass the optimizer state of jaxamp.skip_nonfinite (or the LossScaleState itself)."
-        )
-    return found[0]
 
 
 def _local_values(leaf: Any) -> np.ndarray:
@@ -73,13 +57,17 @@ def check_in_sync(opt_state_or_loss_scale_state: Any) -> None:
 
     Raises:
       RuntimeError: naming the fields that differ and each process's value.
+      ValueError: if the state holds no loss-scale state, or several.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
       >>> jaxamp.check_in_sync(tx.init({"w": jnp.ones(2)}))  # one process, one device: quiet
     """
-    state = _find(opt_state_or_loss_scale_state)
+    # The package's public finder (imported here: jaxamp imports this module first).
+    from jaxamp import get_loss_scale
+
+    state = get_loss_scale(opt_state_or_loss_scale_state)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     names = [".".join(str(getattr(k, "name", k)) for k in path) for path, _ in flat]
     dtypes: list[np.dtype | None] = []
