@@ -46,6 +46,7 @@ from mp_worker import (
     STEPS,
     fault_schedule,
     init_params,
+    make_mt_tx,
     make_tx,
     simulate_loss_scale,
 )
@@ -134,9 +135,10 @@ def load(out: Path, name: str, n: int) -> list[dict[str, np.ndarray]]:
     return recs
 
 
-def leaf_names() -> list[str]:
+def leaf_names(tx=None) -> list[str]:
+    """The key paths of {"params", "opt_state"}'s leaves, in the order the worker saves them."""
     p0 = init_params()
-    tree = {"params": p0, "opt_state": make_tx().init(p0)}
+    tree = {"params": p0, "opt_state": (tx or make_tx()).init(p0)}
     return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
@@ -149,11 +151,13 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def assert_identical_everywhere(recs: list[dict], prefix: str, stacked: bool = False) -> None:
+def assert_identical_everywhere(
+    recs: list[dict], prefix: str, stacked: bool = False, tx=None
+) -> None:
     """Every process sees the same global state, and every local copy of a replicated
     leaf (one per device) equals it bit for bit; with ``stacked`` (one replica per
-    device along axis 0), all replicas are equal too."""
-    names = leaf_names()
+    device along axis 0), all replicas are equal too. ``tx``: the run's optimizer."""
+    names = leaf_names(tx)
     reference = fulls(recs[0], prefix)
     assert len(reference) == len(names)
     for p, rec in enumerate(recs):
@@ -270,8 +274,11 @@ def test_check_in_sync_in_one_process() -> None:
     jaxamp.check_in_sync(jaxamp.get_loss_scale(state))
     stacked = jax.tree.map(lambda a: jnp.stack([a, a, a]), state)  # pmap-style replicas
     jaxamp.check_in_sync(stacked)
-    ls = jaxamp.get_loss_scale(stacked)
-    drifted = ls.replace(growth_tracker=ls.growth_tracker.at[2].set(7))
+    # Replica 2's growth_tracker drifts (built leaf by leaf: replace() wants scalars).
+    drifted = jax.tree_util.tree_map_with_path(
+        lambda path, a: a.at[2].set(7) if "growth_tracker" in jax.tree_util.keystr(path) else a,
+        jaxamp.get_loss_scale(stacked),
+    )
     with pytest.raises(RuntimeError, match=r"`growth_tracker` differs .* holds 0 and 7"):
         jaxamp.check_in_sync(drifted)
     with pytest.raises(ValueError, match="LossScaleState"):
@@ -308,7 +315,7 @@ def test_every_k_skips_the_whole_window_on_every_process(two: Path) -> None:
             assert rec["unchanged"].reshape(EK_STEPS, -1)[:, d].tolist() == expected_unchanged
             ls = rec["ls"].reshape(EK_STEPS, -1, 5)[:, d]
             np.testing.assert_array_equal(ls, np.asarray(expected_ls))
-    assert_identical_everywhere(recs, "state")
+    assert_identical_everywhere(recs, "state", tx=make_tx(every_k=EVERY_K))
 
 
 @pytest.mark.skipif(
@@ -324,13 +331,13 @@ def test_multi_transform_skips_one_partition_on_every_process(two: Path) -> None
         for i in range(MT_STEPS):
             f = bad.get(i)
             for j, name in enumerate(PARAMS):
-                # A NaN in grads["w1"] skips partition "a" (w1, b1) only; an inf in the
+                # A NaN in grads["w1"] skips partition "a" (w1, b1) only; a NaN in the
                 # batch skips everything.
                 skipped = f is not None and (f.kind == "x" or MT_LABELS[name] == "a")
                 assert per_param[i, :, j].tolist() == [skipped] * 2, (p, i, name)
         for d in range(2):
             np.testing.assert_array_equal(rec["ls"].reshape(MT_STEPS, -1, 5)[:, d], sim)
-    assert_identical_everywhere(recs, "state")
+    assert_identical_everywhere(recs, "state", tx=make_mt_tx())
 
 
 def _ls_at(values: list[np.ndarray], field: str) -> float:
