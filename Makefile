@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 jaxamp tests --ignore=tests/multidevice
+	$(PY) -m pytest -q -n 2 jaxamp tests --ignore=tests/multidevice --ignore=tests/multiprocess
 	$(MULTIDEVICE) $(PY) -m pytest -q tests/multidevice
+	$(PY) -m pytest -q tests/multiprocess
 
 demo: $(STAMP)
 	$(PY) examples/train_lm.py

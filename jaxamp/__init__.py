@@ -5,6 +5,7 @@ The modules are private; everything public is re-exported here (and in the
 """
 
 from jaxamp import checkpoint, compat
+from jaxamp._distributed import check_in_sync
 from jaxamp._loss_scale import (
     LossScaleState,
     Mode,
@@ -43,6 +44,7 @@ __all__ = [
     "all_finite",
     "autocast",
     "check_health",
+    "check_in_sync",
     "checkpoint",
     "compat",
     "dynamic_scale",
