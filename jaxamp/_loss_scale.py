@@ -718,7 +718,8 @@ def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
         "growth_tracker": s.growth_tracker,
         "nonfinite_streak": s.nonfinite_streak,
         "skipped_steps": s.skipped_steps,
-        "skipped": s.nonfinite_streak > 0,
+        # streak != 0 without a Python constant: eagerly, that would be a host transfer.
+        "skipped": s.nonfinite_streak.astype(jnp.bool_),
     }
 
 

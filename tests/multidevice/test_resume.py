@@ -37,7 +37,7 @@ from md_harness import (
 import jaxamp
 
 WORKER = Path(__file__).with_name("resume_worker.py")
-N_LOSS_SCALE_LEAVES = 12
+N_LOSS_SCALE_LEAVES = len(jax.tree.leaves(jaxamp.dynamic_scale()))
 
 
 def _spawn(n_devices: int, ckpt: Path, out: Path) -> subprocess.Popen:
@@ -46,6 +46,9 @@ def _spawn(n_devices: int, ckpt: Path, out: Path) -> subprocess.Popen:
         os.environ,
         XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}",
         JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
+        ),
     )
     steps = [str(s) for s in RESUME_SAVES]
     return subprocess.Popen(
