@@ -1,7 +1,7 @@
 """jaxamp: automatic mixed precision for JAX, Flax and optax."""
 
 from jaxamp import checkpoint, compat
-from jaxamp.autocast import autocast, full_precision
+from jaxamp._autocast import DEFAULT_RULES, autocast, full_precision
 from jaxamp.loss_scale import (
     LossScaleState,
     check_health,
@@ -13,7 +13,7 @@ from jaxamp.loss_scale import (
     unscale_and_check,
     update,
 )
-from jaxamp.policy import Policy
+from jaxamp._policy import Policy
 from jaxamp.train_state import TrainState
 from jaxamp.transform import SkipNonfiniteState, get_loss_scale, skip_nonfinite, step
 from jaxamp.tree import all_finite, select_tree
@@ -21,6 +21,7 @@ from jaxamp.tree import all_finite, select_tree
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_RULES",
     "LossScaleState",
     "Policy",
     "SkipNonfiniteState",
