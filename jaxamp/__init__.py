@@ -2,6 +2,7 @@
 
 from jaxamp import checkpoint, compat
 from jaxamp._autocast import DEFAULT_RULES, autocast, full_precision
+from jaxamp._policy import Policy
 from jaxamp.loss_scale import (
     LossScaleState,
     check_health,
@@ -13,7 +14,6 @@ from jaxamp.loss_scale import (
     unscale_and_check,
     update,
 )
-from jaxamp._policy import Policy
 from jaxamp.train_state import TrainState
 from jaxamp.transform import SkipNonfiniteState, get_loss_scale, skip_nonfinite, step
 from jaxamp.tree import all_finite, select_tree

@@ -813,7 +813,9 @@ def _resolve_rules(rules: Mapping[Any, str] | None, where: str = "rules") -> dic
         if isinstance(key, str):
             name = key
             if name not in _known_primitives():
-                close = difflib.get_close_matches(name, sorted(_known_primitives()), n=3)
+                known = sorted(_known_primitives())
+                close = sorted((k for k in known if k.startswith(name)), key=len)[:3]
+                close += [k for k in difflib.get_close_matches(name, known, n=3) if k not in close]
                 hint = f" Closest known names: {', '.join(close)}." if close else ""
                 raise ValueError(
                     f"autocast: {where} names an unknown primitive {name!r}.{hint} Keys are "
@@ -1016,7 +1018,7 @@ def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
         for i in node_idx:
             static_leaves[i] = None
         nstate = len(state_leaves)
-        method = None if self_node is f else f.__func__
+        method = f.__func__ if self_node is not None and self_node is not f else None
 
         def pure(*vals: Any) -> Any:
             merged = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, vals[:nstate]))
@@ -1046,7 +1048,7 @@ def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
         out, changed = _dispatch(pure, p_leaves, p_def, list(range(len(p_leaves))), p_leaves)
         variables = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
         for i, value in changed.items():
-            variables[i].value = value
+            variables[i].set_value(value)
         return out
 
     def linen_call(*args: Any, **kwargs: Any) -> Any:

@@ -217,6 +217,7 @@ class Policy:
           >>> jaxamp.Policy.from_string("half").to_string()
           'p=f32,c=f16,o=f32'
         """
+
         def short(d: np.dtype) -> str:
             return _SHORT.get(d, d.name)
 

@@ -95,8 +95,9 @@ def test_flax_dense_conv_lstm_run_in_float16():
     x = _normal((2, 8, 8, 3))
     conv = nn.Conv(4, (3, 3))
     pc = conv.init(KEY, x)
-    _assert_all(jaxamp.autocast(conv.apply, dtype=F16), pc, x,
-                prim="conv_general_dilated", dtype=F16)
+    _assert_all(
+        jaxamp.autocast(conv.apply, dtype=F16), pc, x, prim="conv_general_dilated", dtype=F16
+    )
 
     dense = nn.Dense(5)
     xd = _normal((2, 7))
@@ -106,8 +107,15 @@ def test_flax_dense_conv_lstm_run_in_float16():
     cell = nn.LSTMCell(6)
     carry = cell.initialize_carry(KEY, (2, 7))
     pl = cell.init(KEY, carry, xd)
-    _assert_all(jaxamp.autocast(cell.apply, dtype=F16), pl, carry, xd,
-                prim="dot_general", dtype=F16, at_least=2)
+    _assert_all(
+        jaxamp.autocast(cell.apply, dtype=F16),
+        pl,
+        carry,
+        xd,
+        prim="dot_general",
+        dtype=F16,
+        at_least=2,
+    )
     (c, h), out = jaxamp.autocast(cell.apply, dtype=F16)(pl, carry, xd)
     (c_ref, h_ref), _ = cell.apply(pl, carry, xd)
     assert h.dtype == F32 and c.dtype == F32
@@ -123,9 +131,11 @@ def test_flax_dense_conv_lstm_run_in_float16():
         ("cumsum", lambda x: jnp.cumsum(x, axis=-1), "cumsum"),
         ("softmax", lambda x: jax.nn.softmax(x, axis=-1), "exp"),
         ("log_softmax", lambda x: jax.nn.log_softmax(x, axis=-1), "exp"),
-        ("cross_entropy",
-         lambda x: optax.softmax_cross_entropy_with_integer_labels(x, jnp.arange(4) % 3),
-         "reduce_sum"),
+        (
+            "cross_entropy",
+            lambda x: optax.softmax_cross_entropy_with_integer_labels(x, jnp.arange(4) % 3),
+            "reduce_sum",
+        ),
     ],
 )
 def test_sensitive_ops_run_in_float32_even_when_fed_float16(name, fn, prim):
@@ -180,8 +190,9 @@ def test_rules_override_per_call():
     x = _normal((4, 8))
     keep = jaxamp.autocast(lambda x: x @ x.T, dtype=F16, rules={"dot_general": "float32"})
     _assert_all(keep, x, prim="dot_general", dtype=F32)
-    lower_exp = jaxamp.autocast(lambda x: jnp.exp(x @ x.T), dtype=F16,
-                                rules={jax.lax.exp_p: "lower"})
+    lower_exp = jaxamp.autocast(
+        lambda x: jnp.exp(x @ x.T), dtype=F16, rules={jax.lax.exp_p: "lower"}
+    )
     _assert_all(lower_exp, x, prim="exp", dtype=F16)
     assert DEFAULT_RULES["dot_general"] == "lower" and "exp" in FLOAT32_OPS
     assert "conv_general_dilated" in LOWER_PRECISION_OPS
@@ -235,8 +246,9 @@ def _control_flow(w, x, use_while=True):
 
     h, ys = jax.lax.scan(body, x[0], x)
     if use_while:
-        _, h2 = jax.lax.while_loop(lambda c: c[0] < 3,
-                                   lambda c: (c[0] + 1, jnp.sin(c[1] @ w)), (0, h))
+        _, h2 = jax.lax.while_loop(
+            lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.sin(c[1] @ w)), (0, h)
+        )
     else:
         h2 = jax.lax.fori_loop(0, 3, lambda i, c: jnp.sin(c @ w), h)
     h3 = jax.lax.cond(jnp.sum(h2) > 0, lambda a: a @ w, lambda a: -(a @ w), h2)
@@ -374,8 +386,9 @@ def test_full_precision_region_and_nested_autocast():
     def f(x, w):
         a = x @ w  # float16
         b = jaxamp.full_precision(lambda x, w: x @ w)(x, w)  # float32
-        c = jaxamp.full_precision(lambda x, w: jaxamp.autocast(lambda p, q: p @ q,
-                                                                dtype=BF16)(x, w))(x, w)
+        c = jaxamp.full_precision(
+            lambda x, w: jaxamp.autocast(lambda p, q: p @ q, dtype=BF16)(x, w)
+        )(x, w)
         return a, b, c
 
     found = _operand_dtypes(jaxamp.autocast(f, dtype=F16), x, w, prim="dot_general")
@@ -471,8 +484,12 @@ def test_shard_map():
     mesh = jax.make_mesh((1,), ("i",))
 
     def f(x, w):
-        return jax.shard_map(lambda a, b: jax.lax.psum(jnp.tanh(a @ b), "i"), mesh=mesh,
-                             in_specs=(P(), P()), out_specs=P())(x, w)
+        return jax.shard_map(
+            lambda a, b: jax.lax.psum(jnp.tanh(a @ b), "i"),
+            mesh=mesh,
+            in_specs=(P(), P()),
+            out_specs=P(),
+        )(x, w)
 
     x, w = _normal((4, 8)), _normal((8, 8), jax.random.key(1), 0.3)
     g = jaxamp.autocast(f, dtype=F16)

@@ -23,8 +23,11 @@ def test_named_scope_reaches_equations():
     assert "outer_marker" in _jax_compat.name_stack(eqn)
     # Transformations keep the scope name visible in the equations they emit.
     grad_jaxpr = jax.make_jaxpr(jax.grad(f))(1.0)
-    assert all("outer_marker" in _jax_compat.name_stack(e) for e in grad_jaxpr.jaxpr.eqns
-               if e.primitive.name in ("sin", "cos"))
+    assert all(
+        "outer_marker" in _jax_compat.name_stack(e)
+        for e in grad_jaxpr.jaxpr.eqns
+        if e.primitive.name in ("sin", "cos")
+    )
 
 
 def test_bind_reproduces_every_equation():
@@ -75,8 +78,7 @@ def test_shard_map_call():
     from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((1,), ("i",))
-    g = jax.shard_map(lambda a: jax.lax.psum(a * 2, "i"), mesh=mesh, in_specs=P(),
-                      out_specs=P())
+    g = jax.shard_map(lambda a: jax.lax.psum(a * 2, "i"), mesh=mesh, in_specs=P(), out_specs=P())
     closed = jax.make_jaxpr(g)(jnp.ones(4))
     eqn = closed.jaxpr.eqns[0]
     assert eqn.primitive.name == "shard_map"
