@@ -613,3 +613,25 @@ def test_no_value_cast_twice_to_the_same_dtype():
             key = (e.invars[0], e.params["new_dtype"])
             assert key not in seen, key
             seen.add(key)
+
+
+def test_module_rules_example_claims():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "module_rules.py"
+    spec = importlib.util.spec_from_file_location("module_rules_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.Classifier()
+    x = jax.random.normal(KEY, (4, 64))
+    params = model.init(KEY, x)
+    apply = jaxamp.autocast(model.apply, dtype=F16, modules=example.RULES)
+    got = dict(example.matmul_dtypes(model, apply, params, x))
+    assert got.pop("Classifier/head") == "float32"
+    assert set(got.values()) == {"float16"} and len(got) == 4
+    # Every LayerNorm (auto-named LayerNorm_0..2) runs in float32: its ops see float32.
+    closed = jax.make_jaxpr(apply)(params, x)
+    rsqrts = [e for e in _eqns(closed) if e.primitive.name == "rsqrt"]
+    assert len(rsqrts) == 3 and all(e.invars[0].aval.dtype == F32 for e in rsqrts)
+    assert _rel_err(apply(params, x), model.apply(params, x)) < 1e-2
