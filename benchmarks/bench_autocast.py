@@ -112,7 +112,10 @@ def _memory_row(apply: Callable[..., jax.Array], params: Any, x: jax.Array) -> d
     def loss(p: Any) -> jax.Array:
         return jnp.mean(jnp.square(apply(p, x)))
 
-    return {"residual_bytes": _residual_bytes(loss, params), "temp_bytes": _temp_bytes(loss, params)}
+    return {
+        "residual_bytes": _residual_bytes(loss, params),
+        "temp_bytes": _temp_bytes(loss, params),
+    }
 
 
 def memory_study() -> dict[str, Any]:

@@ -219,7 +219,8 @@ def run_autocast(quick: bool) -> dict[str, Any] | None:
     spec.loader.exec_module(mod)
     print("\n[autocast] residual / temp memory and trace + compile, vs float32 and hand casts")
     result = mod.run(quick=quick)
-    print(mod.format_report(result) if hasattr(mod, "format_report") else json.dumps(result, indent=2, default=str))
+    report = getattr(mod, "format_report", None)
+    print(report(result) if report else json.dumps(result, indent=2, default=str))
     return result
 
 
