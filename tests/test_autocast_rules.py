@@ -635,3 +635,11 @@ def test_module_rules_example_claims():
     rsqrts = [e for e in _eqns(closed) if e.primitive.name == "rsqrt"]
     assert len(rsqrts) == 3 and all(e.invars[0].aval.dtype == F32 for e in rsqrts)
     assert _rel_err(apply(params, x), model.apply(params, x)) < 1e-2
+
+
+def test_autocast_of_pmap_enters_it():
+    f = jax.pmap(lambda x, w: x @ w)
+    x, w = jnp.ones((1, 2, 3)), jnp.ones((1, 3, 3))
+    closed = jax.make_jaxpr(jaxamp.autocast(f, dtype=F16))(x, w)
+    dots = [e for e in _eqns(closed) if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == F16 for e in dots for v in e.invars)
