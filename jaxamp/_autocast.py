@@ -414,6 +414,11 @@ def _eval_eqn(
     floats = [i for i, d in enumerate(dtypes) if _is_float(d)]
     if name == "convert_element_type":
         return _eval_convert(eqn, invals, inmarks, dtypes, floats, ctx, demanded)
+    if name == "copy" and floats and _jax_compat.EXPLICIT_CAST_SCOPE in stack:
+        # `x.astype(jnp.float32)` of a value float32 in `f`: an explicit cast.
+        want = np.dtype(eqn.outvars[0].aval.dtype)
+        x = invals[0] if dtypes[0] == want else ctx.cast(invals[0], want)
+        return [x], [_PIN if want.itemsize >= 4 and not demanded else inmarks[0]]
     if not floats:  # integer / bool / key ops are never touched
         return _bind(eqn, invals), [_NONE] * nout
 

@@ -20,6 +20,7 @@ import jax
 from jax.extend.core import Primitive
 
 __all__ = [
+    "EXPLICIT_CAST_SCOPE",
     "HAS_SHARD_MAP",
     "KEEP_ACCUMULATION_SCOPE",
     "bind",
@@ -100,6 +101,10 @@ def shard_map_call(fn: Callable[..., Any], args: list[Any], params: dict[str, An
 #: jaxpr alone cannot tell an explicit float32 accumulation from the default.
 KEEP_ACCUMULATION_SCOPE = "jaxamp_preferred_element_type"
 
+#: ``jax.named_scope`` of the ``copy`` that stands for an explicit
+#: ``x.astype(float32)`` of a float32 value (JAX drops identity casts).
+EXPLICIT_CAST_SCOPE = "jaxamp_explicit_cast"
+
 _hook_state = threading.local()
 _hook_lock = threading.Lock()
 _hook_users = 0
@@ -137,9 +142,10 @@ def _make_convert_hook(original: Callable[..., Any]) -> Callable[..., Any]:
             and jax.numpy.issubdtype(new_dtype, jax.numpy.floating)
             and sys._getframe(1).f_code in codes
         ):
-            return lax_internal.convert_element_type_p.bind(
-                operand, new_dtype=new_dtype, weak_type=bool(weak_type), sharding=None
-            )
+            # An identity convert_element_type is dropped at bind time too: a
+            # marked copy stands for it.
+            with jax.named_scope(EXPLICIT_CAST_SCOPE):
+                return lax_internal.copy_p.bind(operand)
         return original(operand, new_dtype, weak_type, *args, **kwargs)
 
     return convert
@@ -179,7 +185,7 @@ def user_intent_hooks() -> Iterator[None]:
     Two things a user writes leave no trace in a jaxpr: ``x.astype(float32)``
     on a float32 value (JAX drops it) and ``preferred_element_type=float32``
     on a float32 matmul (jnp sets it by default). During autocast's own trace
-    of `f` this keeps the first as an identity ``convert_element_type`` and
+    of `f` this keeps the first as a ``copy`` under ``EXPLICIT_CAST_SCOPE`` and
     marks the second with ``KEEP_ACCUMULATION_SCOPE``. The patched functions
     are private JAX functions and public jnp / lax attributes; the patch is
     installed while any thread traces and only acts in tracing threads.

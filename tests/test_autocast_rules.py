@@ -240,19 +240,20 @@ def test_large_float32_constant_saturates_instead_of_inf():
 def test_explicit_astype_float32_is_kept():
     x, w = _big((2, 8)), jnp.eye(8)
 
-    def rms(x, w):
-        y = x @ w
-        y32 = y.astype(jnp.float32)
-        # The products are not float32-list ops: only the explicit cast keeps
-        # them (and so the norm) out of float16's range.
-        ms = jnp.mean(y32 * y32, axis=-1, keepdims=True)
-        return y32 * jax.lax.rsqrt(ms) * (y32 * 1000.0) / 1000.0
+    def f(x, w):
+        y32 = (x @ w).astype(jnp.float32)
+        # mul is not a float32-list op and nothing float32 follows: only the
+        # explicit cast keeps y**2 (~1.6e5) out of float16's range (max 65504).
+        return y32 * y32 * 0.5
 
-    got = jaxamp.autocast(rms, dtype=F16)(x, w)
+    got = jaxamp.autocast(f, dtype=F16)(x, w)
     assert np.isfinite(np.asarray(got)).all()
-    assert _rel_err(got, rms(x, w)) < 1e-2
-    muls = [p for p in _prims(jaxamp.autocast(rms, dtype=F16), x, w) if p[0] == "mul"]
+    assert _rel_err(got, f(x, w)) < 1e-2
+    muls = [p for p in _prims(jaxamp.autocast(f, dtype=F16), x, w) if p[0] == "mul"]
     assert muls and all(p[2][0] == np.dtype(F32) for p in muls)
+    # Without the cast the same product is a float16 activation (and overflows).
+    g = jaxamp.autocast(lambda x, w: (x @ w) * (x @ w) * 0.5, dtype=F16)
+    assert not np.isfinite(np.asarray(g(x, w))).all()
 
 
 def test_explicit_square_of_astype_float32_rms_norm():
