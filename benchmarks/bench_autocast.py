@@ -1,175 +1,256 @@
-"""Trace + compile cost of ``jaxamp.autocast`` against hand-written casts.
+"""What ``jaxamp.autocast`` costs and saves, against float32 and hand-written casts.
 
-A 12-layer pre-LayerNorm transformer written in plain JAX is compiled three
-ways: in float32 (``f``), with float16 casts written by hand the way a careful
-user would (matmuls in float16, LayerNorm statistics and softmax in float32),
-and as ``jaxamp.autocast(f, dtype=float16)``. For the forward pass and for a
-``value_and_grad`` step we time ``jax.jit(...).lower(...).compile()`` on a
-fresh function object each repetition (so nothing is cached) and report the
-median (the train step is compiled once: it takes seconds on CPU), plus the
-ratio autocast / hand-cast that the issue asks to keep at or below 1.3x.
+Two studies, one Flax transformer family (pre-LayerNorm blocks, causal
+attention, GELU MLP), written once with a Flax ``dtype`` field:
+
+* memory: bytes of the residuals the backward pass keeps (read from the
+  differentiated program, ``jax.ad_checkpoint``'s residual listing: it does
+  not depend on the backend) and ``compiled.memory_analysis()`` temp bytes of
+  the jitted gradient step, for float32, ``autocast`` float16 / bfloat16 and
+  the hand-cast model (Flax ``dtype=float16``), on a 4-block transformer
+  (width 256, 4 heads, MLP 1024, batch 8 x 128) and on the demo LM of
+  ``examples/train_lm.py`` (autocast only: it has no ``dtype`` field); plus
+  the autocast output's error against float32 relative to its max.
+* compile cost: trace + compile seconds of ``jax.jit(value_and_grad(loss))``
+  at 4, 12 and 48 layers, unrolled and with ``nn.scan``, for float32, the
+  hand-cast model and autocast (width 64, so that compiling dominates).
 
 Run: ``python benchmarks/bench_autocast.py [--quick]``; ``run(quick)`` returns
-the same figures as a dict for ``benchmarks/run.py``.
+the figures as a dict for ``benchmarks/run.py`` (quick: 4 and 12 layers).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import importlib.util
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 import jaxamp  # noqa: E402
 
-LAYERS, WIDTH, HEADS, SEQ, BATCH = 12, 64, 4, 32, 2
-F16, F32 = jnp.float16, jnp.float32
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 
 
-def init_params(key: jax.Array) -> list[dict[str, jax.Array]]:
-    """Float32 parameters of the 12-layer transformer."""
-    layers = []
-    for k in jax.random.split(key, LAYERS):
-        ks = jax.random.split(k, 4)
-        layers.append({
-            "ln1": jnp.ones(WIDTH), "ln2": jnp.ones(WIDTH),
-            "qkv": jax.random.normal(ks[0], (WIDTH, 3 * WIDTH)) * WIDTH**-0.5,
-            "out": jax.random.normal(ks[1], (WIDTH, WIDTH)) * WIDTH**-0.5,
-            "up": jax.random.normal(ks[2], (WIDTH, 4 * WIDTH)) * WIDTH**-0.5,
-            "down": jax.random.normal(ks[3], (4 * WIDTH, WIDTH)) * (4 * WIDTH) ** -0.5,
-        })  # fmt: skip
-    return layers
+class Block(nn.Module):
+    """Pre-LayerNorm block; ``dtype`` is Flax's computation dtype (None: float32)."""
+
+    dim: int
+    heads: int
+    mlp: int
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        hd = self.dim // self.heads
+        h = nn.LayerNorm(dtype=self.dtype)(x)
+        qkv = nn.Dense(3 * self.dim, use_bias=False, dtype=self.dtype)(h)
+        q, k, v = jnp.split(qkv.reshape(b, t, 3 * self.heads, hd), 3, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd).astype(np.float32)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        attn = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        h = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, self.dim)
+        x = x + nn.Dense(self.dim, dtype=self.dtype)(h)
+        h = nn.Dense(self.mlp, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
+        return x + nn.Dense(self.dim, dtype=self.dtype)(nn.gelu(h))
 
 
-def _layer_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * scale
+class Stack(nn.Module):
+    layers: int
+    dim: int
+    heads: int
+    mlp: int
+    dtype: Any = None
+    scan: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.dtype is not None:
+            x = x.astype(self.dtype)  # what an Embed(dtype=...) hands the first block
+        if self.scan:
+            body = nn.scan(
+                lambda blk, c, _: (blk(c), None),
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=self.layers,
+            )
+            x, _ = body(Block(self.dim, self.heads, self.mlp, self.dtype), x, None)
+        else:
+            for _ in range(self.layers):
+                x = Block(self.dim, self.heads, self.mlp, self.dtype)(x)
+        return nn.LayerNorm(dtype=self.dtype)(x).astype(F32)
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array, cast: Callable) -> jax.Array:
-    def heads(t: jax.Array) -> jax.Array:
-        return t.reshape(BATCH, SEQ, HEADS, WIDTH // HEADS)
+def _residual_bytes(loss: Callable[..., jax.Array], *args: Any) -> int:
+    from jax._src.ad_checkpoint import saved_residuals  # the listing print_saved_residuals prints
 
-    logits = jnp.einsum("bqhd,bkhd->bhqk", cast(heads(q)), cast(heads(k)))
-    logits = logits.astype(F32) * (WIDTH // HEADS) ** -0.5  # softmax in float32
-    weights = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", cast(weights), cast(heads(v)))
-    return out.reshape(BATCH, SEQ, WIDTH)
+    total = 0
+    for aval, _ in saved_residuals(loss, *args):
+        total += int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+    return total
 
 
-def _id(x: jax.Array) -> jax.Array:
-    return x
+def _temp_bytes(loss: Callable[..., jax.Array], *args: Any) -> int:
+    compiled = jax.jit(jax.grad(loss)).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    return int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1
 
 
-def _to_f16(x: jax.Array) -> jax.Array:
-    return x.astype(F16)
+def _memory_row(apply: Callable[..., jax.Array], params: Any, x: jax.Array) -> dict[str, float]:
+    def loss(p: Any) -> jax.Array:
+        return jnp.mean(jnp.square(apply(p, x)))
+
+    return {
+        "residual_bytes": _residual_bytes(loss, params),
+        "temp_bytes": _temp_bytes(loss, params),
+    }
 
 
-def _forward(params: list[dict[str, jax.Array]], x: jax.Array, cast: Callable) -> jax.Array:
-    for p in params:
-        h = _layer_norm(x, p["ln1"])  # statistics in float32 (x is float32)
-        q, k, v = jnp.split(cast(h) @ cast(p["qkv"]), 3, axis=-1)
-        x = x + (cast(_attention(q, k, v, cast)) @ cast(p["out"])).astype(F32)
-        h = _layer_norm(x, p["ln2"])
-        h = jax.nn.gelu(cast(h) @ cast(p["up"]))
-        x = x + (cast(h) @ cast(p["down"])).astype(F32)
-    return x
+def memory_study() -> dict[str, Any]:
+    """Residual and temp bytes of the gradient step, and output error vs float32."""
+    out: dict[str, Any] = {}
+    cfg = {"layers": 4, "dim": 256, "heads": 4, "mlp": 1024}
+    x = jax.random.normal(jax.random.key(1), (8, 128, cfg["dim"]), F32)
+    f32_model = Stack(**cfg)
+    params = f32_model.init(jax.random.key(0), x)
+    ref = f32_model.apply(params, x)
+    variants = {
+        "float32": f32_model.apply,
+        "autocast_f16": jaxamp.autocast(f32_model.apply, dtype=F16),
+        "autocast_bf16": jaxamp.autocast(f32_model.apply, dtype=BF16),
+        "hand_cast_f16": Stack(**cfg, dtype=F16).apply,
+    }
+    rows = {}
+    for name, apply in variants.items():
+        row = _memory_row(apply, params, x)
+        y = apply(params, x)
+        row["err_vs_f32"] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+        rows[name] = row
+    out["transformer"] = {"config": {**cfg, "batch": "8x128"}, "rows": rows}
+
+    spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
+    assert spec is not None and spec.loader is not None
+    lm = importlib.util.module_from_spec(spec)
+    sys.modules["train_lm"] = lm
+    spec.loader.exec_module(lm)
+    model = lm.ByteLM(dim=128, layers=2, heads=4, max_len=128)  # the demo's defaults
+    tokens = jax.random.randint(jax.random.key(2), (16, 128), 0, 256)
+    lm_params = model.init(jax.random.key(0), tokens)
+    ref = model.apply(lm_params, tokens)
+    rows = {}
+    for name, apply in {
+        "float32": model.apply,
+        "autocast_f16": jaxamp.autocast(model.apply, dtype=F16),
+        "autocast_bf16": jaxamp.autocast(model.apply, dtype=BF16),
+    }.items():
+        row = _memory_row(lambda p, t, a=apply: a(p, t), lm_params, tokens)
+        y = apply(lm_params, tokens)
+        row["err_vs_f32"] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+        rows[name] = row
+    out["demo_lm"] = {"config": {"dim": 128, "layers": 2, "heads": 4, "batch": "16x128"},
+                      "rows": rows}  # fmt: skip
+    return out
 
 
-def model_f32(params: list[dict[str, jax.Array]], x: jax.Array) -> jax.Array:
-    """The model as written: float32 throughout."""
-    return _forward(params, x, _id)
+def compile_study(layer_counts: tuple[int, ...]) -> dict[str, Any]:
+    """Trace + compile seconds of the value_and_grad step (width 64, batch 2 x 32)."""
+    x = jax.random.normal(jax.random.key(1), (2, 32, 64), F32)
+    out: dict[str, Any] = {}
+    for scan in (False, True):
+        for layers in layer_counts:
+            cfg = {"layers": layers, "dim": 64, "heads": 4, "mlp": 256, "scan": scan}
+            params = Stack(**cfg).init(jax.random.key(0), x)
+            row = {}
+            for name in ("float32", "hand_cast", "autocast"):
+                if name == "hand_cast":
+                    model = Stack(**cfg, dtype=F16)
+                    apply = model.apply
+                else:
+                    model = Stack(**cfg)
+                    apply = model.apply
+                    if name == "autocast":
+                        apply = jaxamp.autocast(model.apply, dtype=F16)
 
+                def loss(p: Any, x: jax.Array, a: Callable = apply) -> jax.Array:
+                    return jnp.mean(jnp.square(a(p, x)))
 
-def model_hand_cast(params: list[dict[str, jax.Array]], x: jax.Array) -> jax.Array:
-    """Hand-written mixed precision: float16 matmuls, float32 norms and softmax."""
-    return _forward(params, x, _to_f16)
-
-
-def _loss(model: Callable) -> Callable:
-    def loss(params: Any, x: jax.Array) -> jax.Array:
-        return jnp.mean(jnp.square(model(params, x)))
-
-    return loss
-
-
-def _compile_seconds(make: Callable[[], Callable], args: tuple, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        fn = make()  # a fresh function object: no tracing or lowering cache hit
-        start = time.perf_counter()
-        jax.jit(fn).lower(*args).compile()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+                start = time.perf_counter()
+                jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
+                row[name] = time.perf_counter() - start
+            row["autocast_over_hand_cast"] = row["autocast"] / row["hand_cast"]
+            row["autocast_over_float32"] = row["autocast"] / row["float32"]
+            out[f"{'scan' if scan else 'unrolled'}_{layers}"] = row
+    return out
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    """Measures trace+compile time of f32, hand-cast and autocast variants.
+    """Both studies.
 
     Args:
-      quick: fewer repetitions (for smoke tests).
+      quick: compile study at 4 and 12 layers only (48 otherwise too).
 
     Returns:
-      ``{"config": ..., "forward": {...}, "train_step": {...}}`` where each
-      inner dict has seconds for ``"float32"``, ``"hand_cast"`` and
-      ``"autocast"`` and the ratio ``"autocast_over_hand_cast"``.
+      ``{"config": ..., "memory": {...}, "compile": {...}}``.
 
     Example:
       >>> figures = run(quick=True)
-      >>> figures["forward"]["autocast_over_hand_cast"]
+      >>> figures["memory"]["transformer"]["rows"]["autocast_f16"]["residual_bytes"]
     """
-    # A train-step compile of this model takes seconds on CPU: time it once
-    # (forward thrice) so the whole script stays under a minute on 2 cores.
-    reps = 1 if quick else 3
-    step_reps = 1
-    params = init_params(jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, WIDTH))
-    args = (params, x)
-    results: dict[str, Any] = {
-        "config": {"layers": LAYERS, "width": WIDTH, "heads": HEADS, "seq": SEQ,
-                   "batch": BATCH, "reps": reps, "step_reps": step_reps,
-                   "backend": jax.default_backend(), "jax": jax.__version__},
-    }  # fmt: skip
-    variants = {
-        "float32": lambda: (lambda p, x: model_f32(p, x)),
-        "hand_cast": lambda: (lambda p, x: model_hand_cast(p, x)),
-        "autocast": lambda: jaxamp.autocast(lambda p, x: model_f32(p, x), dtype=F16),
-    }
     # Warm up JAX's own one-off initialisation so it is not charged to a variant.
-    jax.jit(model_f32).lower(*args).compile()
-    for name, wrap in (("forward", None), ("train_step", jax.value_and_grad)):
-        row = {}
-        for variant, make in variants.items():
-            factory = make if wrap is None else (lambda m=make, w=wrap: w(_loss(m())))
-            row[variant] = _compile_seconds(factory, args, reps if wrap is None else step_reps)
-        row["autocast_over_hand_cast"] = row["autocast"] / row["hand_cast"]
-        results[name] = row
-    return results
+    jax.jit(lambda a: a + 1).lower(jnp.ones(2)).compile()
+    return {
+        "config": {"backend": jax.default_backend(), "jax": jax.__version__},
+        "memory": memory_study(),
+        "compile": compile_study((4, 12) if quick else (4, 12, 48)),
+    }
+
+
+def format_report(figures: dict[str, Any]) -> str:
+    """The tables ``make bench`` prints."""
+    lines = [f"autocast, {figures['config']['backend']}, jax {figures['config']['jax']}"]
+    for study in ("transformer", "demo_lm"):
+        block = figures["memory"][study]
+        rows = block["rows"]
+        base = rows["float32"]
+        hand = rows.get("hand_cast_f16")
+        lines.append(f"\n{study} {block['config']}: backward residuals and grad-step temp")
+        lines.append(f"{'':15s} {'residual MB':>12s} {'x f32':>7s} {'x hand':>7s} "
+                     f"{'temp MB':>9s} {'x f32':>7s} {'err/max':>9s}")  # fmt: skip
+        for name, r in rows.items():
+            vs_hand = f"{r['residual_bytes'] / hand['residual_bytes']:6.2f}x" if hand else "     -"
+            lines.append(
+                f"{name:15s} {r['residual_bytes'] / 2**20:12.2f} "
+                f"{r['residual_bytes'] / base['residual_bytes']:6.2f}x {vs_hand:>7s} "
+                f"{r['temp_bytes'] / 2**20:9.2f} {r['temp_bytes'] / base['temp_bytes']:6.2f}x "
+                f"{r['err_vs_f32']:9.1e}"
+            )
+    lines.append("\ntrace + compile of jit(value_and_grad) (width 64), seconds")
+    lines.append(f"{'':12s} {'float32':>8s} {'hand':>8s} {'autocast':>9s} "
+                 f"{'x hand':>7s} {'x f32':>7s}")  # fmt: skip
+    for name, r in figures["compile"].items():
+        lines.append(
+            f"{name:12s} {r['float32']:8.2f} {r['hand_cast']:8.2f} {r['autocast']:9.2f} "
+            f"{r['autocast_over_hand_cast']:6.2f}x {r['autocast_over_float32']:6.2f}x"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    figures = run(quick=parser.parse_args().quick)
-    cfg = figures["config"]
-    print(f"autocast trace+compile, {cfg['layers']}-layer transformer (width {cfg['width']}), "
-          f"{cfg['backend']}, jax {cfg['jax']}, median of {cfg['reps']} "
-          f"(train step: {cfg['step_reps']})")
-    print(f"{'':12s} {'float32 s':>10s} {'hand-cast s':>12s} {'autocast s':>11s} "
-          f"{'autocast/hand':>14s}")
-    for name in ("forward", "train_step"):
-        r = figures[name]
-        print(f"{name:12s} {r['float32']:10.3f} {r['hand_cast']:12.3f} {r['autocast']:11.3f} "
-              f"{r['autocast_over_hand_cast']:13.2f}x")
+    parser.add_argument("--quick", action="store_true", help="compile study at 4 and 12 layers")
+    print(format_report(run(quick=parser.parse_args().quick)))
 
 
 if __name__ == "__main__":

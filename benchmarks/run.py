@@ -227,9 +227,10 @@ def run_autocast(quick: bool) -> dict[str, Any] | None:
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    print("\n[autocast] trace + compile, autocast vs hand-written casts")
+    print("\n[autocast] residual / temp memory and trace + compile, vs float32 and hand casts")
     result = mod.run(quick=quick)
-    print(json.dumps(result, indent=2, default=str))
+    report = getattr(mod, "format_report", None)
+    print(report(result) if report else json.dumps(result, indent=2, default=str))
     return result
 
 

@@ -5,6 +5,7 @@ The modules are private; everything public is re-exported here (and in the
 """
 
 from jaxamp import checkpoint, compat
+from jaxamp._autocast import DEFAULT_RULES, autocast, full_precision
 from jaxamp._distributed import check_in_sync
 from jaxamp._loss_scale import (
     LossScaleState,
@@ -19,6 +20,7 @@ from jaxamp._loss_scale import (
     unscale_and_check,
     update,
 )
+from jaxamp._policy import Policy
 from jaxamp._train_state import TrainState
 from jaxamp._transform import (
     MultiTransformState,
@@ -29,12 +31,11 @@ from jaxamp._transform import (
     value_and_grad,
 )
 from jaxamp._tree import all_finite, select_tree
-from jaxamp.autocast import autocast, full_precision
-from jaxamp.policy import Policy
 
 __version__ = "0.2.0"
 
 __all__ = [
+    "DEFAULT_RULES",
     "LossScaleState",
     "Mode",
     "MultiTransformState",

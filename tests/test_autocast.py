@@ -21,7 +21,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import jaxamp
 from jaxamp import _jax_compat
-from jaxamp.autocast import DEFAULT_RULES, FLOAT32_OPS, LOWER_PRECISION_OPS
+from jaxamp._autocast import DEFAULT_RULES, FLOAT32_OPS, LOWER_PRECISION_OPS
 
 F16 = jnp.float16
 BF16 = jnp.bfloat16

@@ -117,6 +117,7 @@ def test_demo_rejects_bad_flags(argv: list[str], flag: str, capsys) -> None:
         "grad_accumulation",
         "grad_clipping",
         "pytorch_port",
+        "module_rules",
     ],
 )
 def test_small_example_runs(name: str, jax_cache: Path) -> None:

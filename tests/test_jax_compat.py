@@ -87,3 +87,47 @@ def test_shard_map_call():
         lambda *xs: jax.core.eval_jaxpr(body, (), *xs), [jnp.ones(4)], eqn.params
     )
     assert jnp.allclose(out[0], 2.0)
+
+
+def test_user_intent_hooks_keep_explicit_casts_and_accumulation():
+    def cast(x):
+        return x.astype(jnp.float32) * 2.0  # a no-op cast on float32: JAX drops it
+
+    def dot(x, w):
+        return jnp.einsum("ij,jk->ik", x, w, preferred_element_type=jnp.float32)
+
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 3))
+    # (fresh lambdas each time: make_jaxpr caches traces per function)
+    assert [e.primitive.name for e in jax.make_jaxpr(lambda x: cast(x))(x).jaxpr.eqns] == ["mul"]
+    with _jax_compat.user_intent_hooks():
+        hooked = jax.make_jaxpr(lambda x: cast(x))(x)
+        dots = jax.make_jaxpr(lambda x, w: dot(x, w))(x, w)
+    assert [e.primitive.name for e in hooked.jaxpr.eqns] == ["copy", "mul"]
+    assert _jax_compat.EXPLICIT_CAST_SCOPE in _jax_compat.name_stack(hooked.jaxpr.eqns[0])
+    (eqn,) = [e for e in dots.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert _jax_compat.KEEP_ACCUMULATION_SCOPE in _jax_compat.name_stack(eqn)
+    # Outside the context everything is as before (the patch is removed).
+    assert [e.primitive.name for e in jax.make_jaxpr(lambda x: cast(x))(x).jaxpr.eqns] == ["mul"]
+
+
+def test_custom_rule_params():
+    @jax.custom_jvp
+    def g(x):
+        return jnp.sin(x)
+
+    g.defjvp(lambda p, t: (jnp.sin(p[0]), jnp.cos(p[0]) * t[0]))
+    eqn = jax.make_jaxpr(g)(1.0).jaxpr.eqns[0]
+    rule, consts, out_zeros = _jax_compat.custom_jvp_rule(eqn.params, 1)
+    assert len(rule.invars) == 2 and out_zeros == [False]
+
+    @jax.custom_vjp
+    def h(x):
+        return jnp.sin(x)
+
+    h.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda r, ct: (r * ct,))
+    eqn = jax.make_jaxpr(h)(1.0).jaxpr.eqns[0]
+    fwd, consts, out_trees = _jax_compat.custom_vjp_fwd(eqn.params, [True])
+    out_tree, res_tree, forwards = out_trees()
+    assert out_tree.num_leaves == 1 and len(forwards) == res_tree.num_leaves == 1
+    bwd = _jax_compat.custom_vjp_bwd(eqn.params)
+    assert float(bwd(jnp.float32(2.0), jnp.float32(3.0))[0]) == 6.0

@@ -1,0 +1,646 @@
+"""Tests for autocast's 0.2 rules (issue 12).
+
+Norm statistics and losses against float32 with large activations, activations
+that stay in the compute dtype, explicit casts kept, custom derivatives with
+PyTorch's custom_fwd / custom_bwd semantics, per-module rules, nnx state,
+the decorator form and the caching of eager calls. Dtypes are read from the
+jaxpr of the autocast function (the dtype an equation has there is the dtype
+XLA runs it in); numerics are compared with float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+import jaxamp
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+KEY = jax.random.key(0)
+
+
+def _eqns(jaxpr):
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (ClosedJaxpr, Jaxpr)):
+                    yield from _eqns(sub)
+
+
+def _prims(fn, *args):
+    """[(primitive name, input dtypes, output dtypes)] of fn's jaxpr, depth first."""
+    closed = jax.make_jaxpr(fn)(*args)
+    return [
+        (
+            e.primitive.name,
+            tuple(np.dtype(v.aval.dtype) for v in e.invars if hasattr(v.aval, "dtype")),
+            tuple(np.dtype(v.aval.dtype) for v in e.outvars if hasattr(v.aval, "dtype")),
+        )
+        for e in _eqns(closed)
+    ]
+
+
+def _rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
+
+
+def _big(shape, key=KEY):
+    # Activations far above 256: their square overflows float16 (max 65504).
+    return 300.0 + 200.0 * jax.random.uniform(key, shape, F32)
+
+
+# ------------------------------------------------------------ 0. no wrong results
+
+
+def test_rms_norm_of_a_large_matmul_output_matches_float32():
+    x = 300.0 * jnp.ones((2, 3))
+    model = nn.RMSNorm()
+    params = model.init(KEY, x)
+
+    def f(p, x):
+        return model.apply(p, x @ jnp.eye(3))  # the matmul makes x a float16 activation
+
+    got = jaxamp.autocast(f, dtype=F16)(params, x)
+    np.testing.assert_allclose(got, f(params, x), rtol=2e-3)  # [1, 1, 1], not zeros
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.LayerNorm(),
+        lambda: nn.RMSNorm(),
+        lambda: nn.GroupNorm(num_groups=2),
+        lambda: nn.BatchNorm(use_running_average=False),
+    ],
+    ids=["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm"],
+)
+def test_linen_norms_with_large_activations_match_float32(make):
+    norm = make()
+    x = _big((4, 8))
+    w = jnp.eye(8) + 0.01 * jax.random.normal(KEY, (8, 8))
+    variables = norm.init(KEY, x)
+    mutable = ["batch_stats"] if "batch_stats" in variables else False
+
+    def f(v, x):
+        return norm.apply(v, x @ w, mutable=mutable)
+
+    ref = f(variables, x)
+    got = jaxamp.autocast(f, dtype=F16)(variables, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        assert a.dtype == b.dtype
+        assert np.isfinite(np.asarray(a)).all()
+        # float16 rounding of x (~0.5 at 400) is all that separates them.
+        assert _rel_err(a, b) < 2e-2, (a, b)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda r: nnx.LayerNorm(8, rngs=r),
+        lambda r: nnx.RMSNorm(8, rngs=r),
+        lambda r: nnx.GroupNorm(8, num_groups=2, rngs=r),
+        lambda r: nnx.BatchNorm(8, rngs=r),
+    ],
+    ids=["LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm"],
+)
+def test_nnx_norms_with_large_activations_match_float32(make):
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(8, 8, rngs=rngs)
+            self.norm = make(rngs)
+
+        def __call__(self, x):
+            return self.norm(self.lin(x))
+
+    x = _big((4, 8))
+    ref_model, model = Model(nnx.Rngs(0)), Model(nnx.Rngs(0))
+    for m in (ref_model, model):
+        m.lin.kernel.set_value(jnp.eye(8))
+    ref = ref_model(x)
+    got = jaxamp.autocast(model, dtype=F16)(x)
+    assert got.dtype == F32 and np.isfinite(np.asarray(got)).all()
+    assert _rel_err(got, ref) < 2e-2
+    states = jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(ref_model))
+    for a, b in zip(*states, strict=True):
+        assert np.isfinite(np.asarray(a)).all() and _rel_err(a, b) < 2e-2  # running stats
+
+
+def test_elementwise_feeders_of_float32_reductions_run_in_float32():
+    x, w = _big((4, 8)), jnp.eye(8)
+    y = _big((4, 8), jax.random.key(1))
+
+    def losses(x, w, y):
+        pred = x @ w
+        return jnp.mean(jnp.square(pred - y)), jnp.mean(jnp.abs(pred - y))
+
+    prims = _prims(jaxamp.autocast(losses, dtype=F16), x, w, y)
+    for name in ("sub", "abs", "square"):
+        found = [p for p in prims if p[0] == name]
+        assert found and all(d == np.dtype(F32) for p in found for d in p[1]), (name, found)
+    got = jaxamp.autocast(losses, dtype=F16)(x, w, y)
+    for a, b in zip(got, losses(x, w, y), strict=True):
+        assert _rel_err(a, b) < 1e-2
+
+
+def test_conv_batchnorm_on_pixels_trains_like_float32():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=True):
+            x = nn.Conv(8, (3, 3))(x)
+            x = nn.BatchNorm(use_running_average=not train)(x)
+            return nn.Dense(2)(jnp.mean(nn.relu(x), axis=(1, 2)))
+
+    net = Net()
+    x = jnp.round(255.0 * jax.random.uniform(KEY, (4, 6, 6, 3)))  # 0-255 pixels
+    labels = jnp.array([0, 1, 0, 1])
+    variables = net.init(KEY, x)
+
+    def loss(params, batch_stats, apply):
+        logits, upd = apply({"params": params, "batch_stats": batch_stats}, x,
+                            mutable=["batch_stats"])  # fmt: skip
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), upd
+
+    vg = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=2)
+    ref = vg(variables["params"],
+                                                 variables["batch_stats"], net.apply)  # fmt: skip
+    amp = vg(variables["params"], variables["batch_stats"],
+                                                 jaxamp.autocast(net.apply, dtype=F16))  # fmt: skip
+    (l_ref, s_ref), g_ref = ref
+    (l_amp, s_amp), g_amp = amp
+    assert abs(float(l_amp) - float(l_ref)) < 1e-2 * abs(float(l_ref))
+    for a, b in zip(jax.tree.leaves(s_amp), jax.tree.leaves(s_ref), strict=True):
+        assert np.isfinite(np.asarray(a)).all() and _rel_err(a, b) < 1e-2
+    # Gradients as one vector (the conv bias gradient is ~0 after BatchNorm).
+    flat_amp = np.concatenate([np.ravel(a) for a in jax.tree.leaves(g_amp)])
+    flat_ref = np.concatenate([np.ravel(a) for a in jax.tree.leaves(g_ref)])
+    assert _rel_err(flat_amp, flat_ref) < 5e-2
+
+
+# ------------------------------------------------------------ 1. activations stay low
+
+
+def test_dense_bias_and_activation_run_in_float16():
+    model = nn.Sequential([nn.Dense(16), nn.gelu, nn.Dense(16), nn.relu, nn.Dense(4)])
+    x = jax.random.normal(KEY, (8, 4))
+    params = model.init(KEY, x)
+    prims = _prims(jaxamp.autocast(model.apply, dtype=F16), params, x)
+    f16 = np.dtype(F16)
+    # Every bias add, the tanh and the product of gelu and relu's max: float16.
+    for name in ("add", "tanh", "max"):
+        found = [p for p in prims if p[0] == name and len(p[2]) and p[2][0].itemsize > 1]
+        assert found and all(p[2][0] == f16 for p in found), (name, found)
+    # gelu's x**3 is a float32-list op (pow), as in torch.autocast.
+    assert all(p[1][0] == np.dtype(F32) for p in prims if p[0] == "integer_pow")
+    y = jaxamp.autocast(model.apply, dtype=F16)(params, x)
+    assert y.dtype == F32 and _rel_err(y, model.apply(params, x)) < 1e-2
+
+
+def test_float32_list_ops_still_float32_and_softmax_output_matches():
+    x = jax.random.normal(KEY, (4, 16))
+    w = jax.random.normal(jax.random.key(1), (16, 16))
+
+    def f(x, w):
+        logits = x @ w
+        return jax.nn.log_softmax(logits), jax.nn.softmax(logits)
+
+    prims = _prims(jaxamp.autocast(f, dtype=F16), x, w)
+    for name in ("exp", "log", "reduce_sum", "reduce_max"):
+        found = [p for p in prims if p[0] == name]
+        assert found and all(d == np.dtype(F32) for p in found for d in p[1]), name
+    for a, b in zip(jaxamp.autocast(f, dtype=F16)(x, w), f(x, w), strict=True):
+        assert _rel_err(a, b) < 1e-2
+
+
+def test_large_float32_constant_saturates_instead_of_inf():
+    x, w = jax.random.normal(KEY, (4, 4)), jnp.eye(4)
+
+    def f(x, w):
+        scores = x @ w
+        mask = jnp.tril(jnp.ones((4, 4), bool))
+        return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(F32).min), axis=-1)
+
+    got = jaxamp.autocast(f, dtype=F16)(x, w)
+    assert np.isfinite(np.asarray(got)).all() and _rel_err(got, f(x, w)) < 1e-2
+
+
+# ------------------------------------------------------------ 2. what the user wrote
+
+
+def test_explicit_astype_float32_is_kept():
+    x, w = _big((2, 8)), jnp.eye(8)
+
+    def f(x, w):
+        y32 = (x @ w).astype(jnp.float32)
+        # mul is not a float32-list op and nothing float32 follows: only the
+        # explicit cast keeps y**2 (~1.6e5) out of float16's range (max 65504).
+        return y32 * y32 * 0.5
+
+    got = jaxamp.autocast(f, dtype=F16)(x, w)
+    assert np.isfinite(np.asarray(got)).all()
+    assert _rel_err(got, f(x, w)) < 1e-2
+    muls = [p for p in _prims(jaxamp.autocast(f, dtype=F16), x, w) if p[0] == "mul"]
+    assert muls and all(p[2][0] == np.dtype(F32) for p in muls)
+    # Without the cast the same product is a float16 activation (and overflows).
+    g = jaxamp.autocast(lambda x, w: (x @ w) * (x @ w) * 0.5, dtype=F16)
+    assert not np.isfinite(np.asarray(g(x, w))).all()
+
+
+def test_explicit_square_of_astype_float32_rms_norm():
+    x, w = _big((2, 8)), jnp.eye(8)
+
+    def rms(x, w):
+        y = x @ w
+        return y * jax.lax.rsqrt(jnp.mean(jnp.square(y.astype(jnp.float32)), -1, keepdims=True))
+
+    got = jaxamp.autocast(rms, dtype=F16)(x, w)
+    assert _rel_err(got, rms(x, w)) < 2e-3
+
+
+@pytest.mark.parametrize(
+    "dot",
+    [
+        lambda a, b: jnp.einsum("ij,jk->ik", a, b, preferred_element_type=jnp.float32),
+        lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32),
+        lambda a, b: jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32),
+    ],
+    ids=["einsum", "matmul", "dot_general"],
+)  # fmt: skip
+def test_explicit_preferred_element_type_float32_is_kept(dot):
+    a, b = jax.random.normal(KEY, (4, 8)), jax.random.normal(jax.random.key(1), (8, 4))
+    dots = [p for p in _prims(jaxamp.autocast(dot, dtype=F16), a, b) if p[0] == "dot_general"]
+    assert dots == [("dot_general", (np.dtype(F16),) * 2, (np.dtype(F32),))]
+    # Without it, jnp's default accumulation type follows the cast.
+    plain = [p for p in _prims(jaxamp.autocast(jnp.matmul, dtype=F16), a, b)
+             if p[0] == "dot_general"]  # fmt: skip
+    assert plain == [("dot_general", (np.dtype(F16),) * 2, (np.dtype(F16),))]
+
+
+# ------------------------------------------------------------ 3. custom derivatives
+
+
+@jax.custom_vjp
+def _proj(x, w):
+    return jnp.tanh(x @ w)
+
+
+def _proj_fwd(x, w):
+    y = jnp.tanh(x @ w)
+    return y, (x, w, y)
+
+
+def _proj_bwd(res, g):
+    x, w, y = res
+    d = g * (1 - y * y)
+    return d @ w.T, x.T @ d
+
+
+_proj.defvjp(_proj_fwd, _proj_bwd)
+
+
+@jax.custom_jvp
+def _jproj(x, w):
+    return jnp.tanh(x @ w)
+
+
+@_jproj.defjvp
+def _jproj_jvp(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    y = jnp.tanh(x @ w)
+    return y, (1 - y * y) * (dx @ w + x @ dw)
+
+
+@pytest.mark.parametrize("fn", [_proj, _jproj], ids=["custom_vjp", "custom_jvp"])
+def test_custom_derivative_primal_same_with_and_without_grad(fn):
+    x = jax.random.normal(KEY, (4, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 8)) * 0.3
+    g = jaxamp.autocast(fn, dtype=F16)
+    eval_out = g(x, w)
+    train_out, vjp = jax.vjp(g, x, w)
+    np.testing.assert_array_equal(np.asarray(eval_out), np.asarray(train_out))
+    # Forward and backward rules ran under autocast: their matmuls are float16.
+    step = jax.make_jaxpr(lambda x, w: jax.vjp(g, x, w)[1](jnp.ones((4, 8))))(x, w)
+    dots = [e for e in _eqns(step) if e.primitive.name == "dot_general"]
+    assert len(dots) >= 3 and all(v.aval.dtype == F16 for e in dots for v in e.invars)
+    gx, gw = vjp(jnp.ones((4, 8)))
+    rx, rw = jax.vjp(fn, x, w)[1](jnp.ones((4, 8)))
+    assert gx.dtype == F32 and _rel_err(gx, rx) < 2e-2 and _rel_err(gw, rw) < 2e-2
+
+
+def test_full_precision_is_custom_fwd_cast_inputs_float32():
+    x = jax.random.normal(KEY, (4, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 8))
+
+    def f(x, w):
+        h = x @ w  # float16 activation
+        return jnp.sum(jaxamp.full_precision(_proj)(h, w))
+
+    grad = jax.make_jaxpr(jax.grad(jaxamp.autocast(f, dtype=F16), argnums=1))(x, w)
+    dots = [e for e in _eqns(grad) if e.primitive.name == "dot_general"]
+    # The outer matmul (forward + 2 backward) in float16, the region's
+    # matmuls (forward + its bwd rule's 2) in float32 with float32 inputs.
+    dtypes = sorted(str(e.invars[0].aval.dtype) for e in dots)
+    assert dtypes.count("float32") >= 3 and dtypes.count("float16") >= 2, dtypes
+
+
+# ------------------------------------------------------------ 4. per-module rules
+
+
+class _Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm()(nn.Dense(8)(x))
+        x = nn.LayerNorm(name="ln_out")(nn.relu(nn.Dense(8)(x)))
+        return nn.Dense(3, name="head")(x)
+
+
+def test_linen_module_rules_by_name_and_class():
+    x = jax.random.normal(KEY, (2, 8))
+    params = _Net().init(KEY, x)
+    f = jaxamp.autocast(_Net().apply, dtype=F16, modules={"head": "float32"})
+    dots = [p for p in _prims(f, params, x) if p[0] == "dot_general"]
+    assert [p[1][0].name for p in dots] == ["float16", "float16", "float32"]
+    f = jaxamp.autocast(_Net().apply, dtype=F16, modules={"LayerNorm": "float32"})
+    closed = jax.make_jaxpr(f)(params, x)
+    stacks = {}
+    for e in _eqns(closed):
+        if e.primitive.name == "mul":
+            stacks.setdefault(str(e.outvars[0].aval.dtype), 0)
+            stacks[str(e.outvars[0].aval.dtype)] += 1
+    # LayerNorm_0 (auto-named) runs in float32; ln_out (named) does not match.
+    assert stacks.get("float32", 0) >= 2 and stacks.get("float16", 0) >= 1, stacks
+    np.testing.assert_allclose(f(params, x), _Net().apply(params, x), rtol=0, atol=5e-2)
+
+
+def test_nnx_module_rules_by_path_and_class():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.body = nnx.Linear(8, 8, rngs=rngs)
+            self.norm = nnx.LayerNorm(8, rngs=rngs)
+            self.head = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.norm(self.body(x)))
+
+    net = Net(nnx.Rngs(0))
+    x = jax.random.normal(KEY, (2, 8))
+    f = jaxamp.autocast(net, dtype=F16, modules={"head": "float32", "LayerNorm": "float32"})
+    dots = [p for p in _prims(f, x) if p[0] == "dot_general"]
+    assert [p[1][0].name for p in dots] == ["float16", "float32"]
+    assert _rel_err(f(x), net(x)) < 1e-2
+
+
+def test_module_rules_validation():
+    with pytest.raises(ValueError, match="modules\\['head'\\]"):
+        jaxamp.autocast(lambda x: x, modules={"head": "lower"})
+    with pytest.raises(ValueError, match="dot_general"):
+        jaxamp.autocast(lambda x: x, modules={"head": {"dot": "float32"}})
+
+
+# ------------------------------------------------------------ 5. nnx state
+
+
+class _Stateful(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.bn(self.lin(x)))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_nnx_batchnorm_dropout_state_updates_as_without_autocast(jit):
+    x = jax.random.normal(KEY, (16, 4)) * 3 + 1
+    ref, model = _Stateful(nnx.Rngs(0)), _Stateful(nnx.Rngs(0))
+
+    def run(m, x):
+        return jaxamp.autocast(m, dtype=F16)(x)
+
+    call = nnx.jit(run) if jit else run
+    ref_call = nnx.jit(lambda m, x: m(x)) if jit else (lambda m, x: m(x))
+    for _ in range(2):
+        y, r = call(model, x), ref_call(ref, x)
+    assert y.dtype == F32
+    np.testing.assert_array_equal(np.asarray(y) == 0, np.asarray(r) == 0)  # same dropout mask
+    assert _rel_err(y, r) < 1e-2
+    sa, sr = nnx.state(model, nnx.BatchStat), nnx.state(ref, nnx.BatchStat)
+    for a, b in zip(jax.tree.leaves(sa), jax.tree.leaves(sr), strict=True):
+        assert _rel_err(a, b) < 1e-2 and not np.allclose(np.asarray(b), 0)
+    counts = [jax.tree.leaves(nnx.state(m, nnx.RngCount)) for m in (model, ref)]
+    assert [int(c) for c in counts[0]] == [int(c) for c in counts[1]]
+
+
+def test_nnx_rnn_remat_and_scan_stacks():
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return nnx.relu(self.lin(x))
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return Block(nnx.Rngs(key))
+
+    stack = make(jax.random.split(KEY, 3))
+
+    def scan_fwd(stack, x):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def body(block, x):
+            return block(x)
+
+        return body(stack, x)
+
+    x = jax.random.normal(KEY, (2, 8))
+    ref = scan_fwd(stack, x)
+    got = jaxamp.autocast(scan_fwd, dtype=F16)(stack, x)
+    assert got.dtype == F32 and _rel_err(got, ref) < 1e-2
+
+    block = Block(nnx.Rngs(1))
+    remat = nnx.remat(lambda m, x: m(m(x)))
+    ref = remat(block, x)
+    got = jaxamp.autocast(remat, dtype=F16)(block, x)
+    assert _rel_err(got, ref) < 1e-2
+    assert block(x).dtype == F32  # the module is intact afterwards
+
+    rnn = nnx.RNN(nnx.LSTMCell(8, 8, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(0))
+    seq = jax.random.normal(KEY, (2, 5, 8))
+    ref = rnn(seq)
+    got = jaxamp.autocast(rnn, dtype=F16)(seq)
+    assert _rel_err(got, ref) < 1e-2
+    got = nnx.jit(lambda m, s: jaxamp.autocast(m, dtype=F16)(s))(rnn, seq)
+    assert _rel_err(got, ref) < 1e-2
+
+
+def test_typed_prng_keys_pass_through():
+    def f(key, x):
+        k1, k2 = jax.random.split(key)
+        return k1, x @ x.T + jax.random.normal(k2, (2, 2))
+
+    key = jax.random.key(0)
+    k, y = jaxamp.autocast(f, dtype=F16)(key, jnp.ones((2, 3)))
+    assert jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key) and y.dtype == F32
+    ref = f(key, jnp.ones((2, 3)))[0]
+    np.testing.assert_array_equal(jax.random.key_data(k), jax.random.key_data(ref))
+
+
+# ------------------------------------------------------------ 6. forms users expect
+
+
+class _Decorated(nn.Module):
+    @functools.partial(jaxamp.autocast, dtype=F16)
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        return nn.Dense(2)(nn.Dropout(0.5, deterministic=not train)(x))
+
+
+def test_linen_decorator_init_and_apply():
+    x = jax.random.normal(KEY, (4, 3))
+    variables = _Decorated().init(KEY, x)
+    assert variables["params"]["Dense_0"]["kernel"].dtype == F32
+    y = _Decorated().apply(variables, x)
+    assert y.dtype == F32
+    prims = _prims(lambda v, x: _Decorated().apply(v, x), variables, x)
+    assert [p[1][0] for p in prims if p[0] == "dot_general"] == [np.dtype(F16)] * 2
+    y, upd = _Decorated().apply(variables, x, train=True, mutable=["batch_stats"],
+                                rngs={"dropout": KEY})  # fmt: skip
+    assert np.isfinite(np.asarray(y)).all()
+    assert not np.allclose(upd["batch_stats"]["BatchNorm_0"]["mean"], 0)
+
+
+def test_nnx_decorator_on_call():
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+
+        @functools.partial(jaxamp.autocast, dtype=F16)
+        def __call__(self, x):
+            return self.lin(x)
+
+    m = M(nnx.Rngs(0))
+    dots = [p for p in _prims(lambda x: m(x), jnp.ones((2, 3))) if p[0] == "dot_general"]
+    assert dots and dots[0][1][0] == np.dtype(F16)
+
+
+@pytest.mark.parametrize(
+    "act", [jax.nn.relu, jax.nn.silu, jax.nn.gelu, lambda h: jnp.cross(h[:, :3], h[:, 3:6])],
+    ids=["relu", "silu", "gelu", "cross"],
+)  # fmt: skip
+def test_activation_functions_keep_float16(act):
+    x, w = jax.random.normal(KEY, (4, 8)), jax.random.normal(jax.random.key(1), (8, 8))
+
+    def f(x, w):
+        h = act(x @ w)
+        return h @ w[: h.shape[-1]]
+
+    closed = jax.make_jaxpr(jaxamp.autocast(f, dtype=F16))(x, w)
+    dots = [e for e in _eqns(closed) if e.primitive.name == "dot_general"]
+    # The second matmul gets the activation's float16 output directly:
+    # no float32 round trip at the custom_jvp / jit boundary (the only
+    # upcasts left: the function's output, and gelu's x**3, a pow).
+    outs = set(closed.jaxpr.outvars)
+    ups = [e for e in _eqns(closed) if e.primitive.name == "convert_element_type"
+           and e.invars[0].aval.dtype == F16 and e.outvars[0].aval.dtype == F32
+           and e.outvars[0] not in outs]  # fmt: skip
+    assert len(dots) == 2 and all(v.aval.dtype == F16 for e in dots for v in e.invars)
+    assert len(ups) == (1 if act is jax.nn.gelu else 0), ups
+
+
+def test_unknown_primitive_in_rules_names_the_closest():
+    with pytest.raises(ValueError, match="'dot'.*dot_general"):
+        jaxamp.autocast(lambda x: x, rules={"dot": "float32"})
+    with pytest.raises(ValueError, match="expected one of"):
+        jaxamp.autocast(lambda x: x, rules={"dot_general": "half"})
+    jaxamp.autocast(lambda x: x, rules={jax.lax.exp_p: "lower"})  # primitives are accepted
+
+
+def test_default_rules_public_and_readable():
+    rules = jaxamp.DEFAULT_RULES
+    assert rules["dot_general"] == "lower" and rules["reduce_sum"] == "float32"
+    assert rules["add"] == "elementwise" and rules["square"] == "float32"
+    with pytest.raises(TypeError):
+        rules["add"] = "float32"  # read-only
+
+
+# ------------------------------------------------------------ 7. no needless cost
+
+
+def test_eager_calls_trace_once_per_signature():
+    calls = []
+
+    def f(x, w):
+        calls.append(1)
+        return jax.nn.relu(x @ w)
+
+    g = jaxamp.autocast(f, dtype=F16)
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 3))
+    for _ in range(3):
+        g(x, w)
+    assert len(calls) == 1
+    g(jnp.ones((4, 3)), w)  # a new shape: one more trace
+    assert len(calls) == 2
+
+
+def test_no_value_cast_twice_to_the_same_dtype():
+    class Deep(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(6):
+                h = nn.LayerNorm()(x)
+                x = x + nn.Dense(16)(nn.gelu(nn.Dense(32)(h)))
+            return x
+
+    x = jax.random.normal(KEY, (2, 16))
+    params = Deep().init(KEY, x)
+    closed = jax.make_jaxpr(jaxamp.autocast(Deep().apply, dtype=F16))(params, x)
+    seen = set()
+    for e in closed.jaxpr.eqns:
+        if e.primitive.name == "convert_element_type":
+            key = (e.invars[0], e.params["new_dtype"])
+            assert key not in seen, key
+            seen.add(key)
+
+
+def test_module_rules_example_claims():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "module_rules.py"
+    spec = importlib.util.spec_from_file_location("module_rules_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.Classifier()
+    x = jax.random.normal(KEY, (4, 64))
+    params = model.init(KEY, x)
+    apply = jaxamp.autocast(model.apply, dtype=F16, modules=example.RULES)
+    got = dict(example.matmul_dtypes(model, apply, params, x))
+    assert got.pop("Classifier/head") == "float32"
+    assert set(got.values()) == {"float16"} and len(got) == 4
+    # Every LayerNorm (auto-named LayerNorm_0..2) runs in float32: its ops see float32.
+    closed = jax.make_jaxpr(apply)(params, x)
+    rsqrts = [e for e in _eqns(closed) if e.primitive.name == "rsqrt"]
+    assert len(rsqrts) == 3 and all(e.invars[0].aval.dtype == F32 for e in rsqrts)
+    assert _rel_err(apply(params, x), model.apply(params, x)) < 1e-2
+
+
+def test_autocast_of_pmap_enters_it():
+    f = jax.pmap(lambda x, w: x @ w)
+    x, w = jnp.ones((1, 2, 3)), jnp.ones((1, 3, 3))
+    closed = jax.make_jaxpr(jaxamp.autocast(f, dtype=F16))(x, w)
+    dots = [e for e in _eqns(closed) if e.primitive.name == "dot_general"]
+    assert dots and all(v.aval.dtype == F16 for e in dots for v in e.invars)
