@@ -11,7 +11,7 @@ yourself, see ``unscaled_grads.py``.)
 
 ``tests/test_examples.py`` runs this loop with float32 compute and an inf batch at
 step 2, and checks that the parameters equal, bit for bit, those of the plain
-float32 ``optax.chain(clip_by_global_norm, adamw)`` loop that leaves that batch out.
+float32 ``optax.chain(clip_by_global_norm, sgd)`` loop that leaves that batch out.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def loss_fn(params, x, y, amp: bool = True):
 
 
 def make_inner() -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(1e-2))
+    return optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.sgd(0.1))
 
 
 def make_tx() -> optax.GradientTransformation:
@@ -50,7 +50,7 @@ def make_train_step(tx: optax.GradientTransformation, amp: bool = True):
     @jax.jit
     def train_step(params, opt_state, x, y):
         loss, grads = jaxamp.value_and_grad(loss_fn)(opt_state, params, x, y, amp)
-        # Unscale, check, clip (inside), AdamW, or skip the whole step; then update the scale.
+        # Unscale, check, clip (inside), SGD, or skip the whole step; then update the scale.
         params, opt_state = jaxamp.step(tx, grads, opt_state, params)
         return params, opt_state, loss
 

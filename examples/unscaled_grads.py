@@ -12,7 +12,7 @@ jaxamp::
 
     ls = jaxamp.get_loss_scale(opt_state)
     grads, finite = jaxamp.unscale_and_check(ls, grads)    # scaler.unscale_
-    norm = optax.global_norm(grads)                        # the pre-clip norm, to log
+    norm = optax.tree.norm(grads)                        # the pre-clip norm, to log
     grads = clip(grads, norm)                              # any edit of true gradients
     params, opt_state = jaxamp.step(tx, grads, opt_state, params, finite=finite)
 
@@ -24,7 +24,7 @@ the one unscale, and reused for the clipping.
 ``tests/test_examples.py`` runs this loop with float32 compute and an inf batch at
 step 2, and checks that the returned norms equal ``optax.global_norm`` of the plain
 float32 gradients and that the parameters equal, bit for bit, those of the plain
-``optax.chain(clip_by_global_norm, adamw)`` loop that leaves that batch out (a
+``optax.chain(clip_by_global_norm, sgd)`` loop that leaves that batch out (a
 second unscale would have divided the gradients by the scale twice).
 """
 
@@ -62,7 +62,7 @@ def clip(grads, norm):
 
 def make_tx() -> optax.GradientTransformation:
     # No clipping inside: this loop clips the unscaled gradients itself.
-    return jaxamp.skip_nonfinite(optax.adamw(1e-2), jaxamp.dynamic_scale(growth_interval=100))
+    return jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale(growth_interval=100))
 
 
 def make_train_step(tx: optax.GradientTransformation, amp: bool = True):
@@ -71,7 +71,7 @@ def make_train_step(tx: optax.GradientTransformation, amp: bool = True):
         loss, grads = jaxamp.value_and_grad(loss_fn)(opt_state, params, x, y, amp)
         ls = jaxamp.get_loss_scale(opt_state)
         grads, finite = jaxamp.unscale_and_check(ls, grads)  # scaler.unscale_(optimizer)
-        norm = optax.global_norm(grads)  # the true, pre-clip norm (inf/NaN on a bad step)
+        norm = optax.tree.norm(grads)  # the true, pre-clip norm (inf/NaN on a bad step)
         grads = clip(grads, norm)
         params, opt_state = jaxamp.step(tx, grads, opt_state, params, finite=finite)
         return params, opt_state, loss, norm

@@ -134,15 +134,20 @@ def test_small_example_runs(name: str, jax_cache: Path) -> None:
 # ----------------------------------------------------------------------------------------
 # Each recipe against a reference computed without jaxamp.
 #
-# The examples' loops run here with float32 compute (autocast disabled) and a power-of-two
-# loss scale: multiplying by 2**k is exact in float32 (no overflow or underflow at these
-# sizes), so the gradients of the scaled loss, unscaled, are the plain gradients bit for
-# bit, and a jaxamp loop that skips a step must equal the plain optax loop that leaves
-# that step out, bit for bit. The plain loop calls `opt.update` and `optax.apply_updates`
-# in separate jitted calls, as `jaxamp.step` promises to round: fused into one program,
-# XLA may contract `p + u` with the update's last multiply into an FMA (one ulp off).
-# With float16 compute the point of scaling is that it is *not* exact, so no bitwise
-# reference exists for it; those runs are covered by `test_small_example_runs`.
+# The examples' loops run here with float32 compute (autocast disabled) and power-of-two
+# loss scales: multiplying by 2**k is exact in float32 (no overflow or underflow at these
+# sizes), so the unscaled gradients of the scaled loss are the plain gradients bit for bit.
+# What a skip leaves alone (params on a skipped step or micro-batch, a skipped partition,
+# its optimizer state) is compared bit for bit. The params of steps that were applied are
+# compared with the plain optax loop that leaves the skipped steps out to RTOL / ATOL:
+# jaxamp runs the optimizer inside a `lax.cond`, which XLA compiles as its own computation
+# and may contract multiply-adds into FMAs differently than in the plain program (measured:
+# last-bit differences, under 1e-7 after 6 steps), while one optimizer step moves the
+# params by ~1e-2 to 1e-3: a step wrongly taken or left out, or gradients unscaled twice,
+# is far outside the tolerance (each test also checks that the steps it compares moved).
+# With float16 compute the point of scaling is that it is *not* exact, so no such
+# reference exists; those runs are covered by `test_small_example_runs`.
+RTOL, ATOL = 1e-5, 1e-7
 
 
 def _load(name: str):
@@ -170,6 +175,28 @@ def _plain_loop(loss, opt, params, batches, leave_out=()):
             params = apply(params, updates)
         out.append(params)
     return out
+
+
+def _close(a, b) -> bool:
+    """Equal to RTOL / ATOL, leaf for leaf (see the note above)."""
+    import jax
+    import numpy as np
+
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(
+        np.allclose(x, y, rtol=RTOL, atol=ATOL) for x, y in zip(la, lb, strict=True)
+    )
+
+
+def _moved(a, b) -> bool:
+    """Some leaf differs by far more than the tolerance: a real optimizer step."""
+    import jax
+    import numpy as np
+
+    return any(
+        not np.allclose(x, y, rtol=100 * RTOL, atol=100 * ATOL)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 def _same(a, b) -> bool:
@@ -229,16 +256,17 @@ def test_typical_loop_skips_exactly_the_overflowed_step() -> None:
     ref = _plain_loop(
         loss, optax.sgd(0.1), params, zip(inputs, targets, strict=True), leave_out={BAD}
     )
-    assert all(_same(g, r) for g, r in zip(got, ref, strict=True))
-    assert _same(got[BAD], got[BAD - 1]) and not _same(got[BAD + 1], got[BAD])
+    assert all(_close(g, r) for g, r in zip(got, ref, strict=True))
+    assert all(_moved(got[i], got[i - 1]) for i in range(1, len(got)) if i != BAD)
+    assert _same(got[BAD], got[BAD - 1])  # skipped: bit for bit
     m = _metrics(state)
     assert m["skipped_steps"] == 1 and m["loss_scale"] == 2.0**15  # GradScaler: 2**16 * 0.5
 
 
 @pytest.mark.parametrize("name", ["grad_clipping", "unscaled_grads"])
-def test_clipping_equals_plain_clip_then_adamw(name: str) -> None:
+def test_clipping_equals_plain_clip_then_adam(name: str) -> None:
     """Clipping inside skip_nonfinite, or by hand after unscale_and_check + step(finite=),
-    equals plain optax.chain(clip_by_global_norm, adamw) without the overflowed step."""
+    equals plain optax.chain(clip_by_global_norm, adam) without the overflowed step."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -254,7 +282,8 @@ def test_clipping_equals_plain_clip_then_adamw(name: str) -> None:
     )
     loss = lambda p, x, y: ex.loss_fn(p, x, y, False)
     ref = _plain_loop(loss, ref_ex.make_inner(), params, zip(xs, ys, strict=True), leave_out={BAD})
-    assert all(_same(g, r) for g, r in zip(got, ref, strict=True))
+    assert all(_close(g, r) for g, r in zip(got, ref, strict=True))
+    assert all(_moved(got[i], got[i - 1]) for i in range(1, len(got)) if i != BAD)
     assert _metrics(state)["skipped_steps"] == 1
     if name == "unscaled_grads":
         # The pre-clip norm comes from the one unscale: it is the plain gradients' norm.
@@ -265,7 +294,7 @@ def test_clipping_equals_plain_clip_then_adamw(name: str) -> None:
                 assert not np.isfinite(norm)
                 continue
             before = params if i == 0 else ref[i - 1]
-            plain = float(optax.global_norm(jax.grad(loss)(before, x, y)))
+            plain = float(optax.tree.norm(jax.grad(loss)(before, x, y)))
             assert norm == plain, (i, norm, plain)
             clipped += plain > ex.MAX_NORM
         assert clipped >= 2  # the clipping was active, so the test covers it
@@ -313,10 +342,11 @@ def test_accumulation_inf_costs_exactly_one_window() -> None:
     for w in range(windows):
         for i in range(k - 1):  # micro-batches 1..K-1 leave the params alone
             assert _same(got[w * k + i], start), (w, i)
-        assert _same(got[w * k + k - 1], ref[w]), w
+        assert _close(got[w * k + k - 1], ref[w]), w
+        if w != BAD:
+            assert _moved(got[w * k + k - 1], start), w
         start = got[w * k + k - 1]
     assert _same(got[(BAD + 1) * k - 1], got[BAD * k - 1])  # window BAD: skipped
-    assert not _same(got[(BAD + 2) * k - 1], got[(BAD + 1) * k - 1])  # window BAD+1 trains
     # The scale moves only at window ends: one backoff, at the end of window BAD.
     init = 2.0**12
     assert scales[: BAD * k] == [init] * (BAD * k)
@@ -347,7 +377,8 @@ def test_grad_penalty_equals_plain_double_backward() -> None:
         return ex.loss_fn(p, x, y, False) + jnp.sqrt(sum(jnp.sum(v**2) for v in jax.tree.leaves(g)))
 
     ref = _plain_loop(plain, optax.adam(1e-2), params, zip(xs, ys, strict=True), leave_out={BAD})
-    assert all(_same(g, r) for g, r in zip(got, ref, strict=True))
+    assert all(_close(g, r) for g, r in zip(got, ref, strict=True))
+    assert all(_moved(got[i], got[i - 1]) for i in range(1, len(got)) if i != BAD)
     assert _metrics(state)["skipped_steps"] == 1
 
 
@@ -380,11 +411,11 @@ def test_multiple_optimizers_skip_only_the_overflowed_partition() -> None:
                 updates, states[k] = update[k](g[k], states[k], p[k])
                 new[k] = apply(p[k], updates)
         p = new
-        assert _same(got[i], p), i
+        assert _close(got[i], p), i
     assert _same(got[BAD]["model1"], got[BAD - 1]["model1"])
-    assert not _same(got[BAD]["model0"], got[BAD - 1]["model0"])
-    adam1 = state.inner_states["opt1"]
-    assert _same(adam1, states["model1"])  # Adam's count did not advance at step BAD
+    assert _moved(got[BAD]["model0"], got[BAD - 1]["model0"])
+    # Optimizer1's Adam state: its count advanced on every step but the skipped one.
+    assert int(state.inner_states["opt1"][0].count) == len(xs) - 1
     m = _metrics(state)
     assert m["skipped_steps"] == 1 and m["loss_scale"] == 2.0**9
 
@@ -416,7 +447,8 @@ def test_custom_vjp_loop_and_full_precision() -> None:
     ref = _plain_loop(
         ex.loss_fn, optax.adam(1e-2), params, zip(xs, ys, strict=True), leave_out={BAD}
     )
-    assert all(_same(g, r) for g, r in zip(got, ref, strict=True))
+    assert all(_close(g, r) for g, r in zip(got, ref, strict=True))
+    assert all(_moved(got[i], got[i - 1]) for i in range(1, len(got)) if i != BAD)
     assert _metrics(state)["skipped_steps"] == 1
 
 
