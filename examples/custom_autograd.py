@@ -16,7 +16,7 @@ PyTorch's AMP examples show two cases for ``torch.autograd.Function``:
 ``mymm`` under autocast computes what float16 inputs give, that its backward rule's
 matmuls are float16, that ``full_precision(l2_norm)`` gives the float32 value and
 gradient exactly, and that the loop (float32 compute) with an inf batch at step 2
-equals, bit for bit, the plain optax loop that leaves that batch out.
+equals the plain optax loop that leaves that batch out (to float32 rounding).
 """
 
 from __future__ import annotations

@@ -24,9 +24,11 @@ resets its accumulator by multiplying it by 0, and ``inf * 0`` is NaN, so after 
 overflowing micro-batch every later step would be skipped.
 
 ``tests/test_examples.py`` runs this loop with float32 compute and an inf in one
-micro-batch of window 2, and checks the parameters after every window against
-PyTorch's loop written in plain JAX + optax (grads of ``loss / K`` summed, one
-AdamW step per window) that leaves window 2 out: equal bit for bit.
+micro-batch of window 2, and checks that micro-batches 1..K-1 leave the params
+unchanged bit for bit, that the scale moves once, at the end of window 2, and the
+parameters after every window against PyTorch's loop written in plain JAX + optax
+(grads of ``loss / K`` summed, one Adam step per window) that leaves window 2 out
+(to float32 rounding).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ skipped before anything is clipped. (To *see* the norm, or edit the gradients
 yourself, see ``unscaled_grads.py``.)
 
 ``tests/test_examples.py`` runs this loop with float32 compute and an inf batch at
-step 2, and checks that the parameters equal, bit for bit, those of the plain
-float32 ``optax.chain(clip_by_global_norm, sgd)`` loop that leaves that batch out.
+step 2, and checks that the parameters equal, to float32 rounding, those of the
+plain float32 ``optax.chain(clip_by_global_norm, sgd)`` loop that leaves that batch out.
 """
 
 from __future__ import annotations
@@ -58,15 +58,15 @@ def make_train_step(tx: optax.GradientTransformation, amp: bool = True):
 
 
 def main() -> None:
-    """Trains 300 steps with clipping inside ``skip_nonfinite``."""
+    """Trains 200 steps with clipping inside ``skip_nonfinite``."""
     xs, ys = make_data(1)
     params = model.init(jax.random.key(1), xs[0])
     tx = make_tx()
     opt_state = tx.init(params)
     train_step = make_train_step(tx)
-    for i in range(301):
+    for i in range(201):
         params, opt_state, loss = train_step(params, opt_state, xs[0], ys[0])
-        if i % 100 == 0:
+        if i % 50 == 0:
             m = jaxamp.metrics(opt_state)
             print(
                 f"step {i:3d}  loss {loss:.4f}  scale {m['loss_scale']:g}  "
