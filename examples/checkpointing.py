@@ -46,10 +46,9 @@ tx = jaxamp.skip_nonfinite(
 
 @jax.jit
 def train_step(params, opt_state, x, y):
-    ls = jaxamp.get_loss_scale(opt_state)
-    loss, grads = jax.value_and_grad(lambda p: jaxamp.scale(ls, loss_fn(p, x, y)))(params)
+    loss, grads = jaxamp.value_and_grad(loss_fn)(opt_state, params, x, y)
     params, opt_state = jaxamp.step(tx, grads, opt_state, params)
-    return params, opt_state, loss / ls.scale
+    return params, opt_state, loss
 
 
 def batches():

@@ -10,6 +10,9 @@
 
 At step 3 one device's gradients get an inf; every device skips that step.
 Runs on any number of devices; on CPU it asks XLA for 8 simulated ones.
+``tests/test_examples.py`` checks all three runs against single-device plain optax
+on the whole batch that leaves step 3 out (to float32 rounding: the per-device
+means are summed in another order than the whole batch's mean).
 
     python examples/data_parallel.py
 """
@@ -60,12 +63,12 @@ def make_tx(axis_name=None):
     )
 
 
-def shard_map_training() -> None:
+def shard_map_training():
+    """Trains STEPS steps with shard_map; returns the final params."""
     tx = make_tx(axis_name="data")
 
     def step(params, opt_state, x, y, bad):
-        ls = jaxamp.get_loss_scale(opt_state)
-        grads = jax.grad(lambda p: jaxamp.scale(ls, loss_fn(p, x, y)))(params)
+        _, grads = jaxamp.value_and_grad(loss_fn)(opt_state, params, x, y)
         grads = jax.lax.pmean(grads, "data")
         # Simulate a fault on one device only (its copy of the reduced gradients).
         hit = bad & (jax.lax.axis_index("data") == BAD_DEVICE)
@@ -92,16 +95,17 @@ def shard_map_training() -> None:
         skipped, scale = int(m["skipped_steps"]), float(m["loss_scale"])
         print(f"  shard_map step {i}: skipped={skipped} scale={scale:g}")
     assert int(jaxamp.metrics(opt_state)["skipped_steps"]) == 1
+    return params
 
 
-def mesh_jit_training(fsdp: bool) -> None:
+def mesh_jit_training(fsdp: bool):
+    """Trains STEPS steps with jit over the mesh; returns the final params."""
     tx = make_tx()  # no axis_name under jit
 
     @jax.jit
     def step(params, opt_state, x, y, bad):
-        ls = jaxamp.get_loss_scale(opt_state)
         x = x.at[BAD_DEVICE * (BATCH // N), 0].set(jnp.where(bad, jnp.inf, x[0, 0]))
-        grads = jax.grad(lambda p: jaxamp.scale(ls, loss_fn(p, x, y)))(params)
+        _, grads = jaxamp.value_and_grad(loss_fn)(opt_state, params, x, y)
         return jaxamp.step(tx, grads, opt_state, params)
 
     with jax.set_mesh(mesh):
@@ -122,6 +126,7 @@ def mesh_jit_training(fsdp: bool) -> None:
             f"w1 sharding={params['w1'].sharding.spec}"
         )
         assert int(ls.skipped_steps) == 1 and len(copies) == 1
+    return params
 
 
 if __name__ == "__main__":

@@ -40,10 +40,10 @@ def train_step(state: jaxamp.TrainState, x: jax.Array, y: jax.Array):
 
     def loss_fn(params):
         logits = jaxamp.autocast(state.apply_fn, dtype=jnp.float16)(params, x)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        return jaxamp.scale(state.loss_scale, loss), loss
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    grads, loss = jax.grad(loss_fn, has_aux=True)(state.params)
+    # The state holds the loss scale: the loss comes back unscaled, the grads scaled.
+    loss, grads = jaxamp.value_and_grad(loss_fn)(state, state.params)
     return state.apply_gradients(grads=grads), loss
 
 

@@ -37,15 +37,12 @@ def main() -> None:
 
     @jax.jit
     def train_step(params, opt_state):
-        loss_scale = jaxamp.get_loss_scale(opt_state)
-
         def loss_fn(params):
             model = nnx.merge(graphdef, params)
             pred = jaxamp.autocast(model, dtype=jnp.float16)(x)  # float16 matmuls
-            loss = jnp.mean((pred - y) ** 2)
-            return jaxamp.scale(loss_scale, loss), loss
+            return jnp.mean((pred - y) ** 2)
 
-        grads, loss = jax.grad(loss_fn, has_aux=True)(params)
+        loss, grads = jaxamp.value_and_grad(loss_fn)(opt_state, params)
         params, opt_state = jaxamp.step(tx, grads, opt_state, params)
         return params, opt_state, loss
 

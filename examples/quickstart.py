@@ -20,10 +20,10 @@ loss_fn = jaxamp.autocast(lambda p: jnp.mean((model.apply(p, x) - y) ** 2), dtyp
 
 @jax.jit
 def train_step(params, opt_state):
-    loss_scale = jaxamp.get_loss_scale(opt_state)
-    scaled_loss, grads = jax.value_and_grad(lambda p: jaxamp.scale(loss_scale, loss_fn(p)))(params)
+    # The unscaled loss, and the gradients of the loss times the current loss scale.
+    loss, grads = jaxamp.value_and_grad(loss_fn)(opt_state, params)
     params, opt_state = jaxamp.step(tx, grads, opt_state, params)  # skipped if not finite
-    return params, opt_state, scaled_loss / loss_scale.scale
+    return params, opt_state, loss
 
 
 for i in range(201):

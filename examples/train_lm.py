@@ -170,15 +170,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--init-scale",
         type=_positive_float(),
-        default=2.0**15,
-        help="initial loss scale of the fp16-amp run",
+        default=2.0**24,
+        help="initial loss scale of the fp16-amp run (2**24: PyTorch's 2**16 for a loss "
+        "whose gradients are 2**8 times smaller than a per-step mean's, see --loss-tokens)",
     )
     p.add_argument(
         "--growth-interval",
         type=_int_at_least(1),
-        default=50,
+        default=20,
         help="clean steps before the fp16-amp loss scale doubles (PyTorch uses "
-        "2000 for long runs; a short demo needs a shorter interval to show growth)",
+        "2000 for long runs; a 250-step demo needs a short interval for the scale to "
+        "climb into float16's overflow and back off)",
+    )
+    p.add_argument(
+        "--max-scale",
+        type=_positive_float(),
+        default=2.0**32,
+        help="upper bound of the fp16-amp loss scale (above the 2**27-2**28 where this "
+        "model's float16 backward overflows, so the run shows backoffs)",
     )
     p.add_argument(
         "--corpus-bytes",
@@ -346,7 +355,11 @@ def make_optimizer(args: argparse.Namespace, spec: RunSpec) -> optax.GradientTra
     if not spec.skip_nonfinite:
         return inner
     loss_scale = (
-        jaxamp.dynamic_scale(init_scale=args.init_scale, growth_interval=args.growth_interval)
+        jaxamp.dynamic_scale(
+            init_scale=args.init_scale,
+            growth_interval=args.growth_interval,
+            max_scale=args.max_scale,
+        )
         if spec.loss_scaling
         else None
     )
@@ -404,10 +417,9 @@ def make_fns(
             train_data, jax.random.fold_in(data_key, step), args.batch_size, args.seq_len
         )
         if spec.loss_scaling:
-            ls = jaxamp.get_loss_scale(state.opt_state)
-            scaled = lambda p: jaxamp.scale(ls, amp_loss(p, batch))
-            scaled_loss, grads = jax.value_and_grad(scaled)(state.params)
-            loss = scaled_loss.astype(jnp.float32) / ls.scale * to_mean
+            # The unscaled loss and the gradients of the scaled loss, in one call.
+            loss, grads = jaxamp.value_and_grad(amp_loss)(state.opt_state, state.params, batch)
+            loss = loss.astype(jnp.float32) * to_mean
         else:
             loss, grads = jax.value_and_grad(amp_loss)(state.params, batch)
             loss = loss * to_mean
@@ -499,6 +511,7 @@ def _config_key(args: argparse.Namespace) -> dict[str, Any]:
         "loss_tokens",
         "init_scale",
         "growth_interval",
+        "max_scale",
         "corpus_bytes",
         "seed",
     )
