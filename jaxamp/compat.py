@@ -288,8 +288,7 @@ def mindspore_dynamic(
         raise ValueError(
             f"init_loss_scale must be >= 1 (as in MindSpore), got {init_loss_scale!r}."
         )
-    if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window <= 0:
-        raise ValueError(f"scale_window must be a positive int, got {scale_window!r}.")
+    _whole("MindSpore", "scale_window", scale_window, 1)
     if scale_factor <= 0:
         raise ValueError(f"scale_factor must be > 0 (as in MindSpore), got {scale_factor!r}.")
     if scale_factor < 1:
@@ -554,7 +553,9 @@ def apex_loss_scaler(
     )
     if min_loss_scale is not None:
         _numbers("Apex", min_loss_scale=min_loss_scale)
-    if loss_scale != "dynamic":
+    if not max_loss_scale > 0:
+        raise ValueError(f"max_loss_scale must be > 0 (Apex), got {max_loss_scale!r}.")
+    if not isinstance(loss_scale, str):
         return _fresh_state(
             Mode.STATIC_UNCHECKED,
             {"scale": "loss_scale"},
