@@ -2,7 +2,11 @@
 
 Each returns a :class:`jaxamp.LossScaleState` whose :func:`jaxamp.update` follows the
 original's rule step for step, and validates its arguments as the original does
-(raising ``ValueError`` where the original asserts).
+(raising ``ValueError`` where the original asserts). An argument of the wrong type
+(a string, a bool for a number, ``None`` where the original takes none) raises
+``TypeError`` naming it at once. Systems: PyTorch, Paddle, MegEngine, MindSpore,
+DeepSpeed, Megatron-LM, NVIDIA Apex, Flax, jmp, Keras 3. Where an original has no
+floor or ceiling, the scale still stays in [2**-126, 2**126] (see each docstring).
 """
 
 from __future__ import annotations
