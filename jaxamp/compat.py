@@ -12,6 +12,7 @@ floor or ceiling, the scale still stays in [2**-126, 2**126] (see each docstring
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -27,6 +28,7 @@ from jaxamp._loss_scale import (
 
 __all__ = [
     "apex_loss_scaler",
+    "deepspeed_fp16_config",
     "deepspeed_loss_scaler",
     "flax_dynamic_scale",
     "jmp_dynamic_loss_scale",
@@ -416,6 +418,107 @@ def deepspeed_loss_scaler(
         hysteresis_refill="finite" if consecutive_hysteresis else "growth",
         raise_at_min_scale=bool(raise_error_at_min_scale),
     )
+
+
+# The dynamic-scaling keys of DeepSpeed's "fp16" config block, with their config defaults.
+_DEEPSPEED_FP16_DYNAMIC = {
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "consecutive_hysteresis": False,
+    "min_loss_scale": 1,
+}
+
+
+def deepspeed_fp16_config(fp16: Mapping[str, Any]) -> LossScaleState:
+    """The ``"fp16"`` block of a DeepSpeed config, as ZeRO stages 1-3 build their scaler.
+
+    Follows ``deepspeed/runtime/config.py``: ``enabled`` (default False) off gives
+    :func:`jaxamp.no_scale`; a non-zero ``loss_scale`` gives a fixed scale whose
+    overflowing steps are still skipped (ZeRO checks every step); ``loss_scale=0``
+    (the default) gives :func:`deepspeed_loss_scaler` with ``init_scale =
+    2**initial_scale_power``, ``scale_window = loss_scale_window``, ``delayed_shift =
+    hysteresis``, ``consecutive_hysteresis`` and ``min_scale = min_loss_scale``.
+    As in DeepSpeed, the config defaults (``initial_scale_power=16``,
+    ``loss_scale_window=1000``, ``hysteresis=2``, ``min_loss_scale=1``) apply only
+    when at least one of those keys is in the block; a block with none of them
+    gets ``DynamicLossScaler``'s own defaults (``2**32``, window 1000, no
+    hysteresis). Other keys are ignored. DeepSpeed's optimizer without ZeRO
+    (``FP16_Optimizer``) uses a different rule (no hysteresis, first growth one
+    step later), which this does not reproduce.
+
+    Args:
+      fp16: the mapping under ``"fp16"`` in a DeepSpeed config.
+
+    Returns:
+      A :class:`LossScaleState`.
+
+    Example:
+      >>> import jaxamp
+      >>> s = jaxamp.compat.deepspeed_fp16_config({"enabled": True, "loss_scale_window": 500})
+      >>> float(s.scale), int(s.growth_interval), int(s.hysteresis)
+      (65536.0, 500, 2)
+    """
+    if not isinstance(fp16, Mapping):
+        raise TypeError(
+            f"fp16 must be the mapping under 'fp16' in a DeepSpeed config, got "
+            f"{type(fp16).__name__} {fp16!r}."
+        )
+    enabled, loss_scale = fp16.get("enabled", False), fp16.get("loss_scale", 0)
+    _flags("DeepSpeed config", enabled=enabled)
+    _numbers("DeepSpeed config", loss_scale=loss_scale)
+    if not enabled:
+        return no_scale()
+    if loss_scale != 0:
+        if not loss_scale > 0:
+            raise ValueError(
+                f"loss_scale must be 0 (dynamic) or > 0 (DeepSpeed), got {loss_scale!r}."
+            )
+        return _fresh_state(
+            Mode.STATIC,
+            {"scale": "loss_scale"},
+            scale=loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=2**30,
+            hysteresis=1,
+            min_scale=0.0,
+            max_scale=math.inf,
+            max_consecutive_nonfinite=None,
+        )
+    if not any(key in fp16 for key in _DEEPSPEED_FP16_DYNAMIC):
+        return deepspeed_loss_scaler()
+    c = {key: fp16.get(key, default) for key, default in _DEEPSPEED_FP16_DYNAMIC.items()}
+    _numbers(
+        "DeepSpeed config",
+        initial_scale_power=c["initial_scale_power"],
+        loss_scale_window=c["loss_scale_window"],
+        hysteresis=c["hysteresis"],
+        min_loss_scale=c["min_loss_scale"],
+    )
+    _flags("DeepSpeed config", consecutive_hysteresis=c["consecutive_hysteresis"])
+    if not -126 <= c["initial_scale_power"] <= 126:
+        raise ValueError(
+            f"initial_scale_power must be in [-126, 126], got {c['initial_scale_power']!r}."
+        )
+    names = {"loss_scale_window": "scale_window", "hysteresis": "delayed_shift"}
+    for key, arg in names.items():
+        try:
+            _whole("DeepSpeed config", key, c[key], 1)
+        except ValueError as e:
+            raise ValueError(f"{e} ({arg} of DynamicLossScaler)") from None
+    try:
+        return deepspeed_loss_scaler(
+            init_scale=2.0 ** c["initial_scale_power"],
+            scale_window=c["loss_scale_window"],
+            min_scale=c["min_loss_scale"],
+            delayed_shift=c["hysteresis"],
+            consecutive_hysteresis=c["consecutive_hysteresis"],
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"{e} (config keys: init_scale = 2**initial_scale_power, min_scale = min_loss_scale)"
+        ) from None
 
 
 def megatron_grad_scaler(

@@ -316,6 +316,103 @@ def test_deepspeed_raises_at_min_scale_through_check_health():
     assert int(last.min_scale_backoffs) == 3
 
 
+def deepspeed_config_reference(fp16):
+    """deepspeed/runtime/config.py get_loss_scale / get_dynamic_loss_scale_args and
+    CreateLossScaler (loss_scaler.py): which scaler, with which arguments, a ZeRO
+    engine builds from the "fp16" block. Returns None (no scaling), ("static", s)
+    or ("dynamic", kwargs for DynamicLossScaler, {} meaning its defaults)."""
+    if not fp16.get("enabled", False):
+        return None
+    if fp16.get("loss_scale", 0) != 0:
+        return ("static", fp16["loss_scale"])
+    keys = (
+        "initial_scale_power",
+        "loss_scale_window",
+        "min_loss_scale",
+        "hysteresis",
+        "consecutive_hysteresis",
+    )
+    if not any(k in fp16 for k in keys):
+        return ("dynamic", {})
+    return (
+        "dynamic",
+        {
+            "init_scale": 2 ** fp16.get("initial_scale_power", 16),
+            "scale_window": fp16.get("loss_scale_window", 1000),
+            "delayed_shift": fp16.get("hysteresis", 2),
+            "consecutive_hysteresis": fp16.get("consecutive_hysteresis", False),
+            "min_scale": fp16.get("min_loss_scale", 1),
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    "fp16",
+    [
+        {},
+        {"enabled": False, "loss_scale_window": 10},
+        {"enabled": True},
+        {"enabled": True, "auto_cast": False},
+        {"enabled": True, "loss_scale": 128},
+        {"enabled": True, "loss_scale_window": 3},
+        {"enabled": True, "hysteresis": 3, "consecutive_hysteresis": True},
+        {"enabled": True, "initial_scale_power": 4, "min_loss_scale": 4, "loss_scale_window": 2},
+    ],
+)
+def test_deepspeed_fp16_config(fp16):
+    state = compat.deepspeed_fp16_config(fp16)
+    ref = deepspeed_config_reference(fp16)
+    ovf = [True, False, False, True, True, False, False, False, True, True, True, True]
+    if ref is None:
+        assert not state.enabled and not state.skip_nonfinite
+        return
+    if ref[0] == "static":
+        assert not state.dynamic and state.skip_nonfinite  # ZeRO still skips overflows
+        np.testing.assert_array_equal(run(state, ovf)["scale"], [ref[1]] * len(ovf))
+        return
+    # DynamicLossScaler's own defaults (loss_scaler.py), overridden by the config's values.
+    defaults = {
+        "init_scale": 2**32,
+        "scale_window": 1000,
+        "min_scale": 1,
+        "delayed_shift": 1,
+        "consecutive_hysteresis": False,
+    }
+    a = {**defaults, **ref[1]}
+    rows, raised_at = deepspeed_reference(
+        ovf,
+        a["init_scale"],
+        2.0,
+        a["scale_window"],
+        a["min_scale"],
+        a["delayed_shift"],
+        a["consecutive_hysteresis"],
+        True,
+    )
+    t = run(state, ovf)
+    np.testing.assert_array_equal(t["scale"][: len(rows)], col(rows, 0))
+    assert int(state.hysteresis) == a["delayed_shift"]
+    assert (raised_at is not None) == bool(t["min_scale_backoffs"].any())
+
+
+def test_deepspeed_fp16_config_defaults_depend_on_which_keys_are_present():
+    # No dynamic key: DynamicLossScaler's defaults. One key: the config's defaults.
+    bare = compat.deepspeed_fp16_config({"enabled": True})
+    assert float(bare.scale) == 2.0**32 and int(bare.hysteresis) == 1
+    keyed = compat.deepspeed_fp16_config({"enabled": True, "min_loss_scale": 1})
+    assert float(keyed.scale) == 2.0**16 and int(keyed.hysteresis) == 2
+    with pytest.raises(TypeError, match="fp16"):
+        compat.deepspeed_fp16_config('{"enabled": true}')
+    with pytest.raises(TypeError, match="enabled"):
+        compat.deepspeed_fp16_config({"enabled": "true"})
+    with pytest.raises(TypeError, match="loss_scale_window"):
+        compat.deepspeed_fp16_config({"enabled": True, "loss_scale_window": "1000"})
+    with pytest.raises(ValueError, match="hysteresis"):
+        compat.deepspeed_fp16_config({"enabled": True, "hysteresis": 0})
+    with pytest.raises(ValueError, match="loss_scale"):
+        compat.deepspeed_fp16_config({"enabled": True, "loss_scale": -1})
+
+
 # --- Megatron-LM -------------------------------------------------------------------
 
 
