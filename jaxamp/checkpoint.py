@@ -120,7 +120,9 @@ def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") 
 
     Raises:
       ValueError: naming the missing loss-scale state (its path and fields) and
-        the other missing leaves, with the way to migrate a plain optax checkpoint.
+        the other missing leaves, with the way to migrate a plain optax checkpoint;
+        or, when ``saved`` describes no tree (orbax could not read the metadata of
+        a missing or corrupted checkpoint), saying so.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -133,6 +135,13 @@ def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") 
       ValueError: the checkpoint has no loss-scale state at `loss_scale` ...
     """
     saved_tree = _saved_tree(saved)
+    if saved_tree is None:
+        # orbax's `metadata` describes no tree when it could not read one.
+        raise ValueError(
+            f"{where} has no readable metadata (orbax describes no tree): the checkpoint is "
+            "missing, incomplete or corrupted, so nothing can be checked. Restore it with orbax "
+            "to see orbax's own error."
+        )
     missing = _missing(saved_tree, target)
     if not missing:
         return
