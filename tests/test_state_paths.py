@@ -452,7 +452,7 @@ def test_donating_a_new_state_never_deletes_the_old_ones_leaves() -> None:
     params = {"w": jnp.ones(3)}
     tx = jaxamp.skip_nonfinite(optax.sgd(0.1, momentum=0.9), jaxamp.dynamic_scale())
     old = tx.init(params)
-    before = jax.device_get(old)
+    before = jax.device_get(tx.init(params))  # not `old`: a host copy would be cached on it
     _, new = tx.update({"w": jnp.ones(3)}, old, params)
     _, skipped = tx.update({"w": jnp.array([1.0, jnp.inf, 0.0])}, old, params)
     news = [new, skipped, jaxamp.update(old.loss_scale, True), old.loss_scale.replace(hysteresis=2)]
@@ -463,6 +463,7 @@ def test_donating_a_new_state_never_deletes_the_old_ones_leaves() -> None:
     )
     for n in news:
         jax.block_until_ready(touch(n))
+    assert not [x for x in jax.tree.leaves(old) if x.is_deleted()]
     _bits_equal(old, before)  # every leaf of the old state is still there, unchanged
 
 
