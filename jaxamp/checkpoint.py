@@ -193,7 +193,7 @@ def _explain_failure(read_metadata: Any, target: Any, where: str, error: Excepti
         tree = None if saved is None else _saved_tree(saved)
     except Exception:
         return
-    if tree is None or isinstance(tree, Mapping) and not isinstance(tree, dict):
+    if tree is None or (isinstance(tree, Mapping) and not isinstance(tree, dict)):
         return  # nothing readable, or a multi-item manager's Composite: orbax's error stands
     try:
         check_restorable(tree, target, where=where)
