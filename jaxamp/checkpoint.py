@@ -1,18 +1,38 @@
-"""Orbax checkpointing of jaxamp training states, with a clear error for what is missing.
+"""Orbax checkpointing of jaxamp training states: orbax's restore, checked on both sides.
 
 Nothing special is needed to *save*: a :class:`jaxamp.LossScaleState` is a pytree
 whose counters and numeric configuration (``growth_factor``, ``hysteresis``,
-``min_scale``, ...) are all array leaves, so ``ocp.StandardCheckpointer`` and
-``ocp.CheckpointManager`` with ``ocp.args.StandardSave`` write it with the rest of
-the optimizer state, and a restored state continues bit for bit. Only the mode
-(``dynamic``, ``enabled``, ``skip_nonfinite``) is static: it is not stored and
-comes from the restore target.
+``min_scale``, ``max_scale``, ...) are all array leaves, so ``ocp.StandardCheckpointer``
+and ``ocp.CheckpointManager`` with ``ocp.args.StandardSave`` write it with the rest of
+the optimizer state, and a restored state continues bit for bit. Only the
+:class:`jaxamp.Mode` (``"dynamic"``, ``"static"``, ...) is static: it is not stored
+and comes from the restore target.
 
-:func:`restore` is orbax's restore with one check in front: it compares the
-saved tree with the target and, when the target wants leaves the checkpoint
-does not have (typically a checkpoint written by a plain optax optimizer being
-restored into a ``jaxamp.skip_nonfinite`` state), raises a ``ValueError`` naming
-the missing loss-scale state and leaves, instead of orbax's structure mismatch.
+**Restoring into another configuration.** Every number comes from the
+checkpoint and only the mode from the target: restoring a
+``jaxamp.compat.torch_grad_scaler(init_scale=0.25)`` checkpoint into a
+``jaxamp.dynamic_scale()`` target gives a dynamic state with scale 0.25,
+``min_scale=0`` and ``max_scale=inf``, exactly the saved run. The state stores
+nothing derived from its numbers (whether the scale can drop below 1 is read
+from the scale at run time), so nothing can go stale. To change the
+configuration of a restored run, ``replace`` the restored state (validated like
+the constructors), e.g. ``ls.replace(growth_interval=500)``.
+
+:func:`restore` is orbax's restore with a check on each side:
+
+- before: nothing. Orbax restores first, so a missing or corrupted checkpoint
+  (a deleted or truncated ``_METADATA``, ``manifest.ocdbt`` or ``d/*`` file)
+  raises orbax's own error. Only when orbax fails *and* the checkpoint's
+  metadata is readable and lacks leaves the target needs (typically a checkpoint
+  written by a plain optax optimizer restored into a ``jaxamp.skip_nonfinite``
+  state) does it raise a ``ValueError`` naming the missing loss-scale state.
+  It reads no metadata on a successful restore, so it logs nothing that plain
+  orbax does not.
+- after: every :class:`jaxamp.LossScaleState` in the result is validated like
+  the constructors' arguments (a hand-edited checkpoint with a negative counter,
+  a zero or infinite scale or ``min_scale > max_scale`` raises a ``ValueError``
+  naming the field and the checkpoint). Only those scalars are read back to the
+  host.
 """
 
 from __future__ import annotations
@@ -21,8 +41,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
-from jaxamp._loss_scale import LossScaleState
+from jaxamp._loss_scale import LossScaleState, validate
 
 __all__ = ["check_restorable", "restore"]
 
@@ -99,7 +120,9 @@ def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") 
 
     Raises:
       ValueError: naming the missing loss-scale state (its path and fields) and
-        the other missing leaves, with the way to migrate a plain optax checkpoint.
+        the other missing leaves, with the way to migrate a plain optax checkpoint;
+        or, when ``saved`` describes no tree (orbax could not read the metadata of
+        a missing or corrupted checkpoint), saying so.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -112,6 +135,13 @@ def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") 
       ValueError: the checkpoint has no loss-scale state at `loss_scale` ...
     """
     saved_tree = _saved_tree(saved)
+    if saved_tree is None:
+        # orbax's `metadata` describes no tree when it could not read one.
+        raise ValueError(
+            f"{where} has no readable metadata (orbax describes no tree): the checkpoint is "
+            "missing, incomplete or corrupted, so nothing can be checked. Restore it with orbax "
+            "to see orbax's own error."
+        )
     missing = _missing(saved_tree, target)
     if not missing:
         return
@@ -149,15 +179,82 @@ def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") 
     raise ValueError(message)
 
 
-def _manager_metadata(manager: Any, step: int) -> Any:
-    import orbax.checkpoint as ocp
+def _explain_failure(read_metadata: Any, target: Any, where: str, error: Exception) -> None:
+    """After orbax failed: the clear missing-leaves error, if that is what happened.
 
+    Raises :func:`check_restorable`'s ``ValueError`` (chained to orbax's error) only
+    when the checkpoint's metadata can be read and lacks leaves the target needs.
+    A missing or corrupted checkpoint has no readable metadata (orbax's ``metadata``
+    then raises, or describes no tree), and returns here, so that orbax's own
+    error comes through unchanged.
+    """
+    try:
+        saved = read_metadata()
+        tree = None if saved is None else _saved_tree(saved)
+    except Exception:
+        return
+    if tree is None or (isinstance(tree, Mapping) and not isinstance(tree, dict)):
+        return  # nothing readable, or a multi-item manager's Composite: orbax's error stands
+    try:
+        check_restorable(tree, target, where=where)
+    except ValueError as clear:
+        raise clear from error
+
+
+def _explain_manager_failure(manager: Any, step: int, target: Any, where: str, error: Exception):
+    """After a manager's restore failed: a missing step or item by name, else as above."""
+    steps = list(manager.all_steps())
+    if step not in steps:
+        raise FileNotFoundError(
+            f"no checkpoint at step {step} in {manager.directory} (steps there: {steps})."
+        ) from error
     try:
         saved = manager.item_metadata(step)
-    except Exception:  # an item whose handler is not known yet: checked after the restore
-        return None
-    # A multi-item manager describes several items: leave those to orbax.
-    return None if isinstance(saved, ocp.args.Composite) else saved
+    except Exception:
+        return
+    if isinstance(saved, Mapping) and not len(saved):  # a Composite of no items
+        raise ValueError(
+            f"{where} holds no readable item: its directory is incomplete or corrupted "
+            f"(orbax: {type(error).__name__}: {error})"
+        ) from error
+    _explain_failure(lambda: saved, target, where, error)
+
+
+def _host_view(x: Any) -> Any:
+    """A leaf as this process can read it: a replicated or local part, never a gather."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x.addressable_data(0)
+    return x
+
+
+def _validate_restored(tree: Any, where: str) -> None:
+    """Checks every LossScaleState in a restored tree; reads only their scalars."""
+    found = [
+        (path, leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: isinstance(x, LossScaleState)
+        )[0]
+        if isinstance(leaf, LossScaleState)
+    ]
+    if not found:
+        return
+    # One transfer, of the loss-scale scalars only.
+    host = jax.device_get([jax.tree.map(_host_view, state) for _, state in found])
+    for (path, state), values in zip(found, host, strict=True):
+        label = f"{where} at `{_render(path)}`"
+        shapes = {np.shape(x) for x in jax.tree.leaves(values)}
+        # A replicated state (a leading device axis, as with pmap) is checked per replica.
+        lead = shapes.pop() if len(shapes) == 1 else ()
+        for index in np.ndindex(*lead):
+            replica = jax.tree.map(lambda x, i=index: np.asarray(x)[i], values)
+            at = f"{label} (replica {index})" if lead else label
+            try:
+                validate(replica, at)
+            except ValueError as e:
+                raise ValueError(
+                    f"{e} A restore takes every number from the checkpoint and only the mode "
+                    f"from the target (here {state.mode.value!r})."
+                ) from None
 
 
 def restore(
@@ -167,7 +264,7 @@ def restore(
     directory: Any = None,
     step: int | None = None,
 ) -> Any:
-    """Restores a standard (pytree) checkpoint into ``target``, checking it first.
+    """Restores a standard (pytree) checkpoint into ``target`` and validates its loss scales.
 
     Works with ``ocp.StandardCheckpointer`` (or any ``ocp.Checkpointer`` with a
     ``StandardCheckpointHandler``) and a single-item ``ocp.CheckpointManager``
@@ -175,6 +272,13 @@ def restore(
     (``jax.ShapeDtypeStruct`` leaves, e.g. from ``jax.eval_shape``); give its
     leaves a ``sharding`` to restore sharded arrays onto a mesh, which may have a
     different number of devices than the one that saved.
+
+    Every number of a restored :class:`jaxamp.LossScaleState` (counters *and*
+    configuration: ``growth_factor``, ``min_scale``, ``max_scale``, ...) comes from
+    the checkpoint; only its static ``mode`` comes from ``target``. A target built
+    with another configuration therefore restores the saved run's configuration,
+    not its own; nothing derived is stored, so nothing goes stale. Change a
+    restored configuration with ``state.replace(...)``.
 
     Args:
       checkpointer: an orbax checkpointer or checkpoint manager.
@@ -188,8 +292,12 @@ def restore(
 
     Raises:
       ValueError: if the checkpoint lacks leaves the target needs, e.g. no
-        loss-scale state (see :func:`check_restorable`).
+        loss-scale state (see :func:`check_restorable`); or if a restored
+        loss-scale state is invalid (a negative counter, a scale of 0 or inf,
+        ``min_scale > max_scale``, ...), naming the field and the checkpoint.
       FileNotFoundError: if a manager holds no checkpoint.
+      Exception: orbax's own error, unchanged, for a missing directory or step
+        and for a corrupted checkpoint.
 
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, optax, orbax.checkpoint as ocp, jaxamp
@@ -214,22 +322,25 @@ def restore(
             if step is None:
                 raise FileNotFoundError(f"no checkpoint found in {checkpointer.directory}.")
         where = f"the checkpoint at step {step} in {checkpointer.directory}"
-        saved = _manager_metadata(checkpointer, step)
-        if saved is not None:
-            check_restorable(saved, target, where=where)
-        try:
-            return checkpointer.restore(step, args=ocp.args.StandardRestore(target))
-        except Exception as e:
-            # A fresh manager learns the item's handler only on its first restore.
-            if saved is None and (saved := _manager_metadata(checkpointer, step)) is not None:
-                try:
-                    check_restorable(saved, target, where=where)
-                except ValueError as clear:
-                    raise clear from e
-            raise
-    if directory is None:
-        raise TypeError("restore: a checkpointer needs `directory=` (the checkpoint's path).")
-    check_restorable(checkpointer.metadata(directory), target, where=f"the checkpoint {directory}")
-    if isinstance(checkpointer, ocp.StandardCheckpointer):
-        return checkpointer.restore(directory, target)
-    return checkpointer.restore(directory, args=ocp.args.StandardRestore(target))
+        run = lambda: checkpointer.restore(step, args=ocp.args.StandardRestore(target))
+        # The metadata is read only after a failed restore, when the manager knows
+        # the item's handler: probing a fresh manager's metadata logs two warnings.
+        explain = lambda e: _explain_manager_failure(checkpointer, step, target, where, e)
+    else:
+        if directory is None:
+            raise TypeError("restore: a checkpointer needs `directory=` (the checkpoint's path).")
+        where = f"the checkpoint {directory}"
+        if isinstance(checkpointer, ocp.StandardCheckpointer):
+            run = lambda: checkpointer.restore(directory, target)
+        else:
+            run = lambda: checkpointer.restore(directory, args=ocp.args.StandardRestore(target))
+        read_metadata = lambda: checkpointer.metadata(directory)
+        explain = lambda e: _explain_failure(read_metadata, target, where, e)
+    try:
+        restored = run()
+    except Exception as e:
+        explain(e)
+        e.add_note(f"(raised by orbax while jaxamp.checkpoint.restore read {where})")
+        raise
+    _validate_restored(restored, where)
+    return restored

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +14,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxamp
-from jaxamp._loss_scale import LossScaleState
+
+LossScaleState = jaxamp.LossScaleState
 
 
 def _assert_trees_equal(a, b) -> None:
@@ -235,3 +240,271 @@ def test_restore_argument_errors(tmp_path) -> None:
     with ocp.CheckpointManager(tmp_path / "empty") as mngr:
         with pytest.raises(FileNotFoundError, match="no checkpoint"):
             jaxamp.checkpoint.restore(mngr, {})
+
+
+# Missing and corrupted checkpoints: orbax's own error comes through.
+
+
+def _small_state():
+    params = {"w": jnp.arange(4.0)}
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+    return {"params": params, "opt_state": tx.init(params)}
+
+
+def _corrupt(item: Path, how: str) -> None:
+    """Damages an orbax item directory as a crash, a full disk or a bad copy would."""
+    if how == "missing":
+        shutil.rmtree(item)
+        return
+    name, action = how.split(":")
+    files = sorted(item.glob("d/*")) if name == "d" else [item / name]
+    assert files and all(f.is_file() for f in files), (how, sorted(item.iterdir()))
+    for f in files:
+        if action == "delete":
+            f.unlink()
+        else:
+            data = f.read_bytes()
+            f.write_bytes(data[: len(data) // 2])
+
+
+_CORRUPTIONS = [
+    "missing",
+    "_METADATA:delete",
+    "_METADATA:truncate",
+    "manifest.ocdbt:delete",
+    "manifest.ocdbt:truncate",
+    "d:delete",
+    "d:truncate",
+]
+
+
+def _error(fn) -> Exception:
+    with pytest.raises(Exception) as err:
+        fn()
+    return err.value
+
+
+def _assert_is_orbax_error(ours: Exception, orbax_own: Exception) -> None:
+    # 0.1.0 (and the metadata probe before the restore) said "the checkpoint has no
+    # loss-scale state" for every one of these.
+    assert "loss-scale" not in str(ours)
+    assert type(ours) is type(orbax_own)
+    # Same error; which leaf orbax reads first (named in the message) may vary.
+    assert str(ours).split(":")[0] == str(orbax_own).split(":")[0]
+
+
+@pytest.mark.parametrize("how", _CORRUPTIONS)
+def test_corrupted_checkpoint_raises_orbax_error_with_a_checkpointer(tmp_path, how) -> None:
+    state = _small_state()
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "c", state)
+    ckptr.wait_until_finished()
+    _corrupt(tmp_path / "c", how)
+    target = _abstract(state)
+    orbax_own = _error(lambda: ckptr.restore(tmp_path / "c", target))
+    ours = _error(lambda: jaxamp.checkpoint.restore(ckptr, target, directory=tmp_path / "c"))
+    _assert_is_orbax_error(ours, orbax_own)
+    assert any(str(tmp_path / "c") in note for note in getattr(ours, "__notes__", []))
+
+
+@pytest.mark.parametrize("how", _CORRUPTIONS[1:])
+def test_corrupted_checkpoint_raises_orbax_error_with_a_manager(tmp_path, how) -> None:
+    state = _small_state()
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(3, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+    _corrupt(tmp_path / "m" / "3" / "default", how)
+    target = _abstract(state)
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:  # fresh, as after a restart
+        orbax_own = _error(lambda: mngr.restore(3, args=ocp.args.StandardRestore(target)))
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        ours = _error(lambda: jaxamp.checkpoint.restore(mngr, target))
+    _assert_is_orbax_error(ours, orbax_own)
+
+
+def test_missing_step_or_item_with_a_manager_is_named(tmp_path) -> None:
+    # orbax says "Must provide `args` of type `Composite` ..." for both; 0.1.0 added a
+    # KeyError or "no loss-scale state".
+    state = _small_state()
+    target = _abstract(state)
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        for step in (1, 2):
+            mngr.save(step, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+        with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 7 in .*\[1, 2\]"):
+            jaxamp.checkpoint.restore(mngr, target, step=7)
+    shutil.rmtree(tmp_path / "m" / "2" / "default")
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        with pytest.raises(ValueError, match="step 2 in .* holds no readable item") as err:
+            jaxamp.checkpoint.restore(mngr, target)
+        assert "loss-scale" not in str(err.value)
+    # The intact step, from a fresh manager: after reading step 2, orbax's manager
+    # takes this directory for a multi-item one (plain orbax's restore does the same).
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        _assert_trees_equal(jaxamp.checkpoint.restore(mngr, target, step=1), state)
+
+
+def test_check_restorable_on_unreadable_metadata_says_so(tmp_path) -> None:
+    state = _small_state()
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "c", state)
+    ckptr.wait_until_finished()
+    (tmp_path / "c" / "_METADATA").unlink()
+    with pytest.raises(ValueError, match="no readable metadata") as err:
+        jaxamp.checkpoint.check_restorable(ckptr.metadata(tmp_path / "c"), _abstract(state))
+    assert "loss-scale" not in str(err.value)
+
+
+# Restores log nothing plain orbax does not.
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_restore_logs_nothing_plain_orbax_does_not(tmp_path, caplog) -> None:
+    state = _small_state()
+    target = _abstract(state)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "c", state)
+    ckptr.wait_until_finished()
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.save(0, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+
+    caplog.set_level(logging.WARNING)
+    caplog.clear()
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:
+        mngr.restore(0, args=ocp.args.StandardRestore(target))
+    ckptr.restore(tmp_path / "c", target)
+    plain = set(_warnings(caplog))
+
+    caplog.clear()
+    with ocp.CheckpointManager(tmp_path / "m") as mngr:  # a fresh manager: 0.1.0 warned twice
+        _assert_trees_equal(jaxamp.checkpoint.restore(mngr, target), state)
+    _assert_trees_equal(jaxamp.checkpoint.restore(ckptr, target, directory=tmp_path / "c"), state)
+    ours = _warnings(caplog)
+    assert not [m for m in ours if "could not be restored" in m], ours
+    assert set(ours) <= plain, set(ours) - plain
+
+
+# Restored loss-scale states are validated.
+
+
+def _hostile(state: LossScaleState, **values) -> LossScaleState:
+    """``state`` with leaves swapped in as a hand-edited checkpoint would hold them."""
+    leaves = dict(zip(jaxamp._loss_scale._FIELDS, jax.tree.leaves(state), strict=True))
+    for name, v in values.items():
+        leaves[name] = jnp.asarray(v, leaves[name].dtype)
+    return jax.tree.unflatten(jax.tree.structure(state), list(leaves.values()))
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        ({"growth_tracker": -3}, "growth_tracker"),
+        ({"skipped_steps": -1}, "skipped_steps"),
+        ({"scale": 0.0}, "scale"),
+        ({"scale": np.inf}, "scale"),
+        ({"scale": np.nan}, "scale"),
+        ({"min_scale": 8.0, "max_scale": 4.0, "scale": 6.0}, "min_scale"),
+        ({"growth_factor": 0.5}, "growth_factor"),
+        ({"hysteresis": 0}, "hysteresis"),
+    ],
+    ids=lambda v: "-".join(f"{k}={v[k]}" for k in v) if isinstance(v, dict) else None,
+)
+def test_restore_rejects_a_hand_edited_loss_scale_state(tmp_path, edit, field) -> None:
+    params = {"w": jnp.ones(3)}
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+    good = {"params": params, "opt_state": tx.init(params)}
+    bad = dict(
+        good,
+        opt_state=good["opt_state"]._replace(
+            loss_scale=_hostile(good["opt_state"].loss_scale, **edit)
+        ),
+    )
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "bad", bad)
+    ckptr.wait_until_finished()
+    with pytest.raises(ValueError) as err:
+        jaxamp.checkpoint.restore(ckptr, _abstract(good), directory=tmp_path / "bad")
+    msg = str(err.value)
+    assert f"the checkpoint {tmp_path / 'bad'} at `opt_state.loss_scale`" in msg
+    assert f"{field} " in msg and "invalid loss-scale state" in msg
+
+
+def test_restore_validates_each_replica_and_reads_only_loss_scale_scalars(
+    tmp_path, monkeypatch
+) -> None:
+    # A replicated state (leading device axis, as pmap keeps it) next to large params.
+    good = jaxamp.dynamic_scale()
+    bad = _hostile(good, hysteresis_tracker=5)  # > hysteresis (1)
+    stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), good, bad)
+    tree = {"params": jnp.ones(4096), "loss_scale": stacked}
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "r", tree)
+    ckptr.wait_until_finished()
+
+    fetched = []
+    device_get = jax.device_get
+
+    def spy(x):
+        fetched.extend(np.size(leaf) for leaf in jax.tree.leaves(x))
+        return device_get(x)
+
+    monkeypatch.setattr(jax, "device_get", spy)
+    with pytest.raises(ValueError, match=r"`loss_scale` \(replica \(1,\)\).*hysteresis_tracker"):
+        jaxamp.checkpoint.restore(ckptr, _abstract(tree), directory=tmp_path / "r")
+    assert fetched and max(fetched) <= 2  # the loss-scale leaves, never the params
+    ok = jax.tree.map(lambda a: jnp.stack([a, a]), good)
+    ckptr.save(tmp_path / "ok", {"params": tree["params"], "loss_scale": ok})
+    ckptr.wait_until_finished()
+    restored = jaxamp.checkpoint.restore(ckptr, _abstract(tree), directory=tmp_path / "ok")
+    _assert_trees_equal(restored["loss_scale"], ok)
+
+
+# Restoring into a target built with another configuration (issue 10 item 7).
+
+
+def test_restore_into_another_configuration_takes_the_checkpoints_numbers(tmp_path) -> None:
+    # The issue's case. 0.1.0 restored the numbers but kept the target's static flag
+    # "the scale cannot drop below 1": it checked the *scaled* gradients, [20000, 1]
+    # in float16 unscaled by 1/0.25 to -inf, and jaxamp.step applied it. Fails on 0.1.0.
+    params = {"w": jnp.zeros(2, jnp.float16)}
+    saved_tx = jaxamp.skip_nonfinite(optax.sgd(1.0), jaxamp.compat.torch_grad_scaler(0.25))
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "torch", {"params": params, "opt_state": saved_tx.init(params)})
+    ckptr.wait_until_finished()
+
+    tx = jaxamp.skip_nonfinite(optax.sgd(1.0), jaxamp.dynamic_scale())  # min_scale=1, max 2**24
+    target = _abstract({"params": params, "opt_state": tx.init(params)})
+    restored = jaxamp.checkpoint.restore(ckptr, target, directory=tmp_path / "torch")
+    grads = {"w": jnp.array([20000.0, 1.0], jnp.float16)}
+    new_params, opt_state = jax.jit(lambda g, s, p: jaxamp.step(tx, g, s, p))(
+        grads, restored["opt_state"], restored["params"]
+    )
+    _assert_trees_equal(new_params, params)  # skipped: nothing applied (0.1.0: [-inf, -4])
+
+    ls = jaxamp.get_loss_scale(restored["opt_state"])
+    _assert_trees_equal(ls, jaxamp.compat.torch_grad_scaler(0.25))  # every number saved
+    assert ls.mode == "dynamic"  # the mode: the target's
+    ls = jaxamp.get_loss_scale(opt_state)
+    assert int(ls.skipped_steps) == 1 and float(ls.scale) == 0.125  # torch's backoff, no floor
+
+
+def test_restore_into_another_mode_keeps_numbers_or_says_why_not(tmp_path) -> None:
+    dynamic = _advanced_dynamic()
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "d", {"ls": dynamic})
+    ckptr.wait_until_finished()
+    static = jaxamp.checkpoint.restore(
+        ckptr, _abstract({"ls": jaxamp.static_scale(4.0)}), directory=tmp_path / "d"
+    )["ls"]
+    assert static.mode == "static"
+    _assert_trees_equal(jax.tree.leaves(static), jax.tree.leaves(dynamic))
+    assert float(jaxamp.update(static, jnp.array(False)).scale) == float(dynamic.scale)
+    # A disabled state must have scale 1: the saved scale cannot be restored into one.
+    with pytest.raises(ValueError, match=r"scale must be 1 in mode 'disabled'.*mode from the"):
+        jaxamp.checkpoint.restore(
+            ckptr, _abstract({"ls": jaxamp.no_scale()}), directory=tmp_path / "d"
+        )
