@@ -99,6 +99,10 @@ def _integer(ok: Callable[[float], bool]) -> Callable[[float], bool]:
     return lambda v: float(v).is_integer() and ok(v)
 
 
+_INT32_MAX = 2**31 - 1
+_counter = _integer(lambda v: 0 <= v <= _INT32_MAX)
+_COUNTER = "an integer in [0, 2**31 - 1]"
+
 # The one table every path that builds a state validates against.
 _FIELDS: dict[str, _Field] = {
     "scale": _Field(
@@ -106,11 +110,11 @@ _FIELDS: dict[str, _Field] = {
         lambda v: SCALE_MIN <= v <= SCALE_MAX,
         "finite and in [2**-126, 2**126] (so that 1/scale is a normal float32)",
     ),
-    "growth_tracker": _Field(jnp.int32, _integer(lambda v: v >= 0), "an integer >= 0"),
-    "hysteresis_tracker": _Field(jnp.int32, _integer(lambda v: v >= 0), "an integer >= 0"),
-    "nonfinite_streak": _Field(jnp.int32, _integer(lambda v: v >= 0), "an integer >= 0"),
-    "skipped_steps": _Field(jnp.int32, _integer(lambda v: v >= 0), "an integer >= 0"),
-    "min_scale_backoffs": _Field(jnp.int32, _integer(lambda v: v >= 0), "an integer >= 0"),
+    "growth_tracker": _Field(jnp.int32, _counter, _COUNTER),
+    "hysteresis_tracker": _Field(jnp.int32, _counter, _COUNTER),
+    "nonfinite_streak": _Field(jnp.int32, _counter, _COUNTER),
+    "skipped_steps": _Field(jnp.int32, _counter, _COUNTER),
+    "min_scale_backoffs": _Field(jnp.int32, _counter, _COUNTER),
     "growth_factor": _Field(jnp.float32, lambda v: 1 < v < np.inf, "finite and > 1"),
     "backoff_factor": _Field(jnp.float32, lambda v: 0 < v < 1, "in (0, 1)"),
     "growth_interval": _Field(
@@ -214,7 +218,12 @@ class LossScaleState:
             raise TypeError(f"LossScaleState has no field(s) {unknown}.{hint}")
         mode = _as_mode(updates.pop("mode", self.mode), "mode")
         values = {name: getattr(self, name) for name in _FIELDS}
-        return _build(mode, values, updates, names={})
+        if mode is self.mode:
+            return _build(mode, values, updates, names={})
+        try:
+            return _build(mode, values, updates, names={})
+        except ValueError as e:
+            raise ValueError(f"mode={mode.value!r} does not fit this state: {e}") from None
 
 
 jax.tree_util.register_dataclass(LossScaleState, data_fields=list(_FIELDS), meta_fields=["mode"])
@@ -266,7 +275,9 @@ def _coerce(name: str, value: Any, label: str) -> jax.Array:
     elif not isinstance(value, int | float | bool):
         raise TypeError(f"{label} must be {spec.wants}, got {type(value).__name__} {value!r}.")
     v = _concrete(value)
-    if v is not None and not spec.ok(v):
+    # Checked as given and as stored: 1e39 is inf in float32, 1e-50 is 0.
+    ok = v is None or spec.ok(v) and spec.ok(np.asarray(v).astype(np.dtype(spec.dtype)).item())
+    if not ok:
         raise ValueError(f"{label} must be {spec.wants}, got {value!r}.")
     return jnp.array(value, spec.dtype)
 
@@ -594,7 +605,9 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
     finite = as_finite(finite, "update")
     s = state
     one = jnp.int32(1)
-    growth_tracker = jnp.where(finite, s.growth_tracker + one, 0)
+    # Counters saturate at the int32 maximum instead of wrapping to negative values.
+    inc = lambda x, by=one: jnp.where(x < _INT32_MAX, x + by, x)
+    growth_tracker = jnp.where(finite, inc(s.growth_tracker), 0)
     grow = finite & (growth_tracker >= s.growth_interval)
     growth_tracker = jnp.where(grow, 0, growth_tracker)
 
@@ -624,9 +637,9 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
         scale=jnp.array(new_scale, jnp.float32, copy=True),
         growth_tracker=i32(growth_tracker),
         hysteresis_tracker=i32(tracker),
-        nonfinite_streak=i32(jnp.where(finite, 0, s.nonfinite_streak + one)),
-        skipped_steps=i32(s.skipped_steps + (~finite).astype(jnp.int32)),
-        min_scale_backoffs=i32(s.min_scale_backoffs + stuck.astype(jnp.int32)),
+        nonfinite_streak=i32(jnp.where(finite, 0, inc(s.nonfinite_streak))),
+        skipped_steps=i32(inc(s.skipped_steps, (~finite).astype(jnp.int32))),
+        min_scale_backoffs=i32(inc(s.min_scale_backoffs, stuck.astype(jnp.int32))),
         **config,
         mode=s.mode,
     )

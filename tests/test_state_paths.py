@@ -468,13 +468,10 @@ def test_donating_a_new_state_never_deletes_the_old_ones_leaves() -> None:
 
 
 # ---------------------------------------------------------------------------
-# Holes in the core's validation (jaxamp/_loss_scale.py, not this branch's to fix):
-# strict xfails, so that each flips to a failure once fixed and its marker goes.
+# Holes the property tests found in the core's validation, now closed: values that
+# change when stored, counters past int32, mode changes named, counters that saturate.
 
 
-@pytest.mark.xfail(
-    strict=True, reason="_coerce checks the range before the float32 cast: 1e39 is stored as inf"
-)
 @pytest.mark.parametrize(
     "build, field",
     [
@@ -491,7 +488,6 @@ def test_out_of_float32_range_values_are_refused(build, field) -> None:
         build()
 
 
-@pytest.mark.xfail(strict=True, reason="counters have no int32 upper bound in the field table")
 @pytest.mark.parametrize("value", [2**31, np.int64(2**40)], ids=["int", "int64"])
 def test_counters_beyond_int32_are_refused_naming_the_field(value) -> None:
     # Today: 2**31 raises OverflowError (not ValueError/TypeError, field unnamed), and
@@ -500,7 +496,6 @@ def test_counters_beyond_int32_are_refused_naming_the_field(value) -> None:
         jaxamp.static_scale(4.0).replace(skipped_steps=value)
 
 
-@pytest.mark.xfail(strict=True, reason="the cross-field message does not say the mode asked for it")
 def test_a_refused_mode_change_names_the_mode() -> None:
     # A static state may hold a scale outside [min_scale, max_scale]; switching it to
     # dynamic is refused with "scale (...) must lie in [min_scale, max_scale]", which
@@ -510,7 +505,6 @@ def test_a_refused_mode_change_names_the_mode() -> None:
         state.replace(mode="dynamic")
 
 
-@pytest.mark.xfail(strict=True, reason="update increments int32 counters with a plain + 1")
 @pytest.mark.parametrize("field", ["skipped_steps", "nonfinite_streak", "growth_tracker"])
 def test_counters_saturate_instead_of_wrapping(field) -> None:
     # replace accepts 2**31 - 1 (an integer >= 0); one more step wraps it to -2**31,
