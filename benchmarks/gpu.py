@@ -395,12 +395,16 @@ def cmd_payoff(args: argparse.Namespace) -> dict[str, Any]:
     params = model.init(jax.random.key(args.seed), batches[0][:, :-1])["params"]
     n_params = models.param_count(params)
     names = [n for n in PAYOFF_VARIANTS if not args.only or n in args.only.split(",")]
-    entries = []
-    for name in names:
-        entries.append(_build_payoff(name, cfg, params, batches[0], args.hlo_dir))
-        e = entries[-1]
-        print(f"  compiled {name:<14} {e['compile_s']:6.1f} s  temp "
-              f"{e['memory_analysis']['temp_bytes'] / 2**30:.2f} GiB", flush=True)
+    # One at a time by default: XLA autotunes GEMMs on the GPU while compiling, and
+    # concurrent compiles would time their candidates against each other's kernels.
+    with ThreadPoolExecutor(max(1, args.payoff_compile_workers)) as pool:
+        futures = [pool.submit(_build_payoff, n, cfg, params, batches[0], args.hlo_dir)
+                   for n in names]
+        entries = [f.result() for f in futures]
+    for e in entries:
+        print(f"  compiled {e['name']:<14} {e['compile_s']:6.1f} s  temp "
+              f"{e['memory_analysis']['temp_bytes'] / 2**30:.2f} GiB "
+              f"({args.payoff_compile_workers} at a time)", flush=True)
     t_timing = time.perf_counter()
     for e in entries:  # the first call of each executable, then the timed warm-up
         _train(e, batches, 1)
@@ -438,8 +442,26 @@ def cmd_payoff(args: argparse.Namespace) -> dict[str, Any]:
             "cost": e["cost"], "hlo": e["hlo"], "losses": losses,
             "skipped_steps": e["skipped"], "final_loss_scale": e["loss_scale"],
         })  # fmt: skip
+    profile = {}
+    for e in entries:
+        if e["name"] not in args.profile_variants.split(","):
+            continue
+
+        def run_steps(e: dict[str, Any] = e) -> None:
+            state = e["state"]
+            for i in range(args.profile_steps):
+                p, o, *_ = e["compiled"](*state, batches[i])
+                state = (p, o)
+            jax.block_until_ready(state)
+            e["state"] = state
+
+        profile[e["name"]] = _profile(run_steps, args.profile_steps,
+                                      Path(args.trace_dir) / "payoff" / e["name"])
+    if profile:
+        print(format_profile(profile, top=12), flush=True)
     result = {
-        "part": "payoff", "machine": info, "size": args.size,
+        "part": "payoff", "machine": info, "size": args.size, "profile": profile,
+        "compile_workers": args.payoff_compile_workers,
         "model": {**vars(cfg), "params": n_params},
         "schedule": {"warmup": args.warmup, "rounds": rounds, "steps_per_round": args.steps,
                      "training_steps": args.warmup + rounds * args.steps,
@@ -633,6 +655,8 @@ def summarize_xspace(path: str, steps: int) -> dict[str, Any]:
 
     data = ProfileData.from_file(path)
     counts = collections.Counter()
+    device_ns: collections.Counter[str] = collections.Counter()
+    device_n: collections.Counter[str] = collections.Counter()
     planes = {}
     for plane in data.planes:
         device = "/device:" in plane.name
@@ -644,6 +668,9 @@ def summarize_xspace(path: str, steps: int) -> dict[str, Any]:
                 n_ev += 1
                 nm = ev.name
                 names[nm[:100]] += 1
+                if device:
+                    device_ns[nm[:100]] += ev.duration_ns
+                    device_n[nm[:100]] += 1
                 if device and _D2H.search(nm):
                     counts["device_memcpy_d2h"] += 1
                 if device and _H2D.search(nm):
@@ -662,12 +689,15 @@ def summarize_xspace(path: str, steps: int) -> dict[str, Any]:
     keys = ("device_memcpy_d2h", "device_memcpy_h2d", "host_sync_calls",
             "host_memcpy_dtoh_calls", "host_graph_launches", "host_kernel_launches")
     per_step = {k: counts[k] / steps for k in keys}
-    return {"steps": steps, "per_step": per_step, "planes": planes}
+    per_step["device_events"] = sum(device_n.values()) / steps
+    per_step["device_busy_ms"] = sum(device_ns.values()) / steps / 1e6
+    top = [(n, device_n[n] / steps, t / steps / 1e3) for n, t in device_ns.most_common(25)]
+    return {"steps": steps, "per_step": per_step, "planes": planes,
+            "top_device_time": top}  # (name, events/step, us/step)
 
 
-def profile_steps(entries: list[dict[str, Any]], batch: Any, steps: int,
-                  trace_root: Path) -> dict[str, Any]:
-    """A ``jax.profiler`` trace of ``steps`` back-to-back steps per entry, summarised."""
+def _profile(run_steps: Callable[[], None], steps: int, d: Path) -> dict[str, Any]:
+    """Traces ``run_steps()`` (``steps`` steps, blocked at the end) with jax.profiler."""
     import jax
 
     try:
@@ -675,22 +705,33 @@ def profile_steps(entries: list[dict[str, Any]], batch: Any, steps: int,
         options.python_tracer_level = 0  # no Python events: only runtime, CUDA API and device
     except Exception:  # noqa: BLE001 - an older or newer profiler API
         options = None
+    try:
+        with jax.profiler.trace(str(d), profiler_options=options):
+            run_steps()
+        files = sorted(d.rglob("*.xplane.pb"))
+        return summarize_xspace(str(files[-1]), steps) if files else {"error": "no trace"}
+    except Exception as exc:  # noqa: BLE001 - a profiler that does not work here
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def profile_steps(entries: list[dict[str, Any]], batch: Any, steps: int,
+                  trace_root: Path) -> dict[str, Any]:
+    """A ``jax.profiler`` trace of ``steps`` back-to-back steps per entry, summarised."""
+    import jax
+
     out = {}
     for e in entries:
         name = e["variant"].name
-        d = trace_root / name
-        compiled, state = e["compiled"], e["state"]
-        try:
-            with jax.profiler.trace(str(d), profiler_options=options):
-                for i in range(steps):
-                    with jax.profiler.StepTraceAnnotation(name, step_num=i):
-                        *state, loss = compiled(*state, batch)
-                jax.block_until_ready((state, loss))
+
+        def run_steps(e: dict[str, Any] = e, name: str = name) -> None:
+            state = e["state"]
+            for i in range(steps):
+                with jax.profiler.StepTraceAnnotation(name, step_num=i):
+                    *state, loss = e["compiled"](*state, batch)
+            jax.block_until_ready((state, loss))
             e["state"] = tuple(state)
-            files = sorted(d.rglob("*.xplane.pb"))
-            out[name] = summarize_xspace(str(files[-1]), steps) if files else {"error": "no trace"}
-        except Exception as exc:  # noqa: BLE001 - a profiler that does not work here
-            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+
+        out[name] = _profile(run_steps, steps, trace_root / name)
     return out
 
 
@@ -747,7 +788,7 @@ def cmd_safety(args: argparse.Namespace) -> dict[str, Any]:
     print(format_probe(probe), flush=True)
     trace_root = Path(args.trace_dir) / args.tag
     profile = profile_steps(probe_entries, batch, args.profile_steps, trace_root)
-    print(format_profile(profile), flush=True)
+    print(format_profile(profile, top=10), flush=True)
     result = {
         "part": args.tag, "machine": info, "size": args.size,
         "model": {**vars(cfg), "params": models.param_count(params)},
@@ -771,17 +812,26 @@ def format_probe(probe: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_profile(profile: dict[str, Any]) -> str:
+def format_profile(profile: dict[str, Any], top: int = 0) -> str:
     keys = ("device_memcpy_d2h", "device_memcpy_h2d", "host_sync_calls",
-            "host_memcpy_dtoh_calls", "host_graph_launches", "host_kernel_launches")
-    short = ("D2H copies", "H2D copies", "host syncs", "host DtoH", "graph launch", "kernel launch")
+            "host_memcpy_dtoh_calls", "host_graph_launches", "host_kernel_launches",
+            "device_events", "device_busy_ms")
+    short = ("D2H copies", "H2D copies", "host syncs", "host DtoH", "graph launch",
+             "kernel launch", "GPU events", "GPU busy ms")
     head = f"{'per step (profile)':<22}" + "".join(f"{s:>14}" for s in short)
     lines = [head, "-" * len(head)]
     for name, p in profile.items():
         if "error" in p:
             lines.append(f"{name:<22}{p['error']}")
             continue
-        lines.append(f"{name:<22}" + "".join(f"{p['per_step'][k]:>14.2f}" for k in keys))
+        lines.append(f"{name:<22}" + "".join(f"{p['per_step'].get(k, float('nan')):>14.2f}"
+                                             for k in keys))
+    lines.append("GPU events / busy: device events per step and the sum of their durations")
+    if top:
+        for name, p in profile.items():
+            lines.append(f"  {name}: top GPU time per step (us, events)")
+            for n, ev, us in p.get("top_device_time", [])[:top]:
+                lines.append(f"    {us:9.1f} us {ev:6.1f}x  {n[:90]}")
     return "\n".join(lines)
 
 
@@ -1018,6 +1068,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tag", default="safety", help="safety: name of the JSON")
     ap.add_argument("--compile-workers", type=int, default=4,
                     help="safety: variants compiled at once (threads)")
+    ap.add_argument("--payoff-compile-workers", type=int, default=1,
+                    help="payoff: variants compiled at once (1: no autotuning contention)")
+    ap.add_argument("--profile-variants", default="",
+                    help="payoff: comma-separated variants to trace with jax.profiler")
     ap.add_argument("--time-limit", type=float, default=0.0,
                     help="payoff: seconds for the whole part; fewer rounds if needed (0: none)")
     ap.add_argument("--peak-reserve-s", type=float, default=70.0,
