@@ -149,9 +149,11 @@ _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ")
 def cond_placement(text: str) -> list[dict[str, str]]:
     """For each ``conditional`` in optimized HLO: the computation it sits in.
 
-    A conditional inside a ``command_buffer`` computation runs as a CUDA-graph
-    conditional node (no host round trip); one in the entry computation is a
-    ``ConditionalThunk``, which reads its predicate on the host.
+    A conditional inside a ``command_buffer`` computation of the HLO is captured in a
+    CUDA graph. One outside may still be: on jax 0.11.2 (H200, 2026-11-22) the runtime
+    turned the whole thunk sequence, conditional included, into one CUDA graph that the
+    HLO text does not show. The profile (``summarize_xspace``) is the evidence that
+    counts: device-to-host copies, host syncs and graph launches per step.
     """
     out, current = [], "?"
     for line in text.splitlines():
@@ -1036,9 +1038,9 @@ def final_summary(out: Path) -> str:
             for v in r["variants"]:
                 cp = v.get("gpu_hlo", {}).get("cond_placement")
                 if cp:
-                    lines.append(f"  {v['name']}: conditionals in " + ", ".join(
-                        f"{c['computation']} (command buffer: {c['in_command_buffer']})"
-                        for c in cp))
+                    lines.append(f"  {v['name']}: conditionals in HLO computation " + ", ".join(
+                        f"{c['computation']} (an HLO command_buffer: {c['in_command_buffer']};"
+                        " the runtime may still capture it, see the profile)" for c in cp))
     d = out / "demo.json"
     if d.exists():
         r = json.loads(d.read_text())
