@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MULTIDEVICE := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: test demo bench lint clean test-oldest
+.PHONY: test demo bench bench-gpu lint clean test-oldest
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,14 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
+
+# Issue 13's GPU figures (benchmarks/gpu.py; about 9 minutes on an H200). Needs a Python
+# whose jax sees a CUDA GPU (pip install "jax[cuda13]" flax optax jmp orbax-checkpoint tqdm
+# matplotlib), not this CPU venv: GPU_PYTHON=/path/to/python make bench-gpu.
+GPU_PYTHON ?= python3
+GPU_OUT ?= benchmarks/gpu_results
+bench-gpu:
+	$(GPU_PYTHON) benchmarks/gpu.py --out $(GPU_OUT)
 
 # The library's tests on the oldest versions pyproject.toml admits (not run by CI:
 # a second environment of ~600 MB). The multi-device, checkpoint and example tests

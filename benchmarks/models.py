@@ -46,38 +46,46 @@ class Block(nn.Module):
     """Pre-LayerNorm transformer block: causal self-attention, then a GELU MLP."""
 
     cfg: ModelConfig
+    dtype: Any = None  # Flax computation dtype; None: from the inputs and params (float32)
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        h = nn.LayerNorm()(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=self.cfg.n_heads, use_bias=True)(
+        dt = self.dtype
+        h = nn.LayerNorm(dtype=dt)(x)
+        h = nn.MultiHeadDotProductAttention(num_heads=self.cfg.n_heads, use_bias=True, dtype=dt)(
             h, h, mask=mask
         )
         x = x + h
-        h = nn.LayerNorm()(x)
-        h = nn.Dense(self.cfg.d_ff)(h)
+        h = nn.LayerNorm(dtype=dt)(x)
+        h = nn.Dense(self.cfg.d_ff, dtype=dt)(h)
         h = nn.gelu(h)
-        h = nn.Dense(self.cfg.d_model)(h)
+        h = nn.Dense(self.cfg.d_model, dtype=dt)(h)
         return x + h
 
 
 class TransformerLM(nn.Module):
-    """Token + learned position embeddings, ``n_layers`` blocks, tied output projection."""
+    """Token + learned position embeddings, ``n_layers`` blocks, tied output projection.
+
+    ``dtype`` is Flax's computation dtype for every layer (params stay float32): the
+    hand-cast mixed-precision model that ``benchmarks/gpu.py`` compares with autocast.
+    The default (None) is the float32 model every ``run.py`` variant trains.
+    """
 
     cfg: ModelConfig
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.cfg
-        embed = nn.Embed(cfg.vocab, cfg.d_model)
+        embed = nn.Embed(cfg.vocab, cfg.d_model, dtype=self.dtype)
         pos = self.param(
             "pos_embed", nn.initializers.normal(0.02), (cfg.seq_len, cfg.d_model), jnp.float32
         )
         x = embed(tokens) + pos[: tokens.shape[-1]]
         mask = nn.make_causal_mask(tokens)
         for _ in range(cfg.n_layers):
-            x = Block(cfg)(x, mask)
-        x = nn.LayerNorm()(x)
+            x = Block(cfg, self.dtype)(x, mask)
+        x = nn.LayerNorm(dtype=self.dtype)(x)
         return embed.attend(x)
 
 

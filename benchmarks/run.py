@@ -234,6 +234,38 @@ def run_autocast(quick: bool) -> dict[str, Any] | None:
     return result
 
 
+def build_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One result row per timed entry, with ratios to the first entry (``plain``)."""
+    plain = entries[0]
+    assert plain["variant"].name == "plain"
+    plain_time = statistics.median(plain["times"])
+    rows = []
+    for e in entries:
+        t = statistics.median(e["times"])
+        per_round = [a / b for a, b in zip(e["times"], plain["times"], strict=True)]
+        rows.append({
+            "name": e["variant"].name,
+            "description": e["variant"].description,
+            "jaxamp": e["variant"].is_jaxamp,
+            "step_ms": t * 1e3,
+            "step_ms_all": [x * 1e3 for x in e["times"]],
+            "time_ratio": t / plain_time,
+            "time_ratio_median_of_rounds": statistics.median(per_round),
+            "bytes_accessed": e["bytes_accessed"],
+            "bytes_ratio": e["bytes_accessed"] / plain["bytes_accessed"],
+            "temp_bytes": e["temp_bytes"],
+            "temp_ratio": e["temp_bytes"] / plain["temp_bytes"],
+            "argument_bytes": e["argument_bytes"],
+            "output_bytes": e["output_bytes"],
+            "alias_bytes": e["alias_bytes"],
+            "compile_s": e["compile_s"],
+            "hlo": e["hlo"],
+            "skipped_steps": _skipped(e),
+            "final_loss": e["last_loss"],
+        })
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parses flags, runs the benchmark, prints the tables and writes the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -275,33 +307,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  compiled {v.name:<24} {entries[-1]['compile_s']:.1f} s", flush=True)
     time_variants(entries, batch, steps, rounds, warmup)
 
-    plain = entries[0]
-    assert plain["variant"].name == "plain"
-    plain_time = statistics.median(plain["times"])
-    rows = []
-    for e in entries:
-        t = statistics.median(e["times"])
-        per_round = [a / b for a, b in zip(e["times"], plain["times"], strict=True)]
-        rows.append({
-            "name": e["variant"].name,
-            "description": e["variant"].description,
-            "jaxamp": e["variant"].is_jaxamp,
-            "step_ms": t * 1e3,
-            "step_ms_all": [x * 1e3 for x in e["times"]],
-            "time_ratio": t / plain_time,
-            "time_ratio_median_of_rounds": statistics.median(per_round),
-            "bytes_accessed": e["bytes_accessed"],
-            "bytes_ratio": e["bytes_accessed"] / plain["bytes_accessed"],
-            "temp_bytes": e["temp_bytes"],
-            "temp_ratio": e["temp_bytes"] / plain["temp_bytes"],
-            "argument_bytes": e["argument_bytes"],
-            "output_bytes": e["output_bytes"],
-            "alias_bytes": e["alias_bytes"],
-            "compile_s": e["compile_s"],
-            "hlo": e["hlo"],
-            "skipped_steps": _skipped(e),
-            "final_loss": e["last_loss"],
-        })
+    rows = build_rows(entries)
     table = format_table(rows)
     print()
     print(table)

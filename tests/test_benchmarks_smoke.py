@@ -56,3 +56,33 @@ def test_every_variant_compiles_runs_and_jaxamp_has_no_host_traffic() -> None:
     # The scanner itself must see a host callback when there is one.
     cb = jax.jit(lambda x: jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct((), x.dtype), x))
     assert bench_run.scan_hlo(cb.lower(jnp.float32(1)).compile().as_text())["host_traffic"]
+
+
+
+def test_gpu_benchmark_flags_variants_and_hlo_scan_on_cpu() -> None:
+    # benchmarks/gpu.py is for a GPU. Here: its flags, that every payoff variant traces
+    # (eval_shape: no compile, no run), and its scan of optimized HLO for conditionals.
+    import gpu
+    import models
+
+    args = gpu.build_parser().parse_args(["--budget-s", "570", "--parts", "payoff,demo"])
+    assert args.part == "all" and args.size == "large" and args.budget_s == 570
+    payoff = gpu._child_args(args, "payoff", timeout=300.0)
+    assert payoff[:2] == ["--part", "payoff"] and "--time-limit" in payoff
+    assert gpu._child_args(args, "cond-small")[:4] == ["--part", "safety", "--tag", "cond-small"]
+
+    cfg = models.SIZES["tiny"]
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len + 1), jnp.int32)
+    params = jax.eval_shape(
+        lambda t: models.TransformerLM(cfg).init(jax.random.key(0), t[:, :-1])["params"], tokens
+    )
+    for name in gpu.PAYOFF_VARIANTS:
+        init, step = gpu.payoff_variant(name, cfg)
+        out = jax.eval_shape(step, params, jax.eval_shape(init, params), tokens)
+        assert out[2].shape == () and out[2].dtype == jnp.float32, name
+
+    hlo = "ENTRY %main (p: f32[]) -> f32[] {\n  %c = f32[] conditional(%p, %a, %b)\n}\n"
+    assert gpu.cond_placement(hlo) == [
+        {"op": "%c", "computation": "main", "in_command_buffer": "False"}
+    ]
+    assert gpu.hlo_stats(hlo)["conditional"] == 1
