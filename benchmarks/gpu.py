@@ -907,8 +907,9 @@ def _child_args(args: argparse.Namespace, part: str, timeout: float | None = Non
         common.append("--allow-cpu")
     if part == "payoff":
         limit = ["--time-limit", str(round(timeout - args.peak_reserve_s))] if timeout else []
+        only = ["--only", args.only] if args.only else []
         return ["--part", "payoff", "--size", args.size, "--rounds", str(args.rounds),
-                "--steps", str(args.steps), "--warmup", str(args.warmup), *limit, *common]
+                "--steps", str(args.steps), "--warmup", str(args.warmup), *limit, *only, *common]
     if part in ("safety-large", "cond-small"):
         large = part == "safety-large"
         size = args.size if large else args.small_size

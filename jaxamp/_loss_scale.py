@@ -516,17 +516,37 @@ def local_finite(state: LossScaleState, grads: Any) -> jax.Array | None:
     if not state.mode.checks:
         return None
     result = jnp.array(True)
+    for group in _check_groups(grads):
+        finite, biggest = finite_and_max_abs(group)
+        if state.mode.scales:
+            wide = wide_dtype(group.dtype)
+            unscaled_max = (biggest * (1.0 / state.scale.astype(wide))).astype(group.dtype)
+            finite = finite & jnp.isfinite(unscaled_max)
+        result = result & finite
+    return result
+
+
+# Leaves up to this many elements (biases, norm scales) are checked together, one
+# reduction per dtype: on a GPU each reduction is a kernel launch, and a model's many
+# small leaves would cost more in launches than in reading. At worst the small leaves
+# are copied once (kilobytes); large leaves are each read once, in place.
+SMALL_LEAF = 2**14
+
+
+def _check_groups(grads: Any) -> list[jax.Array]:
+    """The floating leaves to check: large ones alone, small ones joined per dtype."""
+    groups: list[jax.Array] = []
+    small: dict[Any, list[jax.Array]] = {}
     for leaf in jax.tree.leaves(grads):
         if not is_float_leaf(leaf):
             continue
         leaf = jnp.asarray(leaf)
-        finite, biggest = finite_and_max_abs(leaf)
-        if state.mode.scales:
-            wide = wide_dtype(leaf.dtype)
-            unscaled_max = (biggest * (1.0 / state.scale.astype(wide))).astype(leaf.dtype)
-            finite = finite & jnp.isfinite(unscaled_max)
-        result = result & finite
-    return result
+        if leaf.size > SMALL_LEAF or jnp.iscomplexobj(leaf):
+            groups.append(leaf)
+        else:
+            small.setdefault(leaf.dtype, []).append(leaf.reshape(-1))
+    groups.extend(jnp.concatenate(xs) if len(xs) > 1 else xs[0] for xs in small.values())
+    return groups
 
 
 def unscale_and_check(
