@@ -154,10 +154,19 @@ def _make_convert_hook(original: Callable[..., Any]) -> Callable[..., Any]:
 def _make_accumulation_hook(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_hook_state, "depth", 0) and kwargs.get("preferred_element_type") is not None:
-            with jax.named_scope(KEEP_ACCUMULATION_SCOPE):
-                return original(*args, **kwargs)
-        return original(*args, **kwargs)
+        # Only the outermost call is the user's: jnp.einsum passes its own default
+        # preferred_element_type on to lax.dot_general (Flax hands einsum that
+        # function, so it is the hooked one).
+        if not getattr(_hook_state, "depth", 0) or getattr(_hook_state, "inside", False):
+            return original(*args, **kwargs)
+        _hook_state.inside = True
+        try:
+            if kwargs.get("preferred_element_type") is not None:
+                with jax.named_scope(KEEP_ACCUMULATION_SCOPE):
+                    return original(*args, **kwargs)
+            return original(*args, **kwargs)
+        finally:
+            _hook_state.inside = False
 
     return call
 

@@ -644,3 +644,29 @@ def test_autocast_of_pmap_enters_it():
     closed = jax.make_jaxpr(jaxamp.autocast(f, dtype=F16))(x, w)
     dots = [e for e in _eqns(closed) if e.primitive.name == "dot_general"]
     assert dots and all(v.aval.dtype == F16 for e in dots for v in e.invars)
+
+
+def test_a_librarys_own_accumulation_type_is_not_user_intent():
+    """Flax's attention hands jnp.einsum the (hooked) lax.dot_general, and jnp.einsum
+    passes its default preferred_element_type on: that is not the user asking for
+    float32 accumulation, so the attention logits stay in the compute dtype."""
+    m = nn.MultiHeadDotProductAttention(num_heads=2)
+    x = jnp.ones((2, 8, 16))
+    v = m.init(jax.random.key(0), x, x)
+    jaxpr = jax.make_jaxpr(jaxamp.autocast(lambda v, x: m.apply(v, x, x), dtype=jnp.bfloat16))(v, x)
+
+    def dots(j):
+        for e in j.eqns:
+            if e.primitive.name == "dot_general":
+                yield e.outvars[0].aval.dtype
+            for p in e.params.values():
+                sub = getattr(p, "jaxpr", p)
+                if hasattr(sub, "eqns"):
+                    yield from dots(sub)
+
+    assert set(dots(jaxpr.jaxpr)) == {jnp.dtype(jnp.bfloat16)}
+    # An explicit request by the user is still kept.
+    ein = lambda a, b: jnp.einsum("ij,jk->ik", a, b, preferred_element_type=jnp.float32)
+    f = jaxamp.autocast(ein, dtype=jnp.bfloat16)
+    out = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((4, 4)))
+    assert jnp.dtype(jnp.float32) in set(dots(out.jaxpr))
