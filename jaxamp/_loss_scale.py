@@ -435,10 +435,11 @@ def check_only() -> LossScaleState:
     return _fixed(Mode.CHECK_ONLY, 1.0)
 
 
-def _fixed(mode: Mode, scale: Any) -> LossScaleState:
+def _fixed(mode: Mode, scale: Any, names: Mapping[str, str] | None = None) -> LossScaleState:
     # A fixed scale never uses the growth settings; they only keep the leaves valid.
     return _fresh_state(
         mode,
+        names,
         scale=scale,
         growth_factor=2.0,
         backoff_factor=0.5,

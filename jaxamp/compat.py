@@ -21,6 +21,7 @@ import numpy as np
 from jaxamp._loss_scale import (
     LossScaleState,
     Mode,
+    _fixed,
     _fresh_state,
     no_scale,
     static_scale,
@@ -474,18 +475,7 @@ def deepspeed_fp16_config(fp16: Mapping[str, Any]) -> LossScaleState:
             raise ValueError(
                 f"loss_scale must be 0 (dynamic) or > 0 (DeepSpeed), got {loss_scale!r}."
             )
-        return _fresh_state(
-            Mode.STATIC,
-            {"scale": "loss_scale"},
-            scale=loss_scale,
-            growth_factor=2.0,
-            backoff_factor=0.5,
-            growth_interval=2**30,
-            hysteresis=1,
-            min_scale=0.0,
-            max_scale=math.inf,
-            max_consecutive_nonfinite=None,
-        )
+        return _fixed(Mode.STATIC, loss_scale, {"scale": "loss_scale"})
     if not any(key in fp16 for key in _DEEPSPEED_FP16_DYNAMIC):
         return deepspeed_loss_scaler()
     c = {key: fp16.get(key, default) for key, default in _DEEPSPEED_FP16_DYNAMIC.items()}
@@ -663,18 +653,7 @@ def apex_loss_scaler(
     if not max_loss_scale > 0:
         raise ValueError(f"max_loss_scale must be > 0 (Apex), got {max_loss_scale!r}.")
     if not isinstance(loss_scale, str):
-        return _fresh_state(
-            Mode.STATIC_UNCHECKED,
-            {"scale": "loss_scale"},
-            scale=loss_scale,
-            growth_factor=2.0,
-            backoff_factor=0.5,
-            growth_interval=2**30,
-            hysteresis=1,
-            min_scale=0.0,
-            max_scale=math.inf,
-            max_consecutive_nonfinite=None,
-        )
+        return _fixed(Mode.STATIC_UNCHECKED, loss_scale, {"scale": "loss_scale"})
     _whole("Apex", "scale_window", scale_window, 1)
     return _fresh_state(
         Mode.DYNAMIC,
