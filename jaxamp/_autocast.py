@@ -45,6 +45,7 @@ import dataclasses
 import difflib
 import fnmatch
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -351,19 +352,26 @@ def _scope_rules(ctx: _Context, stack: str) -> tuple[bool, Mapping[str, str]]:
 def _module_match(pattern: str, parts: list[str]) -> bool:
     # A pattern matches a module path ("Block_0/LayerNorm_1", nnx "blocks/0/ln"),
     # a module name, or a class name (linen auto-names are `Class_N`; nnx
-    # scopes are written `name[Class]`).
+    # scopes are written `name[Class]`; `_linen_class_scopes` adds a `[Class]`
+    # scope inside each linen module's own `name` scope).
     names = []
     for p in parts:
         name, _, cls = p.partition("[")
-        names.append(name)
+        if name:
+            names.append(name)
         if cls:
             names.append(cls.rstrip("]"))
         head, _, tail = name.rpartition("_")
         if head and tail.isdigit():
             names.append(head)
-    plain = "/".join(p.partition("[")[0] for p in parts)
     if "/" in pattern:
-        return fnmatch.fnmatchcase(plain, pattern) or fnmatch.fnmatchcase(plain, "*/" + pattern)
+        # A path names a module: its rule covers the ops of its submodules too.
+        path = [n for n in (p.partition("[")[0] for p in parts) if n]
+        for i in range(len(path), 0, -1):
+            prefix = "/".join(path[:i])
+            if fnmatch.fnmatchcase(prefix, pattern) or fnmatch.fnmatchcase(prefix, "*/" + pattern):
+                return True
+        return False
     return any(fnmatch.fnmatchcase(n, pattern) for n in names)
 
 
@@ -899,9 +907,12 @@ def _run(
         for i, x in zip(dynamic, vals, strict=True):
             full[i] = x
         a, k = jax.tree_util.tree_unflatten(treedef, full)
-        if scopes is None:
-            return f(*a, **k)
-        with scopes():
+        with contextlib.ExitStack() as stack:
+            if scopes is not None:
+                stack.enter_context(scopes())
+            linen_scopes = _linen_class_scopes() if cfg.modules else None
+            if linen_scopes is not None:
+                stack.enter_context(linen_scopes)
             return f(*a, **k)
 
     with _jax_compat.user_intent_hooks():
@@ -918,6 +929,25 @@ def _run(
                 x = ctx.cast(x, want)
             final.append(x)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), final)
+
+
+def _linen_class_scopes() -> Any:
+    """A context naming every linen module method call `[Class]` (for `modules=`).
+
+    Linen puts each module call under a ``jax.named_scope`` of the module's
+    name only, so an explicitly named module (``nn.LayerNorm(name="ln")``)
+    would not show its class; this interceptor adds it inside that scope. None
+    when flax.linen is not imported (then there are no linen modules).
+    """
+    linen = sys.modules.get("flax.linen")
+    if linen is None or not hasattr(linen, "intercept_methods"):
+        return None
+
+    def interceptor(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+        with jax.named_scope(f"[{type(context.module).__name__}]"):
+            return next_fun(*args, **kwargs)
+
+    return linen.intercept_methods(interceptor)
 
 
 def _nnx_scopes(nnx: Any, roots: Sequence[Any]) -> Callable[[], Any]:
@@ -1143,8 +1173,10 @@ def autocast(
         (the module runs in full precision, like ``full_precision``) or a
         mapping of primitive rules for the ops of that module. A pattern is
         matched (``fnmatch``) against each module's name and class name (linen
-        auto-names ``LayerNorm_0`` match ``"LayerNorm"``), or, with a ``/``,
-        against its path, e.g. ``{"LayerNorm": "float32", "head": "float32"}``.
+        ``LayerNorm_0`` and ``nn.LayerNorm(name="ln")`` both match
+        ``"LayerNorm"``), or, with a ``/``, against its path, e.g.
+        ``{"LayerNorm": "float32", "head": "float32"}``; a module's rule
+        covers its submodules.
       unknown_higher_order: what to do with a primitive that carries a jaxpr
         but is not in the table: ``"warn"`` (default) or ``"as_written"`` run
         it in its original dtypes, ``"error"`` raises.

@@ -372,15 +372,26 @@ def test_linen_module_rules_by_name_and_class():
     dots = [p for p in _prims(f, params, x) if p[0] == "dot_general"]
     assert [p[1][0].name for p in dots] == ["float16", "float16", "float32"]
     f = jaxamp.autocast(_Net().apply, dtype=F16, modules={"LayerNorm": "float32"})
-    closed = jax.make_jaxpr(f)(params, x)
-    stacks = {}
-    for e in _eqns(closed):
-        if e.primitive.name == "mul":
-            stacks.setdefault(str(e.outvars[0].aval.dtype), 0)
-            stacks[str(e.outvars[0].aval.dtype)] += 1
-    # LayerNorm_0 (auto-named) runs in float32; ln_out (named) does not match.
-    assert stacks.get("float32", 0) >= 2 and stacks.get("float16", 0) >= 1, stacks
     np.testing.assert_allclose(f(params, x), _Net().apply(params, x), rtol=0, atol=5e-2)
+
+
+def test_linen_module_rule_by_class_matches_explicitly_named_modules():
+    # `nn.LayerNorm(name="ln_out")` is matched by its class like the
+    # auto-named `LayerNorm_0`: the same program as naming both.
+    x = jax.random.normal(KEY, (2, 8))
+    params = _Net().init(KEY, x)
+
+    def prims(modules):
+        return _prims(jaxamp.autocast(_Net().apply, dtype=F16, modules=modules), params, x)
+
+    by_class = prims({"LayerNorm": "float32"})
+    assert by_class == prims({"LayerNorm_0": "float32", "ln_out": "float32"})
+    assert by_class != prims({"LayerNorm_0": "float32"})
+    # Path patterns still see module names only, not the class scopes.
+    assert prims({"_Net/ln_out": "float32"}) == prims({"ln_out": "float32"})
+    assert prims({"*/Dense_1": "float32"}) == prims({"Dense_1": "float32"})
+    muls = [p for p in by_class if p[0] == "mul"]
+    assert muls and all(p[2][0] == np.float32 for p in muls), muls
 
 
 def test_nnx_module_rules_by_path_and_class():
@@ -399,6 +410,31 @@ def test_nnx_module_rules_by_path_and_class():
     dots = [p for p in _prims(f, x) if p[0] == "dot_general"]
     assert [p[1][0].name for p in dots] == ["float16", "float32"]
     assert _rel_err(f(x), net(x)) < 1e-2
+
+
+def test_nnx_module_rule_by_class_matches_named_attributes():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.body = nnx.Linear(8, 8, rngs=rngs)
+            self.ln = nnx.LayerNorm(8, rngs=rngs)
+            self.mid = nnx.Linear(8, 8, rngs=rngs)
+            self.out = nnx.LayerNorm(8, rngs=rngs)
+            self.head = nnx.Linear(8, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.out(self.mid(self.ln(self.body(x)))))
+
+    net = Net(nnx.Rngs(0))
+    x = jax.random.normal(KEY, (2, 8))
+
+    def prims(modules):
+        return _prims(jaxamp.autocast(net, dtype=F16, modules=modules), x)
+
+    by_class = prims({"LayerNorm": "float32"})
+    assert by_class == prims({"ln": "float32", "out": "float32"})
+    assert by_class != prims({"ln": "float32"})
+    muls = [p for p in by_class if p[0] == "mul"]
+    assert muls and all(p[2][0] == np.float32 for p in muls), muls
 
 
 def test_module_rules_validation():
