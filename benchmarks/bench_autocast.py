@@ -167,8 +167,14 @@ def memory_study() -> dict[str, Any]:
 _COMPILE_VARIANTS = ("float32", "hand_cast", "autocast")
 
 
-def _compile_once(cfg: dict[str, Any], params: Any, x: jax.Array, name: str) -> tuple[float, float]:
-    """(trace + lower seconds, compile seconds) of a fresh value_and_grad step."""
+def _compile_once(
+    cfg: dict[str, Any], params: Any, x: jax.Array, name: str
+) -> tuple[float, float, float]:
+    """(trace + lower s, compile s, process CPU s of both) of a fresh value_and_grad step.
+
+    Process CPU time (all threads) is less sensitive than wall time to other
+    processes on a shared machine.
+    """
     if name == "hand_cast":
         apply = Stack(**cfg, dtype=F16).apply
     elif name == "autocast":
@@ -179,11 +185,12 @@ def _compile_once(cfg: dict[str, Any], params: Any, x: jax.Array, name: str) -> 
     def loss(p: Any, x: jax.Array) -> jax.Array:
         return jnp.mean(jnp.square(apply(p, x)))
 
+    cpu = time.process_time()
     start = time.perf_counter()
     lowered = jax.jit(jax.value_and_grad(loss)).lower(params, x)
     mid = time.perf_counter()
     lowered.compile()
-    return mid - start, time.perf_counter() - mid
+    return mid - start, time.perf_counter() - mid, time.process_time() - cpu
 
 
 def compile_study(layer_counts: tuple[int, ...], repeats: int = 3) -> dict[str, Any]:
@@ -200,18 +207,23 @@ def compile_study(layer_counts: tuple[int, ...], repeats: int = 3) -> dict[str, 
         for layers in layer_counts:
             cfg = {"layers": layers, "dim": 64, "heads": 4, "mlp": 256, "scan": scan}
             params = Stack(**cfg).init(jax.random.key(0), x)
-            samples: dict[str, list[tuple[float, float]]] = {n: [] for n in _COMPILE_VARIANTS}
+            samples: dict[str, list[tuple[float, float, float]]] = {
+                n: [] for n in _COMPILE_VARIANTS
+            }
             for rep in range(repeats):
                 k = rep % len(_COMPILE_VARIANTS)
                 for name in _COMPILE_VARIANTS[k:] + _COMPILE_VARIANTS[:k]:
                     samples[name].append(_compile_once(cfg, params, x, name))
             row: dict[str, Any] = {"repeats": repeats}
             for name, runs in samples.items():
-                row[name] = float(np.median([a + b for a, b in runs]))
-                row[f"{name}_lower"] = float(np.median([a for a, _ in runs]))
-                row[f"{name}_compile"] = float(np.median([b for _, b in runs]))
+                row[name] = float(np.median([a + b for a, b, _ in runs]))
+                row[f"{name}_lower"] = float(np.median([a for a, _, _ in runs]))
+                row[f"{name}_compile"] = float(np.median([b for _, b, _ in runs]))
+                row[f"{name}_cpu"] = float(np.median([c for _, _, c in runs]))
             row["autocast_over_hand_cast"] = row["autocast"] / row["hand_cast"]
             row["autocast_over_float32"] = row["autocast"] / row["float32"]
+            row["cpu_autocast_over_hand_cast"] = row["autocast_cpu"] / row["hand_cast_cpu"]
+            row["cpu_autocast_over_float32"] = row["autocast_cpu"] / row["float32_cpu"]
             out[f"{'scan' if scan else 'unrolled'}_{layers}"] = row
     return out
 
@@ -268,15 +280,19 @@ def format_report(figures: dict[str, Any]) -> str:
         "interleaved runs (trace+lower / compile in brackets)"
     )
     lines.append(f"{'':12s} {'float32':>17s} {'hand':>17s} {'autocast':>17s} "
-                 f"{'x hand':>7s} {'x f32':>7s}")  # fmt: skip
+                 f"{'x hand':>7s} {'x f32':>7s} | CPU s: {'f32':>6s} {'hand':>6s} "
+                 f"{'autoc':>6s} {'x hand':>7s} {'x f32':>7s}")  # fmt: skip
     for name, r in figures["compile"].items():
         cells = " ".join(
             f"{r[v]:6.2f} ({r[v + '_lower']:4.1f}/{r[v + '_compile']:4.1f})"
             for v in _COMPILE_VARIANTS
         )
+        cpu = " ".join(f"{r[v + '_cpu']:6.2f}" for v in _COMPILE_VARIANTS)
         lines.append(
             f"{name:12s} {cells} "
-            f"{r['autocast_over_hand_cast']:6.2f}x {r['autocast_over_float32']:6.2f}x"
+            f"{r['autocast_over_hand_cast']:6.2f}x {r['autocast_over_float32']:6.2f}x | "
+            f"       {cpu} {r['cpu_autocast_over_hand_cast']:6.2f}x "
+            f"{r['cpu_autocast_over_float32']:6.2f}x"
         )
     return "\n".join(lines)
 

@@ -540,9 +540,13 @@ def _eval_higher_order(
         shardings = list(params.get("in_shardings", ())) + list(params.get("out_shardings", ()))
         if not params.get("donated_invars", ()) or not any(params["donated_invars"]):
             if all(_jax_compat.is_unspecified(s) for s in shardings):
-                # Inline: activations keep their dtype across the boundary
-                # (jax.nn.relu, silu, jnp.cross are nested jits).
+                # Activations keep their dtype across the boundary (jax.nn.relu,
+                # silu, jnp.cross, jnp.tril are nested jits).
                 closed = inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
+                if name in ("jit", "pjit"):
+                    hit = _eval_nested_jit(eqn, closed, invals, inmarks, ctx, stack)
+                    if hit is not None:
+                        return hit
                 return _eval_jaxpr(closed.jaxpr, closed.consts, invals, ctx, inmarks, stack)
     if name in ("remat", "remat2", "checkpoint"):
         return _eval_remat(eqn, invals, inmarks, ctx, stack)
@@ -579,6 +583,84 @@ def _eval_higher_order(
             )
         new_params[key] = value
     return _bind(eqn, args, new_params), [_NONE] * nout
+
+
+def _inner_stacks(jaxpr: Jaxpr, ctx: _Context) -> tuple[str, ...]:
+    """The distinct name stacks of `jaxpr`'s equations, sub-jaxprs included."""
+    key = ("stacks", id(jaxpr))
+    hit = ctx.cache.get(key)
+    if hit is not None and hit[0] is jaxpr:
+        return hit[1]
+    found: dict[str, None] = {}
+    for eqn in jaxpr.eqns:
+        here = _jax_compat.name_stack(eqn)
+        found[here] = None
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (ClosedJaxpr, Jaxpr)):
+                    for inner in _inner_stacks(getattr(sub, "jaxpr", sub), ctx):
+                        found[f"{here}/{inner}" if here and inner else here or inner] = None
+    result = tuple(found)
+    ctx.cache[key] = (jaxpr, result)
+    return result
+
+
+def _eval_nested_jit(
+    eqn: Any, closed: ClosedJaxpr, invals: list[Any], inmarks: list[int], ctx: _Context, stack: str
+) -> tuple[list[Any], list[int]] | None:
+    """A nested ``jit`` re-issued as a ``jit`` of its autocast jaxpr, or None to inline.
+
+    The autocast jaxpr takes and returns values in their autocast dtypes, so
+    activations cross the boundary unchanged, as when inlined. It is built
+    once per (jaxpr, input types, input marks, rules in force) in a trace and
+    the same object is bound at every call site: JAX then differentiates,
+    partially evaluates and lowers it once (a ``jnp.tril`` or ``jnp.where`` in
+    each of 48 layers costs one trace, not 48).
+    """
+    if closed.effects:
+        return None
+    try:
+        avals = [_jax_compat.aval_of(x) for x in invals]
+    except TypeError:
+        return None
+    if any(not hasattr(a, "shape") or not hasattr(a, "dtype") for a in avals):
+        return None
+    # The rules that the inner equations will see (module rules match on the
+    # name stack): identical rules, identical program.
+    scopes = tuple(
+        (full, id(rules))
+        for full, rules in (
+            _scope_rules(ctx, f"{stack}/{s}" if stack and s else stack or s)
+            for s in _inner_stacks(closed.jaxpr, ctx)
+        )
+    )
+    key = (
+        "jit",
+        id(closed),
+        tuple((a.dtype, bool(getattr(a, "weak_type", False))) for a in avals),
+        tuple(inmarks),
+        scopes,
+    )
+    hit = ctx.cache.get(key)
+    if hit is None or hit[0] is not closed:
+        out_marks: list[int] = []
+        sub_ctx = dataclasses.replace(ctx, casts={})
+
+        def body(*xs: Any) -> list[Any]:
+            outs, marks = _eval_jaxpr(closed.jaxpr, closed.consts, xs, sub_ctx, inmarks, stack)
+            out_marks[:] = marks
+            return outs
+
+        try:
+            traced = jax.make_jaxpr(body, axis_env=list(ctx.axis_env) or None)(*avals)
+        except Exception:  # e.g. an axis name bound outside: inline instead
+            return None
+        if traced.consts or traced.effects:
+            return None
+        hit = ctx.cache[key] = (closed, (traced, list(out_marks)))
+    traced, out_marks = hit[1]
+    params = dict(eqn.params, jaxpr=traced)
+    return _bind(eqn, list(invals), params), list(out_marks)
 
 
 def _eval_remat(

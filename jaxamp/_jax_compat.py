@@ -23,6 +23,7 @@ __all__ = [
     "EXPLICIT_CAST_SCOPE",
     "HAS_SHARD_MAP",
     "KEEP_ACCUMULATION_SCOPE",
+    "aval_of",
     "bind",
     "custom_jvp_rule",
     "custom_vjp_bwd",
@@ -38,6 +39,17 @@ __all__ = [
 #: ``jax.shard_map`` (public since JAX 0.7; before, jax.experimental.shard_map
 #: had other parameter names). Without it autocast runs shard_map as written.
 HAS_SHARD_MAP: bool = hasattr(jax, "shard_map") and callable(getattr(jax, "shard_map", None))
+
+
+def aval_of(x: Any) -> Any:
+    """The abstract value (shape, dtype, weak type) of an array or tracer.
+
+    ``jax.typeof`` since JAX 0.6; ``jax.core.get_aval`` before (removed in 0.10).
+    """
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:  # pragma: no cover - old JAX
+        typeof = jax.core.get_aval
+    return typeof(x)
 
 
 def name_stack(eqn: Any) -> str:

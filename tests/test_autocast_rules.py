@@ -597,6 +597,62 @@ def test_activation_functions_keep_float16(act):
     assert len(ups) == (1 if act is jax.nn.gelu else 0), ups
 
 
+def test_nested_jit_called_many_times_is_autocast_once():
+    # Item 7 (compile cost): a nested jit called in every layer becomes one
+    # autocast program bound at every call site (JAX then differentiates and
+    # lowers it once), with activations crossing its boundary in float16.
+    @jax.jit
+    def block(h, w):
+        return jnp.tanh(h @ w) + h
+
+    @jax.jit
+    def ln(h):
+        return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)
+
+    def f(x, w):
+        for _ in range(4):
+            x = ln(block(x, w))
+        return x
+
+    x, w = jax.random.normal(KEY, (4, 8)), 0.3 * jax.random.normal(jax.random.key(1), (8, 8))
+    closed = jax.make_jaxpr(jaxamp.autocast(f, dtype=F16))(x, w)
+    calls = [e for e in closed.jaxpr.eqns if e.primitive.name in ("jit", "pjit")]
+    assert len(calls) == 8
+    blocks = {id(e.params["jaxpr"]) for e in calls if e.params["name"] == "block"}
+    lns = {id(e.params["jaxpr"]) for e in calls if e.params["name"] == "ln"}
+    assert len(lns) == 1
+    # The first block gets a float32 input, the later ones float16: two programs.
+    assert len(blocks) == 2
+    assert [e.outvars[0].aval.dtype for e in calls] == [F16] * 8
+    np.testing.assert_allclose(jaxamp.autocast(f, dtype=F16)(x, w), f(x, w), atol=2e-2)
+    g = jax.grad(lambda w: jnp.sum(jaxamp.autocast(f, dtype=F16)(x, w)))(w)
+    np.testing.assert_allclose(g, jax.grad(lambda w: jnp.sum(f(x, w)))(w), rtol=5e-2, atol=5e-2)
+
+
+def test_nested_jit_under_module_rules_follows_each_call_sites_rule():
+    @jax.jit
+    def act(h):
+        return h * jnp.tanh(h)
+
+    class Act(nn.Module):
+        def __call__(self, h):
+            return act(h)
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = Act(name="a")(nn.Dense(8)(x))
+            return Act(name="b")(nn.Dense(8)(x))
+
+    x = jax.random.normal(KEY, (2, 8))
+    params = Net().init(KEY, x)
+    rules = {"b": {"tanh": "float32"}}
+    closed = jax.make_jaxpr(jaxamp.autocast(Net().apply, dtype=F16, modules=rules))(params, x)
+    # Same jaxpr, same input dtypes, different rules: two programs.
+    tanhs = [e.outvars[0].aval.dtype for e in _eqns(closed) if e.primitive.name == "tanh"]
+    assert tanhs == [F16, F32]
+
+
 def test_unknown_primitive_in_rules_names_the_closest():
     with pytest.raises(ValueError, match="'dot'.*dot_general"):
         jaxamp.autocast(lambda x: x, rules={"dot": "float32"})
