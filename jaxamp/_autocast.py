@@ -409,9 +409,16 @@ def _eval_eqn(
                 f"dtypes, or rules={{{name!r}: 'as_written'}}."
             )
         if ctx.unknown_higher_order == "warn":
+            why = ""
+            if name == "custom_vjp_call_jaxpr":
+                why = (
+                    f" On JAX {jax.__version__} a jax.custom_vjp function appears in "
+                    "jaxprs in a form autocast does not enter; newer JAX (tested: "
+                    "0.10) writes it as custom_vjp_call, which autocast enters."
+                )
             warnings.warn(
                 f"jaxamp.autocast: higher-order primitive {name!r} is not entered; it "
-                "runs in the dtypes of the original function.",
+                f"runs in the dtypes of the original function.{why}",
                 stacklevel=2,
             )
         rule = AS_WRITTEN
