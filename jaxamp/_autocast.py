@@ -1172,7 +1172,11 @@ def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
         out, changed = _dispatch(pure, p_leaves, p_def, list(range(len(p_leaves))), p_leaves)
         variables = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
         for i, value in changed.items():
-            variables[i].set_value(value)
+            var = variables[i]
+            if hasattr(var, "set_value"):
+                var.set_value(value)
+            else:  # flax < 0.11
+                var.value = value
         return out
 
     def linen_call(*args: Any, **kwargs: Any) -> Any:

@@ -22,6 +22,7 @@ from flax import nnx
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import jaxamp
+from jaxamp import _jax_compat
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 KEY = jax.random.key(0)
@@ -321,7 +322,17 @@ def _jproj_jvp(primals, tangents):
     return y, (1 - y * y) * (dx @ w + x @ dw)
 
 
-@pytest.mark.parametrize("fn", [_proj, _jproj], ids=["custom_vjp", "custom_jvp"])
+_OLD_VJP = pytest.mark.skipif(
+    not _jax_compat.CUSTOM_VJP_ENTERED,
+    reason="JAX 0.5: custom_vjp runs as written under autocast (warned)",
+)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [pytest.param(_proj, marks=_OLD_VJP), _jproj],
+    ids=["custom_vjp", "custom_jvp"],
+)
 def test_custom_derivative_primal_same_with_and_without_grad(fn):
     x = jax.random.normal(KEY, (4, 8))
     w = jax.random.normal(jax.random.key(1), (8, 8)) * 0.3
@@ -730,6 +741,10 @@ def test_module_rules_example_claims():
     assert _rel_err(apply(params, x), model.apply(params, x)) < 1e-2
 
 
+@pytest.mark.skipif(
+    not hasattr(jax, "shard_map"),
+    reason="JAX 0.5 writes pmap as xla_pmap, which autocast runs as written (warned)",
+)
 def test_autocast_of_pmap_enters_it():
     f = jax.pmap(lambda x, w: x @ w)
     x, w = jnp.ones((1, 2, 3)), jnp.ones((1, 3, 3))
