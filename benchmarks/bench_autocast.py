@@ -164,42 +164,78 @@ def memory_study() -> dict[str, Any]:
     return out
 
 
-def compile_study(layer_counts: tuple[int, ...]) -> dict[str, Any]:
-    """Trace + compile seconds of the value_and_grad step (width 64, batch 2 x 32)."""
+_COMPILE_VARIANTS = ("float32", "hand_cast", "autocast")
+
+
+def _compile_once(
+    cfg: dict[str, Any], params: Any, x: jax.Array, name: str
+) -> tuple[float, float, float]:
+    """(trace + lower s, compile s, process CPU s of both) of a fresh value_and_grad step.
+
+    Process CPU time (all threads) is less sensitive than wall time to other
+    processes on a shared machine.
+    """
+    if name == "hand_cast":
+        apply = Stack(**cfg, dtype=F16).apply
+    elif name == "autocast":
+        apply = jaxamp.autocast(Stack(**cfg).apply, dtype=F16)
+    else:
+        apply = Stack(**cfg).apply
+
+    def loss(p: Any, x: jax.Array) -> jax.Array:
+        return jnp.mean(jnp.square(apply(p, x)))
+
+    cpu = time.process_time()
+    start = time.perf_counter()
+    lowered = jax.jit(jax.value_and_grad(loss)).lower(params, x)
+    mid = time.perf_counter()
+    lowered.compile()
+    return mid - start, time.perf_counter() - mid, time.process_time() - cpu
+
+
+def compile_study(layer_counts: tuple[int, ...], repeats: int = 3) -> dict[str, Any]:
+    """Trace + compile seconds of the value_and_grad step (width 64, batch 2 x 32).
+
+    Every repetition builds fresh functions (nothing is reused from JAX's
+    caches but what a new model would reuse too) and runs the three variants
+    interleaved, in a rotating order, so that load on a shared machine falls on
+    all of them alike; each figure is the median over `repeats`.
+    """
     x = jax.random.normal(jax.random.key(1), (2, 32, 64), F32)
     out: dict[str, Any] = {}
     for scan in (False, True):
         for layers in layer_counts:
             cfg = {"layers": layers, "dim": 64, "heads": 4, "mlp": 256, "scan": scan}
             params = Stack(**cfg).init(jax.random.key(0), x)
-            row = {}
-            for name in ("float32", "hand_cast", "autocast"):
-                if name == "hand_cast":
-                    model = Stack(**cfg, dtype=F16)
-                    apply = model.apply
-                else:
-                    model = Stack(**cfg)
-                    apply = model.apply
-                    if name == "autocast":
-                        apply = jaxamp.autocast(model.apply, dtype=F16)
-
-                def loss(p: Any, x: jax.Array, a: Callable = apply) -> jax.Array:
-                    return jnp.mean(jnp.square(a(p, x)))
-
-                start = time.perf_counter()
-                jax.jit(jax.value_and_grad(loss)).lower(params, x).compile()
-                row[name] = time.perf_counter() - start
+            samples: dict[str, list[tuple[float, float, float]]] = {
+                n: [] for n in _COMPILE_VARIANTS
+            }
+            for rep in range(repeats):
+                k = rep % len(_COMPILE_VARIANTS)
+                for name in _COMPILE_VARIANTS[k:] + _COMPILE_VARIANTS[:k]:
+                    samples[name].append(_compile_once(cfg, params, x, name))
+            row: dict[str, Any] = {"repeats": repeats}
+            for name, runs in samples.items():
+                row[name] = float(np.median([a + b for a, b, _ in runs]))
+                row[f"{name}_lower"] = float(np.median([a for a, _, _ in runs]))
+                row[f"{name}_compile"] = float(np.median([b for _, b, _ in runs]))
+                row[f"{name}_cpu"] = float(np.median([c for _, _, c in runs]))
             row["autocast_over_hand_cast"] = row["autocast"] / row["hand_cast"]
             row["autocast_over_float32"] = row["autocast"] / row["float32"]
+            row["cpu_autocast_over_hand_cast"] = row["autocast_cpu"] / row["hand_cast_cpu"]
+            row["cpu_autocast_over_float32"] = row["autocast_cpu"] / row["float32_cpu"]
             out[f"{'scan' if scan else 'unrolled'}_{layers}"] = row
     return out
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, repeats: int | None = None) -> dict[str, Any]:
     """Both studies.
 
     Args:
-      quick: compile study at 4 and 12 layers only (48 otherwise too).
+      quick: compile study at 4 and 12 layers only (48 otherwise too), one
+        repetition unless `repeats` says otherwise.
+      repeats: interleaved repetitions of each compile measurement (median);
+        default 1 when quick, else 3.
 
     Returns:
       ``{"config": ..., "memory": {...}, "compile": {...}}``.
@@ -213,14 +249,16 @@ def run(quick: bool = False) -> dict[str, Any]:
     return {
         "config": {"backend": jax.default_backend(), "jax": jax.__version__},
         "memory": memory_study(),
-        "compile": compile_study((4, 12) if quick else (4, 12, 48)),
+        "compile": compile_study(
+            (4, 12) if quick else (4, 12, 48), repeats or (1 if quick else 3)
+        ),
     }
 
 
 def format_report(figures: dict[str, Any]) -> str:
     """The tables ``make bench`` prints."""
     lines = [f"autocast, {figures['config']['backend']}, jax {figures['config']['jax']}"]
-    for study in ("transformer", "demo_lm"):
+    for study in ("transformer", "demo_lm") if "memory" in figures else ():
         block = figures["memory"][study]
         rows = block["rows"]
         base = rows["float32"]
@@ -236,13 +274,25 @@ def format_report(figures: dict[str, Any]) -> str:
                 f"{r['temp_bytes'] / 2**20:9.2f} {r['temp_bytes'] / base['temp_bytes']:6.2f}x "
                 f"{r['err_vs_f32']:9.1e}"
             )
-    lines.append("\ntrace + compile of jit(value_and_grad) (width 64), seconds")
-    lines.append(f"{'':12s} {'float32':>8s} {'hand':>8s} {'autocast':>9s} "
-                 f"{'x hand':>7s} {'x f32':>7s}")  # fmt: skip
+    reps = next(iter(figures["compile"].values()))["repeats"]
+    lines.append(
+        f"\ntrace + compile of jit(value_and_grad) (width 64), seconds, median of {reps} "
+        "interleaved runs (trace+lower / compile in brackets)"
+    )
+    lines.append(f"{'':12s} {'float32':>17s} {'hand':>17s} {'autocast':>17s} "
+                 f"{'x hand':>7s} {'x f32':>7s} | CPU s: {'f32':>6s} {'hand':>6s} "
+                 f"{'autoc':>6s} {'x hand':>7s} {'x f32':>7s}")  # fmt: skip
     for name, r in figures["compile"].items():
+        cells = " ".join(
+            f"{r[v]:6.2f} ({r[v + '_lower']:4.1f}/{r[v + '_compile']:4.1f})"
+            for v in _COMPILE_VARIANTS
+        )
+        cpu = " ".join(f"{r[v + '_cpu']:6.2f}" for v in _COMPILE_VARIANTS)
         lines.append(
-            f"{name:12s} {r['float32']:8.2f} {r['hand_cast']:8.2f} {r['autocast']:9.2f} "
-            f"{r['autocast_over_hand_cast']:6.2f}x {r['autocast_over_float32']:6.2f}x"
+            f"{name:12s} {cells} "
+            f"{r['autocast_over_hand_cast']:6.2f}x {r['autocast_over_float32']:6.2f}x | "
+            f"       {cpu} {r['cpu_autocast_over_hand_cast']:6.2f}x "
+            f"{r['cpu_autocast_over_float32']:6.2f}x"
         )
     return "\n".join(lines)
 
@@ -250,7 +300,19 @@ def format_report(figures: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="compile study at 4 and 12 layers")
-    print(format_report(run(quick=parser.parse_args().quick)))
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="interleaved compile repetitions (median); default 3, 1 with --quick")
+    parser.add_argument("--compile-only", action="store_true", help="skip the memory study")
+    args = parser.parse_args()
+    if args.compile_only:
+        jax.jit(lambda a: a + 1).lower(jnp.ones(2)).compile()
+        figures = {
+            "config": {"backend": jax.default_backend(), "jax": jax.__version__},
+            "compile": compile_study((4, 12) if args.quick else (4, 12, 48), args.repeats or 3),
+        }
+    else:
+        figures = run(quick=args.quick, repeats=args.repeats)
+    print(format_report(figures))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import dataclasses
 import difflib
 import fnmatch
 import functools
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -351,19 +352,26 @@ def _scope_rules(ctx: _Context, stack: str) -> tuple[bool, Mapping[str, str]]:
 def _module_match(pattern: str, parts: list[str]) -> bool:
     # A pattern matches a module path ("Block_0/LayerNorm_1", nnx "blocks/0/ln"),
     # a module name, or a class name (linen auto-names are `Class_N`; nnx
-    # scopes are written `name[Class]`).
+    # scopes are written `name[Class]`; `_linen_class_scopes` adds a `[Class]`
+    # scope inside each linen module's own `name` scope).
     names = []
     for p in parts:
         name, _, cls = p.partition("[")
-        names.append(name)
+        if name:
+            names.append(name)
         if cls:
             names.append(cls.rstrip("]"))
         head, _, tail = name.rpartition("_")
         if head and tail.isdigit():
             names.append(head)
-    plain = "/".join(p.partition("[")[0] for p in parts)
     if "/" in pattern:
-        return fnmatch.fnmatchcase(plain, pattern) or fnmatch.fnmatchcase(plain, "*/" + pattern)
+        # A path names a module: its rule covers the ops of its submodules too.
+        path = [n for n in (p.partition("[")[0] for p in parts) if n]
+        for i in range(len(path), 0, -1):
+            prefix = "/".join(path[:i])
+            if fnmatch.fnmatchcase(prefix, pattern) or fnmatch.fnmatchcase(prefix, "*/" + pattern):
+                return True
+        return False
     return any(fnmatch.fnmatchcase(n, pattern) for n in names)
 
 
@@ -401,9 +409,16 @@ def _eval_eqn(
                 f"dtypes, or rules={{{name!r}: 'as_written'}}."
             )
         if ctx.unknown_higher_order == "warn":
+            why = ""
+            if name == "custom_vjp_call_jaxpr":
+                why = (
+                    f" On JAX {jax.__version__} a jax.custom_vjp function appears in "
+                    "jaxprs in a form autocast does not enter; newer JAX (tested: "
+                    "0.10) writes it as custom_vjp_call, which autocast enters."
+                )
             warnings.warn(
                 f"jaxamp.autocast: higher-order primitive {name!r} is not entered; it "
-                "runs in the dtypes of the original function.",
+                f"runs in the dtypes of the original function.{why}",
                 stacklevel=2,
             )
         rule = AS_WRITTEN
@@ -532,9 +547,13 @@ def _eval_higher_order(
         shardings = list(params.get("in_shardings", ())) + list(params.get("out_shardings", ()))
         if not params.get("donated_invars", ()) or not any(params["donated_invars"]):
             if all(_jax_compat.is_unspecified(s) for s in shardings):
-                # Inline: activations keep their dtype across the boundary
-                # (jax.nn.relu, silu, jnp.cross are nested jits).
+                # Activations keep their dtype across the boundary (jax.nn.relu,
+                # silu, jnp.cross, jnp.tril are nested jits).
                 closed = inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
+                if name in ("jit", "pjit"):
+                    hit = _eval_nested_jit(eqn, closed, invals, inmarks, ctx, stack)
+                    if hit is not None:
+                        return hit
                 return _eval_jaxpr(closed.jaxpr, closed.consts, invals, ctx, inmarks, stack)
     if name in ("remat", "remat2", "checkpoint"):
         return _eval_remat(eqn, invals, inmarks, ctx, stack)
@@ -571,6 +590,84 @@ def _eval_higher_order(
             )
         new_params[key] = value
     return _bind(eqn, args, new_params), [_NONE] * nout
+
+
+def _inner_stacks(jaxpr: Jaxpr, ctx: _Context) -> tuple[str, ...]:
+    """The distinct name stacks of `jaxpr`'s equations, sub-jaxprs included."""
+    key = ("stacks", id(jaxpr))
+    hit = ctx.cache.get(key)
+    if hit is not None and hit[0] is jaxpr:
+        return hit[1]
+    found: dict[str, None] = {}
+    for eqn in jaxpr.eqns:
+        here = _jax_compat.name_stack(eqn)
+        found[here] = None
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (ClosedJaxpr, Jaxpr)):
+                    for inner in _inner_stacks(getattr(sub, "jaxpr", sub), ctx):
+                        found[f"{here}/{inner}" if here and inner else here or inner] = None
+    result = tuple(found)
+    ctx.cache[key] = (jaxpr, result)
+    return result
+
+
+def _eval_nested_jit(
+    eqn: Any, closed: ClosedJaxpr, invals: list[Any], inmarks: list[int], ctx: _Context, stack: str
+) -> tuple[list[Any], list[int]] | None:
+    """A nested ``jit`` re-issued as a ``jit`` of its autocast jaxpr, or None to inline.
+
+    The autocast jaxpr takes and returns values in their autocast dtypes, so
+    activations cross the boundary unchanged, as when inlined. It is built
+    once per (jaxpr, input types, input marks, rules in force) in a trace and
+    the same object is bound at every call site: JAX then differentiates,
+    partially evaluates and lowers it once (a ``jnp.tril`` or ``jnp.where`` in
+    each of 48 layers costs one trace, not 48).
+    """
+    if closed.effects:
+        return None
+    try:
+        avals = [_jax_compat.aval_of(x) for x in invals]
+    except TypeError:
+        return None
+    if any(not hasattr(a, "shape") or not hasattr(a, "dtype") for a in avals):
+        return None
+    # The rules that the inner equations will see (module rules match on the
+    # name stack): identical rules, identical program.
+    scopes = tuple(
+        (full, id(rules))
+        for full, rules in (
+            _scope_rules(ctx, f"{stack}/{s}" if stack and s else stack or s)
+            for s in _inner_stacks(closed.jaxpr, ctx)
+        )
+    )
+    key = (
+        "jit",
+        id(closed),
+        tuple((a.dtype, bool(getattr(a, "weak_type", False))) for a in avals),
+        tuple(inmarks),
+        scopes,
+    )
+    hit = ctx.cache.get(key)
+    if hit is None or hit[0] is not closed:
+        out_marks: list[int] = []
+        sub_ctx = dataclasses.replace(ctx, casts={})
+
+        def body(*xs: Any) -> list[Any]:
+            outs, marks = _eval_jaxpr(closed.jaxpr, closed.consts, xs, sub_ctx, inmarks, stack)
+            out_marks[:] = marks
+            return outs
+
+        try:
+            traced = jax.make_jaxpr(body, axis_env=list(ctx.axis_env) or None)(*avals)
+        except Exception:  # e.g. an axis name bound outside: inline instead
+            return None
+        if traced.consts or traced.effects:
+            return None
+        hit = ctx.cache[key] = (closed, (traced, list(out_marks)))
+    traced, out_marks = hit[1]
+    params = dict(eqn.params, jaxpr=traced)
+    return _bind(eqn, list(invals), params), list(out_marks)
 
 
 def _eval_remat(
@@ -899,9 +996,12 @@ def _run(
         for i, x in zip(dynamic, vals, strict=True):
             full[i] = x
         a, k = jax.tree_util.tree_unflatten(treedef, full)
-        if scopes is None:
-            return f(*a, **k)
-        with scopes():
+        with contextlib.ExitStack() as stack:
+            if scopes is not None:
+                stack.enter_context(scopes())
+            linen_scopes = _linen_class_scopes() if cfg.modules else None
+            if linen_scopes is not None:
+                stack.enter_context(linen_scopes)
             return f(*a, **k)
 
     with _jax_compat.user_intent_hooks():
@@ -918,6 +1018,25 @@ def _run(
                 x = ctx.cast(x, want)
             final.append(x)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), final)
+
+
+def _linen_class_scopes() -> Any:
+    """A context naming every linen module method call `[Class]` (for `modules=`).
+
+    Linen puts each module call under a ``jax.named_scope`` of the module's
+    name only, so an explicitly named module (``nn.LayerNorm(name="ln")``)
+    would not show its class; this interceptor adds it inside that scope. None
+    when flax.linen is not imported (then there are no linen modules).
+    """
+    linen = sys.modules.get("flax.linen")
+    if linen is None or not hasattr(linen, "intercept_methods"):
+        return None
+
+    def interceptor(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+        with jax.named_scope(f"[{type(context.module).__name__}]"):
+            return next_fun(*args, **kwargs)
+
+    return linen.intercept_methods(interceptor)
 
 
 def _nnx_scopes(nnx: Any, roots: Sequence[Any]) -> Callable[[], Any]:
@@ -1053,7 +1172,11 @@ def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
         out, changed = _dispatch(pure, p_leaves, p_def, list(range(len(p_leaves))), p_leaves)
         variables = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
         for i, value in changed.items():
-            variables[i].set_value(value)
+            var = variables[i]
+            if hasattr(var, "set_value"):
+                var.set_value(value)
+            else:  # flax < 0.11
+                var.value = value
         return out
 
     def linen_call(*args: Any, **kwargs: Any) -> Any:
@@ -1143,8 +1266,10 @@ def autocast(
         (the module runs in full precision, like ``full_precision``) or a
         mapping of primitive rules for the ops of that module. A pattern is
         matched (``fnmatch``) against each module's name and class name (linen
-        auto-names ``LayerNorm_0`` match ``"LayerNorm"``), or, with a ``/``,
-        against its path, e.g. ``{"LayerNorm": "float32", "head": "float32"}``.
+        ``LayerNorm_0`` and ``nn.LayerNorm(name="ln")`` both match
+        ``"LayerNorm"``), or, with a ``/``, against its path, e.g.
+        ``{"LayerNorm": "float32", "head": "float32"}``; a module's rule
+        covers its submodules.
       unknown_higher_order: what to do with a primitive that carries a jaxpr
         but is not in the table: ``"warn"`` (default) or ``"as_written"`` run
         it in its original dtypes, ``"error"`` raises.

@@ -20,9 +20,11 @@ import jax
 from jax.extend.core import Primitive
 
 __all__ = [
+    "CUSTOM_VJP_ENTERED",
     "EXPLICIT_CAST_SCOPE",
     "HAS_SHARD_MAP",
     "KEEP_ACCUMULATION_SCOPE",
+    "aval_of",
     "bind",
     "custom_jvp_rule",
     "custom_vjp_bwd",
@@ -38,6 +40,33 @@ __all__ = [
 #: ``jax.shard_map`` (public since JAX 0.7; before, jax.experimental.shard_map
 #: had other parameter names). Without it autocast runs shard_map as written.
 HAS_SHARD_MAP: bool = hasattr(jax, "shard_map") and callable(getattr(jax, "shard_map", None))
+
+
+def _custom_vjp_entered() -> bool:
+    try:
+        from jax._src import custom_derivatives
+    except ImportError:  # pragma: no cover
+        return False
+    return not hasattr(custom_derivatives, "custom_vjp_call_jaxpr_p")
+
+
+#: Whether a ``jax.custom_vjp`` function appears in jaxprs as ``custom_vjp_call``
+#: (``call_jaxpr``, ``fwd_jaxpr_thunk``, ``bwd``, ``out_trees``), which autocast
+#: enters. JAX 0.5 writes ``custom_vjp_call_jaxpr`` with other params there:
+#: autocast then runs such functions as written, in their original dtypes, with
+#: a warning that says so.
+CUSTOM_VJP_ENTERED: bool = _custom_vjp_entered()
+
+
+def aval_of(x: Any) -> Any:
+    """The abstract value (shape, dtype, weak type) of an array or tracer.
+
+    ``jax.typeof`` since JAX 0.6; ``jax.core.get_aval`` before (removed in 0.10).
+    """
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:  # pragma: no cover - old JAX
+        typeof = jax.core.get_aval
+    return typeof(x)
 
 
 def name_stack(eqn: Any) -> str:
@@ -151,22 +180,25 @@ def _make_convert_hook(original: Callable[..., Any]) -> Callable[..., Any]:
     return convert
 
 
+def _from_jax(frame: Any) -> bool:
+    name = frame.f_globals.get("__name__", "")
+    return bool(name == "jax" or name.startswith("jax."))
+
+
 def _make_accumulation_hook(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def call(*args: Any, **kwargs: Any) -> Any:
-        # Only the outermost call is the user's: jnp.einsum passes its own default
-        # preferred_element_type on to lax.dot_general (Flax hands einsum that
-        # function, so it is the hooked one).
-        if not getattr(_hook_state, "depth", 0) or getattr(_hook_state, "inside", False):
-            return original(*args, **kwargs)
-        _hook_state.inside = True
-        try:
-            if kwargs.get("preferred_element_type") is not None:
-                with jax.named_scope(KEEP_ACCUMULATION_SCOPE):
-                    return original(*args, **kwargs)
-            return original(*args, **kwargs)
-        finally:
-            _hook_state.inside = False
+        # Only a caller outside JAX asked for it: jnp's own matmul / einsum call
+        # the public jax.lax.dot_general with their default accumulation type
+        # (JAX 0.5 does).
+        if (
+            getattr(_hook_state, "depth", 0)
+            and kwargs.get("preferred_element_type") is not None
+            and not _from_jax(sys._getframe(1))
+        ):
+            with jax.named_scope(KEEP_ACCUMULATION_SCOPE):
+                return original(*args, **kwargs)
+        return original(*args, **kwargs)
 
     return call
 
@@ -252,7 +284,11 @@ def custom_jvp_rule(params: dict[str, Any], num_args: int) -> tuple[Any, Any, li
     The jaxpr takes the non-constant primals, then one tangent per primal, and
     returns the primal outputs then the tangents that are not symbolic zeros.
     """
-    jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*([False] * num_args))
+    zeros = [False] * num_args
+    if "jvp_jaxpr_fun" in params:  # newer JAX: a WrappedFun
+        jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*zeros)
+    else:  # JAX 0.5.0: a plain thunk
+        jaxpr, consts, out_zeros = params["jvp_jaxpr_thunk"](*zeros)
     return jaxpr, consts, list(out_zeros)
 
 

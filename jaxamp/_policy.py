@@ -60,9 +60,10 @@ _F32 = jnp.dtype(jnp.float32)
 _F16 = jnp.dtype(jnp.float16)
 _BF16 = jnp.dtype(jnp.bfloat16)
 
-# Whole-policy names. "half" follows jmp and Keras' "mixed_float16": parameters
-# and outputs stay float32 (so optimizer updates and losses are full precision)
-# and only the compute runs in float16.
+# Whole-policy names. "half" is Keras' "mixed_float16": parameters and outputs
+# stay float32 (so optimizer updates and losses are full precision) and only the
+# compute runs in float16. This is NOT jmp's "half" (jmp.get_policy("half") puts
+# all three in half precision); `Policy.from_string` documents every difference.
 _NAMED_POLICIES: dict[str, tuple[np.dtype, np.dtype, np.dtype]] = {
     "full": (_F32, _F32, _F32),
     "half": (_F32, _F16, _F32),
@@ -152,13 +153,29 @@ class Policy:
 
         * long: ``"params=float32,compute=bfloat16,output=float32"``;
         * short: ``"p=f32,c=bf16,o=f32"`` (keys ``p``/``c``/``o``, dtypes
-          ``f32``/``f16``/``bf16``/``f64``, or ``half``/``full``); keys left
-          out default to float32;
+          ``f32``/``f16``/``bf16``/``f64``, or ``half`` = float16 and
+          ``full`` = float32); keys left out take ``Policy()``'s defaults
+          (params float32, compute float16, output float32);
         * ``"full"``: float32 everywhere;
         * ``"half"`` (also ``"mixed_float16"``): float32 params and outputs,
-          float16 compute, as in jmp and Keras; ``"mixed_bfloat16"`` likewise
-          with bfloat16 compute;
+          float16 compute, as Keras' ``"mixed_float16"``; ``"mixed_bfloat16"``
+          likewise with bfloat16 compute;
         * a bare dtype name such as ``"bfloat16"``: that dtype for all three.
+
+        The grammar looks like jmp's ``jmp.get_policy`` and agrees with it on
+        ``"full"``, bare dtype names and strings that give all three keys
+        (``"p=f32,c=f16,o=f32"``). It differs in three places:
+
+        * ``"half"``: jmp gives half precision for params, compute *and*
+          output; here params and outputs stay float32 (Keras' meaning).
+        * keys left out: jmp lets compute follow params and output follow
+          compute (``"c=f16"`` is ``p=f32,c=f16,o=f16`` there, ``"p=f16"``
+          all float16); here they take ``Policy()``'s defaults (``"c=f16"`` is
+          ``p=f32,c=f16,o=f32``, ``"p=f16"`` is ``p=f16,c=f16,o=f32``).
+        * the dtype ``half``: jmp means bfloat16 on TPU and float16 elsewhere;
+          here it is always float16.
+
+        Write all three keys to get the same policy from both libraries.
 
         Args:
           spec: the policy string.

@@ -306,6 +306,11 @@ def _scaled_tanh_bwd(res, g):
 _scaled_tanh.defvjp(_scaled_tanh_fwd, _scaled_tanh_bwd)
 
 
+@pytest.mark.skipif(
+    not _jax_compat.CUSTOM_VJP_ENTERED,
+    reason="JAX 0.5 writes custom_vjp as custom_vjp_call_jaxpr, which autocast runs as "
+    "written (with a warning); see test_old_jax_custom_vjp_runs_as_written_with_a_warning",
+)
 def test_custom_vjp_and_custom_jvp():
     x, w = _normal((4, 8)), _normal((8, 8), jax.random.key(1), 0.3)
 
@@ -320,6 +325,18 @@ def test_custom_vjp_and_custom_jvp():
     gx, gw = jax.grad(g, argnums=(0, 1))(x, w)
     rx, rw = jax.grad(f, argnums=(0, 1))(x, w)
     assert gx.dtype == F32 and _rel_err(gx, rx) < 1e-2 and _rel_err(gw, rw) < 1e-2
+
+
+@pytest.mark.skipif(_jax_compat.CUSTOM_VJP_ENTERED, reason="JAX 0.5 only")
+def test_old_jax_custom_vjp_runs_as_written_with_a_warning():
+    x, w = _normal((4, 8)), _normal((8, 8), jax.random.key(1), 0.3)
+
+    def f(x, w):
+        return jnp.sum(_scaled_tanh(x, w) ** 2)
+
+    with pytest.warns(UserWarning, match="custom_vjp_call_jaxpr.*newer JAX"):
+        g = jax.grad(jaxamp.autocast(f, dtype=F16), argnums=1)(x, w)
+    assert _rel_err(g, jax.grad(f, argnums=1)(x, w)) < 1e-5
 
 
 # ---------------------------------------------------------------- models

@@ -126,6 +126,11 @@ def test_custom_rule_params():
 
     h.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda r, ct: (r * ct,))
     eqn = jax.make_jaxpr(h)(1.0).jaxpr.eqns[0]
+    # CUSTOM_VJP_ENTERED says which form this JAX writes.
+    expected = "custom_vjp_call" if _jax_compat.CUSTOM_VJP_ENTERED else "custom_vjp_call_jaxpr"
+    assert eqn.primitive.name == expected
+    if not _jax_compat.CUSTOM_VJP_ENTERED:
+        return  # JAX 0.5: autocast runs it as written and reads none of its params
     fwd, consts, out_trees = _jax_compat.custom_vjp_fwd(eqn.params, [True])
     out_tree, res_tree, forwards = out_trees()
     assert out_tree.num_leaves == 1 and len(forwards) == res_tree.num_leaves == 1

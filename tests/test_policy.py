@@ -19,7 +19,9 @@ F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.
         ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
         ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
         ("P = F32, C = F16, O = BF16", (F32, F16, BF16)),
-        ("c=half", (F32, F16, F32)),  # missing keys default to float32
+        ("c=half", (F32, F16, F32)),  # missing keys: Policy()'s defaults
+        ("p=f16", (F16, F16, F32)),
+        ("o=bf16", (F32, F16, BF16)),
         ("half", (F32, F16, F32)),
         ("mixed_bfloat16", (F32, BF16, F32)),
         ("full", (F32, F32, F32)),
@@ -114,3 +116,32 @@ def test_default_policy_is_api_md_mixed_float16():
         jnp.dtype(jnp.float32),
     )
     assert p == jaxamp.Policy.from_string("half")
+
+
+@pytest.mark.parametrize(
+    "spec", ["full", "f32", "bf16", "float16", "p=f32,c=f16,o=f32", "p=f32,c=bf16,o=f32"]
+)
+def test_same_policy_as_jmp_where_the_docs_say_so(spec):
+    jmp = pytest.importorskip("jmp")
+    ours, theirs = jaxamp.Policy.from_string(spec), jmp.get_policy(spec)
+    assert (ours.param_dtype, ours.compute_dtype, ours.output_dtype) == tuple(
+        jnp.dtype(d) for d in (theirs.param_dtype, theirs.compute_dtype, theirs.output_dtype)
+    )
+
+
+def test_differences_from_jmp_are_the_documented_ones():
+    # Policy.from_string's docstring and docs/autocast.md list exactly these.
+    jmp = pytest.importorskip("jmp")
+    half = jnp.dtype(jmp.half_dtype())  # bfloat16 on TPU, float16 elsewhere
+
+    def both(spec):
+        p, q = jaxamp.Policy.from_string(spec), jmp.get_policy(spec)
+        return (
+            (p.param_dtype, p.compute_dtype, p.output_dtype),
+            tuple(jnp.dtype(d) for d in (q.param_dtype, q.compute_dtype, q.output_dtype)),
+        )
+
+    assert both("half") == ((F32, F16, F32), (half, half, half))
+    assert both("c=f16") == ((F32, F16, F32), (F32, F16, F16))
+    assert both("p=f16") == ((F16, F16, F32), (F16, F16, F16))
+    assert both("c=half") == ((F32, F16, F32), (F32, half, half))
