@@ -249,9 +249,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict[str, Any]:
     return {
         "config": {"backend": jax.default_backend(), "jax": jax.__version__},
         "memory": memory_study(),
-        "compile": compile_study(
-            (4, 12) if quick else (4, 12, 48), repeats or (1 if quick else 3)
-        ),
+        "compile": compile_study((4, 12) if quick else (4, 12, 48), repeats or (1 if quick else 3)),
     }
 
 
@@ -300,8 +298,12 @@ def format_report(figures: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="compile study at 4 and 12 layers")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="interleaved compile repetitions (median); default 3, 1 with --quick")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved compile repetitions (median); default 3, 1 with --quick",
+    )
     parser.add_argument("--compile-only", action="store_true", help="skip the memory study")
     args = parser.parse_args()
     if args.compile_only:

@@ -163,8 +163,13 @@ def cond_placement(text: str) -> list[dict[str, str]]:
             continue
         if re.search(r"\bconditional\(", line):
             name = line.strip().split(" ", 1)[0]
-            out.append({"op": name, "computation": current,
-                        "in_command_buffer": str("command_buffer" in current)})
+            out.append(
+                {
+                    "op": name,
+                    "computation": current,
+                    "in_command_buffer": str("command_buffer" in current),
+                }
+            )
     return out
 
 
@@ -241,8 +246,13 @@ def payoff_variant(name: str, cfg: Any) -> tuple[Callable[[Any], Any], Callable[
             with _precision("highest" if highest else None):
                 value, grads = jax.value_and_grad(loss)(params, tokens)
                 updates, opt_state = tx.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state, value,
-                    jnp.int32(0), jnp.float32(1.0))
+            return (
+                optax.apply_updates(params, updates),
+                opt_state,
+                value,
+                jnp.int32(0),
+                jnp.float32(1.0),
+            )
 
         return tx.init, f32_step
 
@@ -296,8 +306,9 @@ def _batches(cfg: Any, n: int, seed: int) -> list[Any]:
     return [jax.device_put(b) for b in host]
 
 
-def _build_payoff(name: str, cfg: Any, params: Any, tokens: Any,
-                  hlo_dir: str | None = None) -> dict[str, Any]:
+def _build_payoff(
+    name: str, cfg: Any, params: Any, tokens: Any, hlo_dir: str | None = None
+) -> dict[str, Any]:
     import jax
     import run as bench_run
 
@@ -369,8 +380,13 @@ def matmul_probe(n_big: int = 8192) -> dict[str, Any]:
                 f(x, y).block_until_ready()
                 times.append(time.perf_counter() - t0)
         t = _median(times)
-        out[label] = {"rel_err_vs_f64": err, "n_err": n_err, "n": n_big, "ms": t * 1e3,
-                      "tflops": 2 * n_big**3 / t / 1e12}
+        out[label] = {
+            "rel_err_vs_f64": err,
+            "n_err": n_err,
+            "n": n_big,
+            "ms": t * 1e3,
+            "tflops": 2 * n_big**3 / t / 1e12,
+        }
     return out
 
 
@@ -385,13 +401,19 @@ def cmd_payoff(args: argparse.Namespace) -> dict[str, Any]:
     info = bench_run.machine_info()
     cfg = models.SIZES[args.size]
     total = args.warmup + args.rounds * args.steps
-    print(f"payoff: size={args.size} batch {cfg.batch}x{cfg.seq_len}, {total} training steps "
-          f"per variant ({args.warmup} warm-up + {args.rounds} rounds x {args.steps}); "
-          f"{info['device_kind']}, jax {info['jax']}", flush=True)
+    print(
+        f"payoff: size={args.size} batch {cfg.batch}x{cfg.seq_len}, {total} training steps "
+        f"per variant ({args.warmup} warm-up + {args.rounds} rounds x {args.steps}); "
+        f"{info['device_kind']}, jax {info['jax']}",
+        flush=True,
+    )
     mm = matmul_probe(8192 if jax.default_backend() == "gpu" else 256)
     for k, v in mm.items():
-        print(f"  matmul {k:<18} rel err {v['rel_err_vs_f64']:.2e}  {v['n']}^3: {v['ms']:.2f} ms"
-              f" = {v['tflops']:.1f} TFLOP/s", flush=True)
+        print(
+            f"  matmul {k:<18} rel err {v['rel_err_vs_f64']:.2e}  {v['n']}^3: {v['ms']:.2f} ms"
+            f" = {v['tflops']:.1f} TFLOP/s",
+            flush=True,
+        )
     batches = _batches(cfg, total, args.seed)
     model = models.TransformerLM(cfg)
     params = model.init(jax.random.key(args.seed), batches[0][:, :-1])["params"]
@@ -400,13 +422,17 @@ def cmd_payoff(args: argparse.Namespace) -> dict[str, Any]:
     # One at a time by default: XLA autotunes GEMMs on the GPU while compiling, and
     # concurrent compiles would time their candidates against each other's kernels.
     with ThreadPoolExecutor(max(1, args.payoff_compile_workers)) as pool:
-        futures = [pool.submit(_build_payoff, n, cfg, params, batches[0], args.hlo_dir)
-                   for n in names]
+        futures = [
+            pool.submit(_build_payoff, n, cfg, params, batches[0], args.hlo_dir) for n in names
+        ]
         entries = [f.result() for f in futures]
     for e in entries:
-        print(f"  compiled {e['name']:<14} {e['compile_s']:6.1f} s  temp "
-              f"{e['memory_analysis']['temp_bytes'] / 2**30:.2f} GiB "
-              f"({args.payoff_compile_workers} at a time)", flush=True)
+        print(
+            f"  compiled {e['name']:<14} {e['compile_s']:6.1f} s  temp "
+            f"{e['memory_analysis']['temp_bytes'] / 2**30:.2f} GiB "
+            f"({args.payoff_compile_workers} at a time)",
+            flush=True,
+        )
     t_timing = time.perf_counter()
     for e in entries:  # the first call of each executable, then the timed warm-up
         _train(e, batches, 1)
@@ -418,14 +444,19 @@ def cmd_payoff(args: argparse.Namespace) -> dict[str, Any]:
         fit = int(left // (sum(warm) * args.steps)) if sum(warm) > 0 else rounds
         if fit < rounds:
             rounds = max(3, fit)
-            print(f"  --time-limit {args.time_limit:.0f} s: {rounds} rounds instead of "
-                  f"{args.rounds}", flush=True)
+            print(
+                f"  --time-limit {args.time_limit:.0f} s: {rounds} rounds instead of {args.rounds}",
+                flush=True,
+            )
     for r in range(rounds):
         k = r % len(entries)
         for e in entries[k:] + entries[:k]:
             e["times"].append(_train(e, batches, args.steps))
-        print(f"  round {r + 1}/{rounds}: "
-              + "  ".join(f"{e['name']} {e['times'][-1] * 1e3:.1f}" for e in entries), flush=True)
+        print(
+            f"  round {r + 1}/{rounds}: "
+            + "  ".join(f"{e['name']} {e['times'][-1] * 1e3:.1f}" for e in entries),
+            flush=True,
+        )
     timing_s = time.perf_counter() - t_timing
     tokens = cfg.batch * cfg.seq_len
     base = {n: _median(e["times"]) for e in entries for n in [e["name"]]}
@@ -457,8 +488,9 @@ def cmd_payoff(args: argparse.Namespace) -> dict[str, Any]:
             jax.block_until_ready(state)
             e["state"] = state
 
-        profile[e["name"]] = _profile(run_steps, args.profile_steps,
-                                      Path(args.trace_dir) / "payoff" / e["name"])
+        profile[e["name"]] = _profile(
+            run_steps, args.profile_steps, Path(args.trace_dir) / "payoff" / e["name"]
+        )
     if profile:
         print(format_profile(profile, top=12), flush=True)
     result = {
@@ -531,10 +563,12 @@ def format_payoff(result: dict[str, Any]) -> str:
             f"{ma['temp_bytes'] / 2**30:>9.2f}{ma['argument_bytes'] / 2**30:>9.2f}"
             f"{r['compile_s']:>10.1f}{final:>11.4f}{r['skipped_steps']:>8}"
         )
-    lines.append("x f32 / x f32hi: speedup = f32 (default precision) / f32_highest median step "
-                 "time over this row's; peak: peak_bytes_in_use of this variant alone in a "
-                 "fresh process (3 steps); temp/args: compiled.memory_analysis(); final loss: "
-                 "mean of the last 20 training losses")
+    lines.append(
+        "x f32 / x f32hi: speedup = f32 (default precision) / f32_highest median step "
+        "time over this row's; peak: peak_bytes_in_use of this variant alone in a "
+        "fresh process (3 steps); temp/args: compiled.memory_analysis(); final loss: "
+        "mean of the last 20 training losses"
+    )
     # Loss table
     n = len(next(iter(rows.values()))["losses"])
     marks = [s for s in (1, 10, 25, 50, 100, 150, 200, 250, 300, n) if s <= n]
@@ -545,7 +579,7 @@ def format_payoff(result: dict[str, Any]) -> str:
     for name, r in rows.items():
         cells = []
         for s in marks:
-            window = r["losses"][max(0, s - 10):s] if s >= 10 else r["losses"][s - 1:s]
+            window = r["losses"][max(0, s - 10) : s] if s >= 10 else r["losses"][s - 1 : s]
             cells.append(f"{statistics.fmean(window):>8.3f}")
         lines.append(f"{name:<15}" + "".join(cells))
     mm = result.get("matmul_probe") or {}
@@ -553,8 +587,10 @@ def format_payoff(result: dict[str, Any]) -> str:
         lines.append("")
         lines.append("one matmul: rel. error vs float64 (<= 2048^2 inputs) and speed (n^3)")
         for k, v in mm.items():
-            lines.append(f"  {k:<18} err {v['rel_err_vs_f64']:.1e}  n={v['n']} {v['ms']:7.2f} ms  "
-                         f"{v['tflops']:6.1f} TFLOP/s")
+            lines.append(
+                f"  {k:<18} err {v['rel_err_vs_f64']:.1e}  n={v['n']} {v['ms']:7.2f} ms  "
+                f"{v['tflops']:6.1f} TFLOP/s"
+            )
     lines.append("")
     lines += payoff_targets(rows)
     return "\n".join(lines)
@@ -573,23 +609,29 @@ def payoff_targets(rows: dict[str, dict[str, Any]]) -> list[str]:
         for ref, key in (("f32", "speedup_vs_f32"), ("f32_highest", "speedup_vs_f32_highest")):
             sp = rows[amp].get(key)
             if sp is not None:
-                out.append(f"{verdict(sp >= 1.8)} {amp} {sp:.2f}x the speed of {ref} "
-                           "(target >= 1.8x)")
+                out.append(
+                    f"{verdict(sp >= 1.8)} {amp} {sp:.2f}x the speed of {ref} (target >= 1.8x)"
+                )
     if "f16_autocast" in rows and "bf16_autocast" in rows:
         r = rows["f16_autocast"]["step_ms"] / rows["bf16_autocast"]["step_ms"]
-        out.append(f"{verdict(r <= 1.03)} f16_autocast step time {r:.3f}x bf16_autocast's "
-                   "(target <= 1.03x)")
+        out.append(
+            f"{verdict(r <= 1.03)} f16_autocast step time {r:.3f}x bf16_autocast's "
+            "(target <= 1.03x)"
+        )
     for dt in ("bf16", "f16"):
         a, h = rows.get(f"{dt}_autocast"), rows.get(f"{dt}_hand")
         if not (a and h):
             continue
         r = a["step_ms"] / h["step_ms"]
-        out.append(f"{verdict(r <= 1.05)} {dt} autocast step time {r:.3f}x hand-cast's "
-                   "(target <= 1.05x)")
+        out.append(
+            f"{verdict(r <= 1.05)} {dt} autocast step time {r:.3f}x hand-cast's (target <= 1.05x)"
+        )
         if a.get("peak_bytes") and h.get("peak_bytes"):
             r = a["peak_bytes"] / h["peak_bytes"]
-            out.append(f"{verdict(r <= 1.05)} {dt} autocast peak memory {r:.3f}x hand-cast's "
-                       "(target <= 1.05x)")
+            out.append(
+                f"{verdict(r <= 1.05)} {dt} autocast peak memory {r:.3f}x hand-cast's "
+                "(target <= 1.05x)"
+            )
         r = a["memory_analysis"]["temp_bytes"] / h["memory_analysis"]["temp_bytes"]
         out.append(f"{'(info)':<6} {dt} autocast temp buffer {r:.3f}x hand-cast's")
     return out
@@ -688,14 +730,24 @@ def summarize_xspace(path: str, steps: int) -> dict[str, Any]:
                         counts["host_kernel_launches"] += 1
             lines.append(f"{line.name} ({n_ev})")
         planes[plane.name] = {"lines": lines[:40], "top_events": names.most_common(30)}
-    keys = ("device_memcpy_d2h", "device_memcpy_h2d", "host_sync_calls",
-            "host_memcpy_dtoh_calls", "host_graph_launches", "host_kernel_launches")
+    keys = (
+        "device_memcpy_d2h",
+        "device_memcpy_h2d",
+        "host_sync_calls",
+        "host_memcpy_dtoh_calls",
+        "host_graph_launches",
+        "host_kernel_launches",
+    )
     per_step = {k: counts[k] / steps for k in keys}
     per_step["device_events"] = sum(device_n.values()) / steps
     per_step["device_busy_ms"] = sum(device_ns.values()) / steps / 1e6
     top = [(n, device_n[n] / steps, t / steps / 1e3) for n, t in device_ns.most_common(25)]
-    return {"steps": steps, "per_step": per_step, "planes": planes,
-            "top_device_time": top}  # (name, events/step, us/step)
+    return {
+        "steps": steps,
+        "per_step": per_step,
+        "planes": planes,
+        "top_device_time": top,
+    }  # (name, events/step, us/step)
 
 
 def _profile(run_steps: Callable[[], None], steps: int, d: Path) -> dict[str, Any]:
@@ -716,8 +768,9 @@ def _profile(run_steps: Callable[[], None], steps: int, d: Path) -> dict[str, An
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def profile_steps(entries: list[dict[str, Any]], batch: Any, steps: int,
-                  trace_root: Path) -> dict[str, Any]:
+def profile_steps(
+    entries: list[dict[str, Any]], batch: Any, steps: int, trace_root: Path
+) -> dict[str, Any]:
     """A ``jax.profiler`` trace of ``steps`` back-to-back steps per entry, summarised."""
     import jax
 
@@ -750,9 +803,12 @@ def cmd_safety(args: argparse.Namespace) -> dict[str, Any]:
     steps, rounds = args.bench_steps or steps, args.bench_rounds or rounds
     model, params, batch = models.build(args.size)
     cfg = models.SIZES[args.size]
-    print(f"{args.tag}: size={args.size} ({models.param_count(params) / 1e6:.2f}M params, "
-          f"batch {cfg.batch}x{cfg.seq_len}), {rounds} rounds x {steps} steps, {warmup} warm-up;"
-          f" {info['device_kind']}, jax {info['jax']}", flush=True)
+    print(
+        f"{args.tag}: size={args.size} ({models.param_count(params) / 1e6:.2f}M params, "
+        f"batch {cfg.batch}x{cfg.seq_len}), {rounds} rounds x {steps} steps, {warmup} warm-up;"
+        f" {info['device_kind']}, jax {info['jax']}",
+        flush=True,
+    )
 
     def loss(p: Any, b: Any) -> jax.Array:
         return models.loss_fn(model, p, b)
@@ -764,8 +820,11 @@ def cmd_safety(args: argparse.Namespace) -> dict[str, Any]:
     with ThreadPoolExecutor(max(1, args.compile_workers)) as pool:
         futures = [pool.submit(bench_run.compile_variant, v, params, batch) for v in variants]
         entries = [f.result() for f in futures]
-    print(f"  compiled {len(entries)} variants in {time.perf_counter() - t0:.1f} s "
-          f"({args.compile_workers} threads)", flush=True)
+    print(
+        f"  compiled {len(entries)} variants in {time.perf_counter() - t0:.1f} s "
+        f"({args.compile_workers} threads)",
+        flush=True,
+    )
     for v, e in zip(variants, entries, strict=True):
         text = e["compiled"].as_text()
         e["gpu_hlo"] = hlo_stats(text)
@@ -781,8 +840,9 @@ def cmd_safety(args: argparse.Namespace) -> dict[str, Any]:
     by = {r["name"]: r for r in rows}
     if "jaxamp_step" in by:
         t = by["jaxamp_step"]["time_ratio"]
-        targets.append(f"{'PASS' if t <= 1.03 else 'MISS'} jaxamp.step time {t:.3f}x "
-                       "(GPU target <= 1.03x)")
+        targets.append(
+            f"{'PASS' if t <= 1.03 else 'MISS'} jaxamp.step time {t:.3f}x (GPU target <= 1.03x)"
+        )
     print(table)
     print("\n".join(targets), flush=True)
     probe_entries = [e for e in entries if e["variant"].name in PROBE_NAMES]
@@ -804,30 +864,54 @@ def cmd_safety(args: argparse.Namespace) -> dict[str, Any]:
 
 def format_probe(probe: dict[str, Any]) -> str:
     head = f"{'variant':<22}{'dispatch ms':>12}{'async ms':>10}{'blocked ms':>11}{'disp/async':>11}"
-    lines = [f"host-sync probe: {probe['steps_per_round']} steps per round, "
-             f"{probe['rounds']} rounds, medians per step", head, "-" * len(head)]
+    lines = [
+        f"host-sync probe: {probe['steps_per_round']} steps per round, "
+        f"{probe['rounds']} rounds, medians per step",
+        head,
+        "-" * len(head),
+    ]
     for name, v in probe["variants"].items():
-        lines.append(f"{name:<22}{v['dispatch_ms']:>12.3f}{v['async_ms']:>10.3f}"
-                     f"{v['blocked_ms']:>11.3f}{v['dispatch_over_async']:>11.3f}")
-    lines.append("dispatch: time for Python to issue the steps; async: until the last is done; "
-                 "blocked: block_until_ready after every step")
+        lines.append(
+            f"{name:<22}{v['dispatch_ms']:>12.3f}{v['async_ms']:>10.3f}"
+            f"{v['blocked_ms']:>11.3f}{v['dispatch_over_async']:>11.3f}"
+        )
+    lines.append(
+        "dispatch: time for Python to issue the steps; async: until the last is done; "
+        "blocked: block_until_ready after every step"
+    )
     return "\n".join(lines)
 
 
 def format_profile(profile: dict[str, Any], top: int = 0) -> str:
-    keys = ("device_memcpy_d2h", "device_memcpy_h2d", "host_sync_calls",
-            "host_memcpy_dtoh_calls", "host_graph_launches", "host_kernel_launches",
-            "device_events", "device_busy_ms")
-    short = ("D2H copies", "H2D copies", "host syncs", "host DtoH", "graph launch",
-             "kernel launch", "GPU events", "GPU busy ms")
+    keys = (
+        "device_memcpy_d2h",
+        "device_memcpy_h2d",
+        "host_sync_calls",
+        "host_memcpy_dtoh_calls",
+        "host_graph_launches",
+        "host_kernel_launches",
+        "device_events",
+        "device_busy_ms",
+    )
+    short = (
+        "D2H copies",
+        "H2D copies",
+        "host syncs",
+        "host DtoH",
+        "graph launch",
+        "kernel launch",
+        "GPU events",
+        "GPU busy ms",
+    )
     head = f"{'per step (profile)':<22}" + "".join(f"{s:>14}" for s in short)
     lines = [head, "-" * len(head)]
     for name, p in profile.items():
         if "error" in p:
             lines.append(f"{name:<22}{p['error']}")
             continue
-        lines.append(f"{name:<22}" + "".join(f"{p['per_step'].get(k, float('nan')):>14.2f}"
-                                             for k in keys))
+        lines.append(
+            f"{name:<22}" + "".join(f"{p['per_step'].get(k, float('nan')):>14.2f}" for k in keys)
+        )
     lines.append("GPU events / busy: device events per step and the sum of their durations")
     if top:
         for name, p in profile.items():
@@ -842,8 +926,14 @@ def format_profile(profile: dict[str, Any], top: int = 0) -> str:
 
 def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
     demo_out = Path(args.demo_out)
-    cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"), "--out", str(demo_out),
-           "--no-progress", *shlex.split(args.demo_args)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "train_lm.py"),
+        "--out",
+        str(demo_out),
+        "--no-progress",
+        *shlex.split(args.demo_args),
+    ]
     print("demo: " + " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -853,8 +943,14 @@ def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
     if (demo_out / "summary.json").exists():
         summary = json.loads((demo_out / "summary.json").read_text())
     table = (demo_out / "table.txt").read_text() if (demo_out / "table.txt").exists() else ""
-    result = {"part": "demo", "command": cmd, "returncode": proc.returncode, "wall_s": wall,
-              "table": table, "summary": summary}
+    result = {
+        "part": "demo",
+        "command": cmd,
+        "returncode": proc.returncode,
+        "wall_s": wall,
+        "table": table,
+        "summary": summary,
+    }
     print(f"demo wall time {wall:.1f} s (returncode {proc.returncode})", flush=True)
     _dump(Path(args.out) / "demo.json", result)
     return result
@@ -863,11 +959,19 @@ def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- driver
 
 
-def _stream(cmd: list[str], log: io.TextIOBase, timeout: float | None,
-            env: dict[str, str] | None = None) -> tuple[int | str, str]:
+def _stream(
+    cmd: list[str], log: io.TextIOBase, timeout: float | None, env: dict[str, str] | None = None
+) -> tuple[int | str, str]:
     """Runs ``cmd``, echoing its output to stdout and ``log``; kills it at ``timeout``."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env, bufsize=1)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        bufsize=1,
+    )
     captured: list[str] = []
 
     def pump() -> None:
@@ -894,33 +998,80 @@ def _stream(cmd: list[str], log: io.TextIOBase, timeout: float | None,
 def _nvidia_smi() -> str:
     q = "name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw"
     try:
-        return subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv"],
-                              capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(
+            ["nvidia-smi", f"--query-gpu={q}", "--format=csv"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError) as exc:
         return f"nvidia-smi: {exc}"
 
 
 def _child_args(args: argparse.Namespace, part: str, timeout: float | None = None) -> list[str]:
-    common = ["--out", args.out, "--cache-dir", args.cache_dir, "--hlo-dir", args.hlo_dir,
-              "--trace-dir", args.trace_dir, "--seed", str(args.seed)]
+    common = [
+        "--out",
+        args.out,
+        "--cache-dir",
+        args.cache_dir,
+        "--hlo-dir",
+        args.hlo_dir,
+        "--trace-dir",
+        args.trace_dir,
+        "--seed",
+        str(args.seed),
+    ]
     if args.allow_cpu:
         common.append("--allow-cpu")
     if part == "payoff":
         limit = ["--time-limit", str(round(timeout - args.peak_reserve_s))] if timeout else []
         only = ["--only", args.only] if args.only else []
-        return ["--part", "payoff", "--size", args.size, "--rounds", str(args.rounds),
-                "--steps", str(args.steps), "--warmup", str(args.warmup), *limit, *only, *common]
+        return [
+            "--part",
+            "payoff",
+            "--size",
+            args.size,
+            "--rounds",
+            str(args.rounds),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            *limit,
+            *only,
+            *common,
+        ]
     if part in ("safety-large", "cond-small"):
         large = part == "safety-large"
         size = args.size if large else args.small_size
-        extra = [] if large else ["--only", "jaxamp_step,jaxamp_step_select",
-                                  "--bench-steps", str(args.small_bench_steps)]
+        extra = (
+            []
+            if large
+            else [
+                "--only",
+                "jaxamp_step,jaxamp_step_select",
+                "--bench-steps",
+                str(args.small_bench_steps),
+            ]
+        )
         if large and args.bench_rounds:
             extra += ["--bench-rounds", str(args.bench_rounds)]
-        return ["--part", "safety", "--tag", part, "--size", size,
-                "--probe-steps", str(args.probe_steps if large else args.small_probe_steps),
-                "--probe-rounds", str(args.probe_rounds),
-                "--profile-steps", str(args.profile_steps), *extra, *common]
+        return [
+            "--part",
+            "safety",
+            "--tag",
+            part,
+            "--size",
+            size,
+            "--probe-steps",
+            str(args.probe_steps if large else args.small_probe_steps),
+            "--probe-rounds",
+            str(args.probe_rounds),
+            "--profile-steps",
+            str(args.profile_steps),
+            *extra,
+            *common,
+        ]
     return ["--part", "demo", "--demo-out", args.demo_out, "--demo-args", args.demo_args, *common]
 
 
@@ -934,7 +1085,7 @@ def _run_peaks(args: argparse.Namespace, log: io.TextIOBase, deadline: float) ->
     names = [r["name"] for r in result["variants"]]
     peaks: dict[str, Any] = {}
     for i in range(0, len(names), args.peak_parallel):
-        group = names[i:i + args.peak_parallel]
+        group = names[i : i + args.peak_parallel]
         left = deadline - time.perf_counter()
         if left < 20:
             print(f"peak: no time left for {group}", flush=True)
@@ -942,8 +1093,20 @@ def _run_peaks(args: argparse.Namespace, log: io.TextIOBase, deadline: float) ->
         outs: dict[str, str] = {}
 
         def one(name: str, t: float = left, outs: dict[str, str] = outs) -> None:
-            cmd = [sys.executable, __file__, "--part", "peak", "--variant", name,
-                   "--size", args.size, "--cache-dir", args.cache_dir, "--seed", str(args.seed)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--part",
+                "peak",
+                "--variant",
+                name,
+                "--size",
+                args.size,
+                "--cache-dir",
+                args.cache_dir,
+                "--seed",
+                str(args.seed),
+            ]
             if args.allow_cpu:
                 cmd.append("--allow-cpu")
             outs[name] = _stream(cmd, log, t, env)[1]
@@ -956,7 +1119,7 @@ def _run_peaks(args: argparse.Namespace, log: io.TextIOBase, deadline: float) ->
         for name, text in outs.items():
             for line in text.splitlines():
                 if line.startswith("PEAK_JSON "):
-                    peaks[name] = json.loads(line[len("PEAK_JSON "):])
+                    peaks[name] = json.loads(line[len("PEAK_JSON ") :])
     for r in result["variants"]:
         p = peaks.get(r["name"])
         r["peak"] = p
@@ -974,13 +1137,15 @@ def cmd_all(args: argparse.Namespace) -> None:
     t_start = time.perf_counter()
     log = open(out / "log.txt", "a")  # noqa: SIM115 - closed at the end
     smi = _nvidia_smi()
-    header = (f"benchmarks/gpu.py {datetime.datetime.now().isoformat(timespec='seconds')}\n"
-              f"argv: {' '.join(sys.argv)}\nXLA_FLAGS={os.environ.get('XLA_FLAGS', '')}\n{smi}\n")
+    header = (
+        f"benchmarks/gpu.py {datetime.datetime.now().isoformat(timespec='seconds')}\n"
+        f"argv: {' '.join(sys.argv)}\nXLA_FLAGS={os.environ.get('XLA_FLAGS', '')}\n{smi}\n"
+    )
     print(header, flush=True)
     log.write(header)
     status: dict[str, Any] = {}
     for i, part in enumerate(parts):
-        later = sum(PART_CAPS[p] for p in parts[i + 1:])
+        later = sum(PART_CAPS[p] for p in parts[i + 1 :])
         if args.budget_s:
             left = args.budget_s - (time.perf_counter() - t_start)
             timeout: float | None = max(PART_CAPS[part], left - later)
@@ -1006,9 +1171,14 @@ def cmd_all(args: argparse.Namespace) -> None:
     print(summary, flush=True)
     log.write(summary + "\n")
     smi_end = _nvidia_smi()
-    run_info = {"argv": sys.argv, "started": header, "nvidia_smi_start": smi,
-                "nvidia_smi_end": smi_end, "parts": status,
-                "total_s": time.perf_counter() - t_start}
+    run_info = {
+        "argv": sys.argv,
+        "started": header,
+        "nvidia_smi_start": smi,
+        "nvidia_smi_end": smi_end,
+        "parts": status,
+        "total_s": time.perf_counter() - t_start,
+    }
     _dump(out / "run.json", run_info)
     hlo = Path(args.hlo_dir)
     if hlo.exists():
@@ -1018,8 +1188,11 @@ def cmd_all(args: argparse.Namespace) -> None:
         with tarfile.open(out / "hlo.tar.gz", "w:gz") as tar:
             for f in files:
                 tar.add(f, arcname=f.name)
-    print(f"total {time.perf_counter() - t_start:.0f} s; parts: "
-          + ", ".join(f"{k}: {v}" for k, v in status.items()), flush=True)
+    print(
+        f"total {time.perf_counter() - t_start:.0f} s; parts: "
+        + ", ".join(f"{k}: {v}" for k, v in status.items()),
+        flush=True,
+    )
     log.close()
 
 
@@ -1033,15 +1206,25 @@ def final_summary(out: Path) -> str:
         f = out / f"{tag}.json"
         if f.exists():
             r = json.loads(f.read_text())
-            lines += ["", f"[{tag}] size={r['size']} ({r['model']['params'] / 1e6:.1f}M params)",
-                      r["table"], *r["targets"], format_probe(r["sync_probe"]),
-                      format_profile(r["profile"])]
+            lines += [
+                "",
+                f"[{tag}] size={r['size']} ({r['model']['params'] / 1e6:.1f}M params)",
+                r["table"],
+                *r["targets"],
+                format_probe(r["sync_probe"]),
+                format_profile(r["profile"]),
+            ]
             for v in r["variants"]:
                 cp = v.get("gpu_hlo", {}).get("cond_placement")
                 if cp:
-                    lines.append(f"  {v['name']}: conditionals in HLO computation " + ", ".join(
-                        f"{c['computation']} (an HLO command_buffer: {c['in_command_buffer']};"
-                        " the runtime may still capture it, see the profile)" for c in cp))
+                    lines.append(
+                        f"  {v['name']}: conditionals in HLO computation "
+                        + ", ".join(
+                            f"{c['computation']} (an HLO command_buffer: {c['in_command_buffer']};"
+                            " the runtime may still capture it, see the profile)"
+                            for c in cp
+                        )
+                    )
     d = out / "demo.json"
     if d.exists():
         r = json.loads(d.read_text())
@@ -1054,12 +1237,20 @@ def final_summary(out: Path) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="all", choices=("all", "payoff", "peak", "safety", "demo"),
-                    help="all: the driver; the others are what it runs, one per process")
+    ap.add_argument(
+        "--part",
+        default="all",
+        choices=("all", "payoff", "peak", "safety", "demo"),
+        help="all: the driver; the others are what it runs, one per process",
+    )
     ap.add_argument("--parts", default=",".join(PARTS), help="all: comma-separated parts")
     ap.add_argument("--out", default=str(HERE / "gpu_results"), help="folder for the results")
-    ap.add_argument("--budget-s", type=float, default=0.0,
-                    help="all: total seconds; each part is capped (0: no caps)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="all: total seconds; each part is capped (0: no caps)",
+    )
     ap.add_argument("--size", default="large", help="model size (models.SIZES) of the big runs")
     ap.add_argument("--small-size", default="default", help="cond-small: model size")
     ap.add_argument("--warmup", type=int, default=20, help="payoff: warm-up training steps")
@@ -1069,16 +1260,32 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--variant", default="bf16_autocast", help="peak: the payoff variant")
     ap.add_argument("--peak-parallel", type=int, default=3, help="peak processes at a time")
     ap.add_argument("--tag", default="safety", help="safety: name of the JSON")
-    ap.add_argument("--compile-workers", type=int, default=4,
-                    help="safety: variants compiled at once (threads)")
-    ap.add_argument("--payoff-compile-workers", type=int, default=1,
-                    help="payoff: variants compiled at once (1: no autotuning contention)")
-    ap.add_argument("--profile-variants", default="",
-                    help="payoff: comma-separated variants to trace with jax.profiler")
-    ap.add_argument("--time-limit", type=float, default=0.0,
-                    help="payoff: seconds for the whole part; fewer rounds if needed (0: none)")
-    ap.add_argument("--peak-reserve-s", type=float, default=70.0,
-                    help="all: seconds of the payoff part kept for the peak-memory processes")
+    ap.add_argument(
+        "--compile-workers", type=int, default=4, help="safety: variants compiled at once (threads)"
+    )
+    ap.add_argument(
+        "--payoff-compile-workers",
+        type=int,
+        default=1,
+        help="payoff: variants compiled at once (1: no autotuning contention)",
+    )
+    ap.add_argument(
+        "--profile-variants",
+        default="",
+        help="payoff: comma-separated variants to trace with jax.profiler",
+    )
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=0.0,
+        help="payoff: seconds for the whole part; fewer rounds if needed (0: none)",
+    )
+    ap.add_argument(
+        "--peak-reserve-s",
+        type=float,
+        default=70.0,
+        help="all: seconds of the payoff part kept for the peak-memory processes",
+    )
     ap.add_argument("--bench-steps", type=int, default=0, help="safety: steps per round")
     ap.add_argument("--bench-rounds", type=int, default=0, help="safety: rounds")
     ap.add_argument("--small-bench-steps", type=int, default=20, help="cond-small: steps/round")
@@ -1086,8 +1293,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--small-probe-steps", type=int, default=16, help="cond-small: probe steps")
     ap.add_argument("--probe-rounds", type=int, default=5, help="sync probe: rounds")
     ap.add_argument("--profile-steps", type=int, default=5, help="steps in each profile trace")
-    ap.add_argument("--cache-dir", default="/tmp/jaxamp_gpu_cache",
-                    help="persistent compilation cache (peak processes load from it)")
+    ap.add_argument(
+        "--cache-dir",
+        default="/tmp/jaxamp_gpu_cache",
+        help="persistent compilation cache (peak processes load from it)",
+    )
     ap.add_argument("--hlo-dir", default="/tmp/jaxamp_gpu_hlo", help="optimized HLO texts")
     ap.add_argument("--trace-dir", default="/tmp/jaxamp_gpu_trace", help="profiler traces")
     ap.add_argument("--demo-out", default="/tmp/jaxamp_gpu_demo", help="demo: train_lm --out")
@@ -1101,8 +1311,9 @@ def main(argv: list[str] | None = None) -> Any:
     args = build_parser().parse_args(argv)
     if args.part == "all":
         return cmd_all(args)
-    return {"payoff": cmd_payoff, "peak": cmd_peak, "safety": cmd_safety,
-            "demo": cmd_demo}[args.part](args)
+    return {"payoff": cmd_payoff, "peak": cmd_peak, "safety": cmd_safety, "demo": cmd_demo}[
+        args.part
+    ](args)
 
 
 if __name__ == "__main__":

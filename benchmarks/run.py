@@ -103,8 +103,9 @@ def _run_steps(entry: dict[str, Any], batch: Any, n: int) -> float:
     return dt
 
 
-def time_variants(entries: list[dict[str, Any]], batch: Any, steps: int, rounds: int,
-                  warmup: int) -> None:
+def time_variants(
+    entries: list[dict[str, Any]], batch: Any, steps: int, rounds: int, warmup: int
+) -> None:
     """Warm-up, then interleaved rounds with the order rotated; stores per-step times."""
     for e in entries:
         _run_steps(e, batch, warmup)
@@ -196,9 +197,7 @@ def check_targets(rows: list[dict[str, Any]], platform_name: str) -> list[str]:
             got = o[f"{what}_ratio"]
             # Figures equal to 3 decimals count as a tie (no worse).
             verdict = "PASS" if round(got, 3) <= round(best, 3) else "MISS"
-            out.append(
-                f"{verdict} jaxamp optax path {what} {got:.3f}x (best peer {best:.3f}x)"
-            )
+            out.append(f"{verdict} jaxamp optax path {what} {got:.3f}x (best peer {best:.3f}x)")
     if "jaxamp_every_k" in by and "optax_multisteps" in by:
         k, m = by["jaxamp_every_k"], by["optax_multisteps"]
         for what in ("temp", "bytes"):
@@ -243,26 +242,28 @@ def build_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for e in entries:
         t = statistics.median(e["times"])
         per_round = [a / b for a, b in zip(e["times"], plain["times"], strict=True)]
-        rows.append({
-            "name": e["variant"].name,
-            "description": e["variant"].description,
-            "jaxamp": e["variant"].is_jaxamp,
-            "step_ms": t * 1e3,
-            "step_ms_all": [x * 1e3 for x in e["times"]],
-            "time_ratio": t / plain_time,
-            "time_ratio_median_of_rounds": statistics.median(per_round),
-            "bytes_accessed": e["bytes_accessed"],
-            "bytes_ratio": e["bytes_accessed"] / plain["bytes_accessed"],
-            "temp_bytes": e["temp_bytes"],
-            "temp_ratio": e["temp_bytes"] / plain["temp_bytes"],
-            "argument_bytes": e["argument_bytes"],
-            "output_bytes": e["output_bytes"],
-            "alias_bytes": e["alias_bytes"],
-            "compile_s": e["compile_s"],
-            "hlo": e["hlo"],
-            "skipped_steps": _skipped(e),
-            "final_loss": e["last_loss"],
-        })
+        rows.append(
+            {
+                "name": e["variant"].name,
+                "description": e["variant"].description,
+                "jaxamp": e["variant"].is_jaxamp,
+                "step_ms": t * 1e3,
+                "step_ms_all": [x * 1e3 for x in e["times"]],
+                "time_ratio": t / plain_time,
+                "time_ratio_median_of_rounds": statistics.median(per_round),
+                "bytes_accessed": e["bytes_accessed"],
+                "bytes_ratio": e["bytes_accessed"] / plain["bytes_accessed"],
+                "temp_bytes": e["temp_bytes"],
+                "temp_ratio": e["temp_bytes"] / plain["temp_bytes"],
+                "argument_bytes": e["argument_bytes"],
+                "output_bytes": e["output_bytes"],
+                "alias_bytes": e["alias_bytes"],
+                "compile_s": e["compile_s"],
+                "hlo": e["hlo"],
+                "skipped_steps": _skipped(e),
+                "final_loss": e["last_loss"],
+            }
+        )
     return rows
 
 
@@ -277,8 +278,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=str(HERE / "results.json"))
     ap.add_argument("--no-finite-check", action="store_true", help="skip the finite-check study")
     ap.add_argument("--no-autocast", action="store_true", help="skip bench_autocast.py")
-    ap.add_argument("--autocast-full", action="store_true",
-                    help="bench_autocast.run(quick=False): more repetitions, slower")
+    ap.add_argument(
+        "--autocast-full",
+        action="store_true",
+        help="bench_autocast.run(quick=False): more repetitions, slower",
+    )
     args = ap.parse_args(argv)
     steps, rounds, warmup = _SCHEDULE[args.size]
     steps = args.steps or steps
@@ -294,8 +298,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{cfg.n_layers} layers, d={cfg.d_model}, batch {cfg.batch}x{cfg.seq_len}), "
         f"{rounds} rounds x {steps} steps, {warmup} warm-up"
     )
-    print(f"machine: {info['platform']} / {info['device_kind']} / {info['cpu_model']} "
-          f"/ {info['cpu_count']} CPUs / jax {info['jax']}")
+    print(
+        f"machine: {info['platform']} / {info['device_kind']} / {info['cpu_model']} "
+        f"/ {info['cpu_count']} CPUs / jax {info['jax']}"
+    )
 
     def loss(p: Any, b: Any) -> jax.Array:
         return models.loss_fn(model, p, b)
@@ -319,15 +325,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_finite_check:
         grads = jax.jit(jax.grad(loss))(params, batch)
         fc = finite_check.run(grads)
-        print("\nfinite check on the model's gradient tree "
-              f"({models.param_count(grads) / 1e6:.2f}M float32 values)")
+        print(
+            "\nfinite check on the model's gradient tree "
+            f"({models.param_count(grads) / 1e6:.2f}M float32 values)"
+        )
         print(finite_check.format_table(fc))
 
     autocast = None if args.no_autocast else run_autocast(quick=not args.autocast_full)
     total_s = time.perf_counter() - t_start
     cpu_s = time.process_time()
-    print(f"\ntotal wall time {total_s:.0f} s, process CPU time {cpu_s:.0f} s "
-          f"(os.getloadavg at the end: {os.getloadavg()[0]:.1f})")
+    print(
+        f"\ntotal wall time {total_s:.0f} s, process CPU time {cpu_s:.0f} s "
+        f"(os.getloadavg at the end: {os.getloadavg()[0]:.1f})"
+    )
 
     result = {
         "machine": info,

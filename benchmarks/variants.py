@@ -66,13 +66,16 @@ def _plain(loss: Callable[[Any, Any], jax.Array]) -> Variant:
         return optax.apply_updates(params, updates), opt_state, aux, value
 
     return Variant(
-        "plain", "optax adamw, no scaling, no check (the floor)",
-        lambda p: (p, tx.init(p), None), step,
+        "plain",
+        "optax adamw, no scaling, no check (the floor)",
+        lambda p: (p, tx.init(p), None),
+        step,
     )
 
 
-def _jaxamp_loss_grad(loss: Callable[[Any, Any], jax.Array], params: Any, opt_state: Any,
-                      batch: Any) -> tuple[jax.Array, Any]:
+def _jaxamp_loss_grad(
+    loss: Callable[[Any, Any], jax.Array], params: Any, opt_state: Any, batch: Any
+) -> tuple[jax.Array, Any]:
     """Scaled loss -> scaled gradients, with the scale read from the optax state."""
     return jaxamp.value_and_grad(loss)(opt_state, params, batch)
 
@@ -86,8 +89,11 @@ def _jaxamp_optax(loss: Callable[[Any, Any], jax.Array]) -> Variant:
         return optax.apply_updates(params, updates), opt_state, aux, value
 
     return Variant(
-        "jaxamp_optax", "jaxamp.skip_nonfinite(adamw, dynamic_scale) + optax.apply_updates",
-        lambda p: (p, tx.init(p), None), step, is_jaxamp=True,
+        "jaxamp_optax",
+        "jaxamp.skip_nonfinite(adamw, dynamic_scale) + optax.apply_updates",
+        lambda p: (p, tx.init(p), None),
+        step,
+        is_jaxamp=True,
     )
 
 
@@ -126,8 +132,10 @@ def _optax_multisteps(loss: Callable[[Any, Any], jax.Array]) -> Variant:
         return optax.apply_updates(params, updates), opt_state, aux, value
 
     return Variant(
-        "optax_multisteps", f"optax.MultiSteps(adamw, {EVERY_K}): accumulation, no scaling",
-        lambda p: (p, tx.init(p), None), step,
+        "optax_multisteps",
+        f"optax.MultiSteps(adamw, {EVERY_K}): accumulation, no scaling",
+        lambda p: (p, tx.init(p), None),
+        step,
     )
 
 
@@ -140,8 +148,11 @@ def _jaxamp_every_k(loss: Callable[[Any, Any], jax.Array]) -> Variant:
         return params, opt_state, aux, value
 
     return Variant(
-        "jaxamp_every_k", f"jaxamp.step, skip_nonfinite(adamw, every_k={EVERY_K})",
-        lambda p: (p, tx.init(p), None), step, is_jaxamp=True,
+        "jaxamp_every_k",
+        f"jaxamp.step, skip_nonfinite(adamw, every_k={EVERY_K})",
+        lambda p: (p, tx.init(p), None),
+        step,
+        is_jaxamp=True,
     )
 
 
@@ -159,8 +170,9 @@ def _jmp(loss: Callable[[Any, Any], jax.Array]) -> Variant:
         new_ls = ls.adjust(finite)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        params, opt_state = jmp.select_tree(finite, (new_params, new_opt_state),
-                                            (params, opt_state))
+        params, opt_state = jmp.select_tree(
+            finite, (new_params, new_opt_state), (params, opt_state)
+        )
         return params, opt_state, (new_ls.loss_scale, new_ls.counter), ls.unscale(value)
 
     def init(p: Any) -> Any:
@@ -202,8 +214,10 @@ def _apply_if_finite(loss: Callable[[Any, Any], jax.Array]) -> Variant:
         return optax.apply_updates(params, updates), opt_state, aux, value / INIT_SCALE
 
     return Variant(
-        "optax_apply_if_finite", "optax.apply_if_finite(adamw), static scale by hand",
-        lambda p: (p, tx.init(p), None), step,
+        "optax_apply_if_finite",
+        "optax.apply_if_finite(adamw), static scale by hand",
+        lambda p: (p, tx.init(p), None),
+        step,
     )
 
 
@@ -220,8 +234,9 @@ VARIANT_NAMES = (
 )
 
 
-def build_variants(loss: Callable[[Any, Any], jax.Array],
-                   only: tuple[str, ...] | None = None) -> list[Variant]:
+def build_variants(
+    loss: Callable[[Any, Any], jax.Array], only: tuple[str, ...] | None = None
+) -> list[Variant]:
     """All variants (or those named in ``only``, plus ``plain``) for ``loss(params, batch)``."""
     all_variants = [
         _plain(loss),

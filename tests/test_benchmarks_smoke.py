@@ -58,7 +58,6 @@ def test_every_variant_compiles_runs_and_jaxamp_has_no_host_traffic() -> None:
     assert bench_run.scan_hlo(cb.lower(jnp.float32(1)).compile().as_text())["host_traffic"]
 
 
-
 def test_gpu_benchmark_flags_variants_and_hlo_scan_on_cpu() -> None:
     # benchmarks/gpu.py is for a GPU. Here: its flags, that every payoff variant traces
     # (eval_shape: no compile, no run), and its scan of optimized HLO for conditionals.
