@@ -9,7 +9,6 @@ then timed in interleaved rounds (the variant order rotates every round). See
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -222,10 +221,7 @@ def run_autocast(quick: bool) -> dict[str, Any] | None:
     if not path.exists():
         print("\n[autocast] benchmarks/bench_autocast.py not present: skipped.")
         return None
-    spec = importlib.util.spec_from_file_location("bench_autocast", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    import bench_autocast as mod  # benchmarks/ is on sys.path
     print("\n[autocast] residual / temp memory and trace + compile, vs float32 and hand casts")
     result = mod.run(quick=quick)
     report = getattr(mod, "format_report", None)

@@ -45,8 +45,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxamp._tree import agree, finite_and_max_abs, is_float_leaf, map_float_leaves, wide_dtype
+from jaxamp._tree import agree, is_float_leaf, leaf_finite, map_float_leaves, wide_dtype
 
 __all__ = [
     "LossScaleState",
@@ -507,24 +508,29 @@ def unscale(state: LossScaleState, tree: Any) -> Any:
 def local_finite(state: LossScaleState, grads: Any) -> jax.Array | None:
     """Whether the *unscaled* gradients are finite on this device; None if unchecked.
 
-    Reads the *scaled* gradients once: ``sum(x - x)`` is finite iff every ``x`` is,
-    and since rounding is monotonic, ``x / scale`` overflows the leaf's dtype for
-    some ``x`` iff it does for ``max(|x|)``. So the answer is exactly "every value the
-    optimizer will see is finite", whatever the scale (a scale below 1 multiplies by
-    more than 1 and can overflow): a run-time fact, not a configuration flag. Both
-    reductions read the same leaf and fuse; nothing is materialised.
+    ``sum(x - x)`` is finite iff every ``x`` is: one fused read of the scaled
+    gradients. While the scale is >= 1, unscaling multiplies by at most 1 and
+    cannot overflow, so that is the answer. Below 1 it can (60000 / 0.5 overflows
+    float16), so a ``lax.cond`` on the scale, a run-time fact rather than a
+    configuration flag, then also checks the unscaled values. That branch is taken
+    only while the scale is below 1; XLA's cost analysis counts its bytes anyway.
     """
     if not state.mode.checks:
         return None
     result = jnp.array(True)
     for group in _check_groups(grads):
-        finite, biggest = finite_and_max_abs(group)
-        if state.mode.scales:
-            wide = wide_dtype(group.dtype)
-            unscaled_max = (biggest * (1.0 / state.scale.astype(wide))).astype(group.dtype)
-            finite = finite & jnp.isfinite(unscaled_max)
-        result = result & finite
-    return result
+        result = result & leaf_finite(group)
+    if not state.mode.scales:
+        return result
+
+    def unscaled_finite(grads: Any) -> jax.Array:
+        out = jnp.array(True)
+        for group in _check_groups(unscale(state, grads)):
+            out = out & leaf_finite(group)
+        return out
+
+    below_one = lax.cond(state.scale >= 1, lambda g: jnp.array(True), unscaled_finite, grads)
+    return result & below_one
 
 
 # Leaves up to this many elements (biases, norm scales) are checked together, one
