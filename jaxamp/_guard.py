@@ -138,7 +138,7 @@ def guarded(
         finites: list[Any] = [finite] * len(parts)
     else:
         unscale = lambda g: ls_lib.unscale(ls, g)
-        local = [ls_lib.local_finite(ls, (p.prepare or (lambda g: g))(p.grads)) for p in parts]
+        local = [ls_lib.local_finite(ls, p.grads, p.prepare) for p in parts]
         if local and local[0] is not None:
             agreed = agree(jnp.stack(local), axis_name)  # one collective for all parts
             finites = [agreed[i] for i in range(len(parts))]

@@ -505,7 +505,9 @@ def unscale(state: LossScaleState, tree: Any) -> Any:
     return map_float_leaves(mul, tree)
 
 
-def local_finite(state: LossScaleState, grads: Any) -> jax.Array | None:
+def local_finite(
+    state: LossScaleState, grads: Any, prepare: Callable[[Any], Any] | None = None
+) -> jax.Array | None:
     """Whether the *unscaled* gradients are finite on this device; None if unchecked.
 
     ``sum(x - x)`` is finite iff every ``x`` is: one fused read of the scaled
@@ -514,18 +516,21 @@ def local_finite(state: LossScaleState, grads: Any) -> jax.Array | None:
     float16), so a ``lax.cond`` on the scale, a run-time fact rather than a
     configuration flag, then also checks the unscaled values. That branch is taken
     only while the scale is below 1; XLA's cost analysis counts its bytes anyway.
+    ``prepare`` maps ``grads`` to the scaled gradients inside each reduction (an
+    accumulation window's mean), so the cond's operand is never a derived tree.
     """
     if not state.mode.checks:
         return None
+    prepare = prepare or (lambda g: g)
     result = jnp.array(True)
-    for group in _check_groups(grads):
+    for group in _check_groups(prepare(grads)):
         result = result & leaf_finite(group)
     if not state.mode.scales:
         return result
 
     def unscaled_finite(grads: Any) -> jax.Array:
         out = jnp.array(True)
-        for group in _check_groups(unscale(state, grads)):
+        for group in _check_groups(unscale(state, prepare(grads))):
             out = out & leaf_finite(group)
         return out
 
