@@ -528,14 +528,14 @@ def local_finite(
     if not state.mode.scales:
         return result
 
-    def unscaled_finite(grads: Any) -> jax.Array:
-        out = jnp.array(True)
+    def also_unscaled(result: jax.Array, grads: Any) -> jax.Array:
         for group in _check_groups(unscale(state, prepare(grads))):
-            out = out & leaf_finite(group)
-        return out
+            result = result & leaf_finite(group)
+        return result
 
-    below_one = lax.cond(state.scale >= 1, lambda g: jnp.array(True), unscaled_finite, grads)
-    return result & below_one
+    # Both branches return a value derived from `result`, so they have one type
+    # under shard_map too (varying over the mapped axes).
+    return lax.cond(state.scale >= 1, lambda r, g: r, also_unscaled, result, grads)
 
 
 # Leaves up to this many elements (biases, norm scales) are checked together, one
