@@ -692,12 +692,11 @@ def _eval_remat(
     return list(outs), out_marks
 
 
-def _eval_custom_jvp(
+def _custom_primal(
     eqn: Any, invals: list[Any], inmarks: list[int], ctx: _Context, stack: str
-) -> tuple[list[Any], list[int]]:
-    # A new jax.custom_jvp whose primal and jvp rule are both the autocast
-    # evaluations of the user's: the primal has the same dtypes whether or not
-    # it is differentiated (PyTorch's custom_fwd / custom_bwd).
+) -> tuple[Any, list[Any], list[int], list[int], list[Any]]:
+    """A custom derivative's primal, run under autocast: ``(primal, xs, xmarks,
+    out_marks, out_dtypes)``; the last two are filled in when ``primal`` runs."""
     params = eqn.params
     call = params["call_jaxpr"]
     nconst = params["num_consts"]
@@ -715,6 +714,17 @@ def _eval_custom_jvp(
         out_dtypes[:] = [o.dtype for o in outs]
         return outs
 
+    return primal, xs, xmarks, out_marks, out_dtypes
+
+
+def _eval_custom_jvp(
+    eqn: Any, invals: list[Any], inmarks: list[int], ctx: _Context, stack: str
+) -> tuple[list[Any], list[int]]:
+    # A new jax.custom_jvp whose primal and jvp rule are both the autocast
+    # evaluations of the user's: the primal has the same dtypes whether or not
+    # it is differentiated (PyTorch's custom_fwd / custom_bwd).
+    params = eqn.params
+    primal, xs, xmarks, out_marks, out_dtypes = _custom_primal(eqn, invals, inmarks, ctx, stack)
     fn = jax.custom_jvp(primal)
 
     def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
@@ -747,23 +757,8 @@ def _eval_custom_vjp(
     eqn: Any, invals: list[Any], inmarks: list[int], ctx: _Context, stack: str
 ) -> tuple[list[Any], list[int]]:
     params = eqn.params
-    call = params["call_jaxpr"]
-    nconst = params["num_consts"]
-    consts, xs = invals[:nconst], invals[nconst:]
-    cmarks, xmarks = inmarks[:nconst], inmarks[nconst:]
-    in_avals = call.in_avals[nconst:]
-    out_marks: list[int] = []
-    out_dtypes: list[Any] = []
-
-    def primal(*ys: Any) -> list[Any]:
-        sub = dataclasses.replace(ctx, casts={})
-        outs, marks = _eval_jaxpr(
-            call.jaxpr, call.consts, [*consts, *ys], sub, [*cmarks, *xmarks], stack
-        )
-        out_marks[:] = marks
-        out_dtypes[:] = [o.dtype for o in outs]
-        return outs
-
+    in_avals = params["call_jaxpr"].in_avals[params["num_consts"] :]
+    primal, xs, xmarks, out_marks, out_dtypes = _custom_primal(eqn, invals, inmarks, ctx, stack)
     fn = jax.custom_vjp(primal)
     res_types: list[Any] = []  # the original fwd's residual types (static)
 
@@ -791,7 +786,7 @@ def _eval_custom_vjp(
 
     def bwd(saved: tuple[Any, ...], cts: Sequence[Any]) -> tuple[Any, ...]:
         res, res_avals = saved, res_types
-        ct_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in call.out_avals]
+        ct_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in params["call_jaxpr"].out_avals]
         rule = _jax_compat.custom_vjp_bwd(params)
         with _jax_compat.hooks_paused():
             closed = jax.make_jaxpr(rule)(
