@@ -201,7 +201,7 @@ class _Context:
         hit = self.casts.get(key)
         if hit is not None and hit[0] is x:
             return hit[1]
-        y = lax.convert_element_type(x, dtype)
+        y = _cast_jit(np.dtype(dtype))(x)
         self.casts[key] = (x, y)
         if np.dtype(dtype).itemsize > np.dtype(x.dtype).itemsize:
             # An exact upcast: casting the result back down gives `x` again.
@@ -324,9 +324,54 @@ def _to_original(vals: list[Any], dtypes: list[Any], invars: list[Any], ctx: _Co
     return out
 
 
+# Primitives bound through `_op_jit`: pure, context-free ops (no effects, no
+# axis names, no sharding), i.e. those the op table classifies plus a few
+# common "follow" ones.
+_JITTED_OPS: frozenset[str] = (
+    LOWER_PRECISION_OPS
+    | FLOAT32_OPS
+    | ELEMENTWISE_OPS
+    | frozenset(
+        {
+            "split", "stop_gradient", "iota", "eq", "ne", "lt", "le", "gt", "ge",
+            "and", "or", "not", "xor", "is_finite", "argmax", "argmin", "reduce_min",
+            "reduce_and", "reduce_or", "sort",
+        }
+    )
+)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _op_jit(prim: Any, items: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+    """One inlined ``jit`` per (primitive, params).
+
+    Why: autocast binds the ops of an already-traced program one by one, and
+    under ``grad`` JAX linearizes each bind afresh, while a model written with
+    ``jnp`` calls small inlined jits whose linearization JAX caches per program.
+    Binding through one jit per (primitive, params) gets the same cache: the
+    ops of 48 identical layers are linearized once, not 48 times. ``inline``
+    leaves the traced program exactly as a direct bind would.
+    """
+    params = dict(items)
+    return jax.jit(lambda *args: prim.bind(*args, **params), inline=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _cast_jit(dtype: np.dtype) -> Callable[[Any], Any]:
+    return jax.jit(lambda x: lax.convert_element_type(x, dtype), inline=True)
+
+
 def _bind(eqn: Any, args: list[Any], params: Any = None) -> list[Any]:
     prim = eqn.primitive
-    out = _jax_compat.bind(prim, args, eqn.params if params is None else params)
+    params = eqn.params if params is None else params
+    if prim.name in _JITTED_OPS and not eqn.effects:
+        try:
+            fn = _op_jit(prim, tuple(sorted(params.items())))
+        except TypeError:  # an unhashable param
+            pass
+        else:
+            return _jax_compat.outputs_as_list(prim, fn(*args))
+    out = _jax_compat.bind(prim, args, params)
     return _jax_compat.outputs_as_list(prim, out)
 
 
