@@ -607,6 +607,9 @@ def _eval_higher_order(
     if name == "custom_vjp_call":
         return _eval_custom_vjp(eqn, invals, inmarks, ctx, stack)
 
+    if name in ("scan", "while", "cond"):
+        return _eval_control_flow(eqn, invals, inmarks, dtypes, ctx, stack)
+
     # The primitive keeps its original signature: inputs go back to their
     # original dtypes and every inner jaxpr is replaced by an autocast jaxpr
     # with exactly the same input and output types. Everything else in the
@@ -635,6 +638,146 @@ def _eval_higher_order(
             )
         new_params[key] = value
     return _bind(eqn, args, new_params), [_NONE] * nout
+
+
+_Form = tuple[Any, int]  # (dtype, mark) of a value entering or leaving a region
+_FREE = "free"  # an output form: whatever the region gives
+
+
+def _trace_region(
+    closed: ClosedJaxpr,
+    in_forms: Sequence[_Form | None],
+    out_forms: Sequence[_Form | str | None],
+    ctx: _Context,
+    stack: str,
+) -> tuple[ClosedJaxpr, list[_Form]]:
+    """Autocasts `closed` (a loop body, a branch) for given entry and exit forms.
+
+    An input whose form is None enters in its original dtype, unmarked. An
+    output whose form is None leaves in its original dtype, ``_FREE`` as the
+    region gives it, and a form in that form's dtype. Returns the traced region
+    and the forms the outputs had before that last cast (a loop's fixed point
+    is decided on them).
+    """
+    key = ("region", id(closed), stack, tuple(in_forms), tuple(out_forms))
+    hit = ctx.cache.get(key)
+    if hit is not None and hit[0] is closed:
+        return hit[1]
+    jaxpr = closed.jaxpr
+    avals = [
+        v.aval if f is None else v.aval.update(dtype=f[0], weak_type=False)
+        for v, f in zip(jaxpr.invars, in_forms, strict=True)
+    ]
+    marks = [_NONE if f is None else f[1] for f in in_forms]
+    got: list[_Form] = []
+    sub_ctx = dataclasses.replace(ctx, casts={})
+
+    def body(*xs: Any) -> list[Any]:
+        outs, out_marks = _eval_jaxpr(jaxpr, closed.consts, xs, sub_ctx, marks, stack)
+        got[:] = [(o.dtype, m) for o, m in zip(outs, out_marks, strict=True)]
+        final = []
+        for o, f, v in zip(outs, out_forms, jaxpr.outvars, strict=True):
+            want = o.dtype if f == _FREE else v.aval.dtype if f is None else f[0]
+            if o.dtype != want and _is_float(o.dtype) and _is_float(want):
+                o = sub_ctx.cast(o, want)
+            final.append(o)
+        return final
+
+    traced = jax.make_jaxpr(body, axis_env=list(ctx.axis_env) or None)(*avals)
+    result = (traced, list(got))
+    ctx.cache[key] = (closed, result)
+    return result
+
+
+def _eval_control_flow(
+    eqn: Any, invals: list[Any], inmarks: list[int], dtypes: list[Any], ctx: _Context, stack: str
+) -> tuple[list[Any], list[int]]:
+    """``scan``, ``while`` and ``cond`` with activations kept in the autocast dtype.
+
+    Loop-invariant inputs (constants, scanned ``xs``, branch operands) enter
+    in the form they have. A loop carry must leave each iteration in the form
+    it entered, so its form is a fixed point: an activation carry stays one if
+    the body returns it as one; a wider carry that the body returns as an
+    activation (an RNN's hidden state, a block stack's residual stream) is cast
+    down on entry, as the unrolled loop would cast it at its first step;
+    anything else runs in its original dtype. Scanned outputs leave in the form
+    the body gives them, branch outputs too when all branches agree.
+    """
+    name = eqn.primitive.name
+    params = eqn.params
+    orig = [v.aval.dtype for v in eqn.invars]
+    forms: list[_Form | None] = [
+        (dtypes[i], m) if m != _NONE and _is_float(dtypes[i]) else None
+        for i, m in enumerate(inmarks)
+    ]
+
+    def entry() -> list[Any]:
+        args = []
+        for x, d, o, f in zip(invals, dtypes, orig, forms, strict=True):
+            want = o if f is None else f[0]
+            args.append(ctx.cast(x, want) if d != want and _is_float(d) else x)
+        return args
+
+    def out_marks(fs: Sequence[Any]) -> list[int]:
+        return [f[1] if isinstance(f, tuple) else _NONE for f in fs]
+
+    if name == "cond":
+        branches = params["branches"]
+        ops = forms[1:]
+        nout = len(branches[0].out_avals)
+        free = [_trace_region(b, ops, [_FREE] * nout, ctx, stack) for b in branches]
+        decided: list[_Form | None] = []
+        for j in range(nout):
+            seen = {got[j] for _, got in free}
+            one = next(iter(seen))
+            decided.append(one if len(seen) == 1 and one[1] != _NONE else None)
+        avals = branches[0].out_avals
+        out_dtypes = [a.dtype if d is None else d[0] for a, d in zip(avals, decided, strict=True)]
+        traced = tuple(
+            b_free if all(d == g[0] for d, g in zip(out_dtypes, got, strict=True))
+            else _trace_region(b, ops, decided, ctx, stack)[0]
+            for b, (b_free, got) in zip(branches, free, strict=True)
+        )  # fmt: skip
+        return _bind(eqn, entry(), dict(params, branches=traced)), out_marks(decided)
+
+    if name == "scan":
+        body, first = params["jaxpr"], 0  # body inputs: consts, carry, xs
+        carry0, ncarry = params["num_consts"], params["num_carry"]
+    else:  # while; body inputs: body consts, carry
+        body, first = params["body_jaxpr"], params["cond_nconsts"]
+        carry0 = first + params["body_nconsts"]
+        ncarry = len(invals) - carry0
+    carry = range(carry0, carry0 + ncarry)
+    nys = len(body.out_avals) - ncarry
+    # Each carry changes form at most twice (promoted, then demoted for good),
+    # so this ends after at most 2 * ncarry + 1 traces of the body.
+    demoted: set[int] = set()
+    while True:
+        exits = [forms[i] for i in carry] + [_FREE] * nys
+        traced, got = _trace_region(body, forms[first:], exits, ctx, stack)
+        changed = False
+        for j, i in enumerate(carry):
+            if forms[i] is not None and got[j] != forms[i]:
+                forms[i], changed = None, True
+                demoted.add(i)
+            elif (
+                forms[i] is None
+                and i not in demoted
+                and got[j] == (ctx.dtype, _ACT)
+                and _is_float(orig[i])
+                and np.dtype(orig[i]).itemsize > ctx.dtype.itemsize
+            ):
+                forms[i], changed = got[j], True
+        if not changed:
+            break
+    marks = out_marks([forms[i] for i in carry]) + [m for _, m in got[ncarry:]]
+    if name == "scan":
+        new_params = dict(params, jaxpr=traced)
+    else:
+        cond_in = forms[: params["cond_nconsts"]] + forms[carry0:]
+        cond_traced, _ = _trace_region(params["cond_jaxpr"], cond_in, [None], ctx, stack)
+        new_params = dict(params, body_jaxpr=traced, cond_jaxpr=cond_traced)
+    return _bind(eqn, entry(), new_params), marks
 
 
 def _inner_stacks(jaxpr: Jaxpr, ctx: _Context) -> tuple[str, ...]:

@@ -235,6 +235,126 @@ def test_large_float32_constant_saturates_instead_of_inf():
     assert np.isfinite(np.asarray(got)).all() and _rel_err(got, f(x, w)) < 1e-2
 
 
+def _loop_eqn(fn, *args, name):
+    closed = jax.make_jaxpr(fn)(*args)
+    found = [e for e in closed.jaxpr.eqns if e.primitive.name == name]
+    assert len(found) == 1, [e.primitive.name for e in closed.jaxpr.eqns]
+    return found[0]
+
+
+def _rnn(w, u, xs):
+    # An RNN cell: the hidden state is a float32 zeros init the body returns
+    # as a float16 activation, so it is carried in float16 (torch's RNN cells
+    # return float16 under autocast).
+    def cell(h, x):
+        h = jnp.tanh(x @ w + h @ u)
+        return h, h
+
+    return jax.lax.scan(cell, jnp.zeros((xs.shape[1], u.shape[0])), xs)
+
+
+def test_scan_carries_and_outputs_activations_in_float16():
+    w = 0.3 * jax.random.normal(KEY, (8, 16))
+    u = 0.3 * jax.random.normal(jax.random.key(1), (16, 16))
+    xs = jax.random.normal(jax.random.key(2), (5, 4, 8))
+    amp = jaxamp.autocast(_rnn, dtype=F16)
+    eqn = _loop_eqn(amp, w, u, xs, name="scan")
+    assert [np.dtype(v.aval.dtype) for v in eqn.outvars] == [np.dtype(F16)] * 2
+    (h, hs), (h_ref, hs_ref) = amp(w, u, xs), _rnn(w, u, xs)
+    assert h.dtype == hs.dtype == F32  # the outputs keep f's dtypes
+    assert _rel_err(h, h_ref) < 1e-2 and _rel_err(hs, hs_ref) < 1e-2
+    # Reverse mode and vmap through the float16 carry.
+    loss = lambda w, u, xs: jnp.sum(_rnn(w, u, xs)[1] ** 2)  # noqa: E731
+    g = jax.jit(jax.grad(jaxamp.autocast(loss, dtype=F16), argnums=(0, 1)))(w, u, xs)
+    g_ref = jax.grad(loss, argnums=(0, 1))(w, u, xs)
+    for a, b in zip(g, g_ref, strict=True):
+        assert a.dtype == F32 and _rel_err(a, b) < 3e-2
+    batched = jax.vmap(amp, in_axes=(None, None, 0))(w, u, jnp.stack([xs, -xs]))
+    assert _rel_err(batched[1][1], _rnn(w, u, -xs)[1]) < 1e-2
+
+
+def test_scan_over_layers_keeps_the_residual_stream_in_float16():
+    # nn.scan over blocks: the residual stream is the carry; under autocast it
+    # stays in float16 as in the unrolled model and the hand-cast one.
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return x + nn.Dense(8)(nn.gelu(nn.Dense(16)(nn.LayerNorm()(x)))), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            body = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                           length=3)  # fmt: skip
+            return body()(x, None)[0]
+
+    x = jax.random.normal(KEY, (4, 8))
+    model = Stack()
+    params = model.init(KEY, x)
+    amp = jaxamp.autocast(model.apply, dtype=F16)
+    eqn = _loop_eqn(amp, params, x, name="scan")
+    carry = eqn.outvars[: eqn.params["num_carry"]]
+    assert [np.dtype(v.aval.dtype) for v in carry] == [np.dtype(F16)]
+    assert _rel_err(amp(params, x), model.apply(params, x)) < 1e-2
+
+
+def test_float32_accumulator_carry_stays_float32():
+    # A running sum of a float32-list reduction is not an activation: it is
+    # carried in float32 (a float16 accumulator would lose the small terms).
+    def f(w, xs):
+        def body(total, x):
+            return total + jnp.sum(x @ w), None
+
+        return jax.lax.scan(body, jnp.float32(4096.0), xs)[0]
+
+    w, xs = jnp.eye(4), jnp.full((64, 2, 4), 0.01)
+    eqn = _loop_eqn(jaxamp.autocast(f, dtype=F16), w, xs, name="scan")
+    assert np.dtype(eqn.outvars[0].aval.dtype) == np.dtype(F32)
+    got = jaxamp.autocast(f, dtype=F16)(w, xs)
+    assert abs(float(got) - float(f(w, xs))) < 1e-2  # 4096 + 5.12; float16 would round
+
+
+def test_activation_carry_the_body_widens_runs_in_its_original_dtype():
+    # The carry enters as a float16 activation but the body returns exp() of
+    # it (float32): no fixed point in float16, so it is carried in float32.
+    def f(w, x):
+        h = x @ w
+        return jax.lax.fori_loop(0, 3, lambda i, c: jnp.exp(-c * c), h)
+
+    w, x = jnp.eye(4), jax.random.normal(KEY, (2, 4))
+    amp = jaxamp.autocast(f, dtype=F16)
+    eqn = _loop_eqn(amp, w, x, name="scan" if "scan" in str(jax.make_jaxpr(amp)(w, x)) else "while")
+    assert all(np.dtype(v.aval.dtype) == np.dtype(F32) for v in eqn.outvars
+               if jnp.issubdtype(v.aval.dtype, jnp.floating))  # fmt: skip
+    assert _rel_err(amp(w, x), f(w, x)) < 1e-2
+
+
+def test_while_and_cond_keep_activations_when_the_forms_agree():
+    w = 0.5 * jax.random.normal(KEY, (4, 4))
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+
+    def loop(w, x):
+        h = x @ w
+        _, h = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.sin(c[1] @ w)),
+                                  (0, h))  # fmt: skip
+        return h
+
+    def branch(w, x, agree):
+        h = x @ w
+        other = (lambda a: -(a @ w)) if agree else (lambda a: jnp.exp(a))
+        return jax.lax.cond(jnp.sum(h) > 0, lambda a: a @ w, other, h)
+
+    amp_loop = jaxamp.autocast(loop, dtype=F16)
+    eqn = _loop_eqn(amp_loop, w, x, name="while")
+    assert np.dtype(eqn.outvars[1].aval.dtype) == np.dtype(F16)
+    assert _rel_err(amp_loop(w, x), loop(w, x)) < 1e-2
+    for agree, want in ((True, F16), (False, F32)):
+        amp = jaxamp.autocast(functools.partial(branch, agree=agree), dtype=F16)
+        eqn = _loop_eqn(amp, w, x, name="cond")
+        assert np.dtype(eqn.outvars[0].aval.dtype) == np.dtype(want), agree
+        assert _rel_err(amp(w, x), branch(w, x, agree)) < 1e-2
+
+
 # ------------------------------------------------------------ 2. what the user wrote
 
 
