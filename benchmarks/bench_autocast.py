@@ -8,7 +8,8 @@ attention, GELU MLP), written once with a Flax ``dtype`` field:
   not depend on the backend) and ``compiled.memory_analysis()`` temp bytes of
   the jitted gradient step, for float32, ``autocast`` float16 / bfloat16 and
   the hand-cast model (Flax ``dtype=float16``), on a 4-block transformer
-  (width 256, 4 heads, MLP 1024, batch 8 x 128) and on the demo LM of
+  (width 256, 4 heads, MLP 1024, batch 8 x 128; unrolled and with
+  ``nn.scan``) and on the demo LM of
   ``examples/train_lm.py`` (autocast only: it has no ``dtype`` field); plus
   the autocast output's error against float32 relative to its max.
 * compile cost: trace + compile seconds of ``jax.jit(value_and_grad(loss))``
@@ -121,24 +122,27 @@ def _memory_row(apply: Callable[..., jax.Array], params: Any, x: jax.Array) -> d
 def memory_study() -> dict[str, Any]:
     """Residual and temp bytes of the gradient step, and output error vs float32."""
     out: dict[str, Any] = {}
-    cfg = {"layers": 4, "dim": 256, "heads": 4, "mlp": 1024}
-    x = jax.random.normal(jax.random.key(1), (8, 128, cfg["dim"]), F32)
-    f32_model = Stack(**cfg)
-    params = f32_model.init(jax.random.key(0), x)
-    ref = f32_model.apply(params, x)
-    variants = {
-        "float32": f32_model.apply,
-        "autocast_f16": jaxamp.autocast(f32_model.apply, dtype=F16),
-        "autocast_bf16": jaxamp.autocast(f32_model.apply, dtype=BF16),
-        "hand_cast_f16": Stack(**cfg, dtype=F16).apply,
-    }
-    rows = {}
-    for name, apply in variants.items():
-        row = _memory_row(apply, params, x)
-        y = apply(params, x)
-        row["err_vs_f32"] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
-        rows[name] = row
-    out["transformer"] = {"config": {**cfg, "batch": "8x128"}, "rows": rows}
+    x = jax.random.normal(jax.random.key(1), (8, 128, 256), F32)
+    # The same blocks unrolled, and stacked with nn.scan (the residual stream
+    # is then a loop carry).
+    for study, scan in (("transformer", False), ("transformer_scan", True)):
+        cfg = {"layers": 4, "dim": 256, "heads": 4, "mlp": 1024, "scan": scan}
+        f32_model = Stack(**cfg)
+        params = f32_model.init(jax.random.key(0), x)
+        ref = f32_model.apply(params, x)
+        variants = {
+            "float32": f32_model.apply,
+            "autocast_f16": jaxamp.autocast(f32_model.apply, dtype=F16),
+            "autocast_bf16": jaxamp.autocast(f32_model.apply, dtype=BF16),
+            "hand_cast_f16": Stack(**cfg, dtype=F16).apply,
+        }
+        rows = {}
+        for name, apply in variants.items():
+            row = _memory_row(apply, params, x)
+            y = apply(params, x)
+            row["err_vs_f32"] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+            rows[name] = row
+        out[study] = {"config": {**cfg, "batch": "8x128"}, "rows": rows}
 
     spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
     assert spec is not None and spec.loader is not None
@@ -256,7 +260,7 @@ def run(quick: bool = False, repeats: int | None = None) -> dict[str, Any]:
 def format_report(figures: dict[str, Any]) -> str:
     """The tables ``make bench`` prints."""
     lines = [f"autocast, {figures['config']['backend']}, jax {figures['config']['jax']}"]
-    for study in ("transformer", "demo_lm") if "memory" in figures else ():
+    for study in ("transformer", "transformer_scan", "demo_lm") if "memory" in figures else ():
         block = figures["memory"][study]
         rows = block["rows"]
         base = rows["float32"]

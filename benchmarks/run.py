@@ -222,6 +222,7 @@ def run_autocast(quick: bool) -> dict[str, Any] | None:
         print("\n[autocast] benchmarks/bench_autocast.py not present: skipped.")
         return None
     import bench_autocast as mod  # benchmarks/ is on sys.path
+
     print("\n[autocast] residual / temp memory and trace + compile, vs float32 and hand casts")
     result = mod.run(quick=quick)
     report = getattr(mod, "format_report", None)
