@@ -313,6 +313,22 @@ def test_float32_accumulator_carry_stays_float32():
     got = jaxamp.autocast(f, dtype=F16)(w, xs)
     assert abs(float(got) - float(f(w, xs))) < 1e-2  # 4096 + 5.12; float16 would round
 
+    # An accumulator of activations is carried in float16, as the unrolled
+    # loop would run it; an explicit astype(float32) keeps it float32.
+    def acc(w, xs, explicit):
+        def body(a, x):
+            y = x @ w
+            return a + (y.astype(F32) if explicit else y), None
+
+        return jax.lax.scan(body, jnp.full((2, 4), 4096.0), xs)[0]
+
+    for explicit, want in ((False, F16), (True, F32)):
+        amp = jaxamp.autocast(functools.partial(acc, explicit=explicit), dtype=F16)
+        eqn = _loop_eqn(amp, w, xs, name="scan")
+        assert np.dtype(eqn.outvars[0].aval.dtype) == np.dtype(want), explicit
+    amp = jaxamp.autocast(functools.partial(acc, explicit=True), dtype=F16)
+    np.testing.assert_allclose(amp(w, xs), acc(w, xs, True), rtol=1e-6)
+
 
 def test_activation_carry_the_body_widens_runs_in_its_original_dtype():
     # The carry enters as a float16 activation but the body returns exp() of
