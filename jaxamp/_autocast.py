@@ -644,22 +644,27 @@ _Form = tuple[Any, int]  # (dtype, mark) of a value entering or leaving a region
 _FREE = "free"  # an output form: whatever the region gives
 
 
+@dataclasses.dataclass(frozen=True)
+class _Region:
+    jaxpr: ClosedJaxpr  # the autocast region
+    got: list[_Form]  # each output's form before the exit cast
+    cast_only: list[bool]  # each input: is it only ever read cast to the compute dtype?
+
+
 def _trace_region(
     closed: ClosedJaxpr,
     in_forms: Sequence[_Form | None],
     out_forms: Sequence[_Form | str | None],
     ctx: _Context,
     stack: str,
-) -> tuple[ClosedJaxpr, list[_Form]]:
+) -> _Region:
     """Autocasts `closed` (a loop body, a branch) for given entry and exit forms.
 
     An input whose form is None enters in its original dtype, unmarked. An
     output whose form is None leaves in its original dtype, ``_FREE`` as the
-    region gives it, and a form in that form's dtype. Returns the traced region
-    and the forms the outputs had before that last cast (a loop's fixed point
-    is decided on them).
+    region gives it, and a form in that form's dtype.
     """
-    key = ("region", id(closed), stack, tuple(in_forms), tuple(out_forms))
+    key = ("region", id(closed), stack, ctx.axis_env, tuple(in_forms), tuple(out_forms))
     hit = ctx.cache.get(key)
     if hit is not None and hit[0] is closed:
         return hit[1]
@@ -684,7 +689,19 @@ def _trace_region(
         return final
 
     traced = jax.make_jaxpr(body, axis_env=list(ctx.axis_env) or None)(*avals)
-    result = (traced, list(got))
+    # Which inputs the autocast region reads only through a cast down to the
+    # compute dtype (the casts are inlined `convert_element_type`s).
+    cast_only = [True] * len(traced.jaxpr.invars)
+    index = {v: k for k, v in enumerate(traced.jaxpr.invars)}
+    for v in traced.jaxpr.outvars:
+        if not isinstance(v, Literal) and v in index:
+            cast_only[index[v]] = False
+    for e in traced.jaxpr.eqns:
+        down = e.primitive.name == "convert_element_type" and e.params["new_dtype"] == ctx.dtype
+        for v in e.invars:
+            if not down and not isinstance(v, Literal) and v in index:
+                cast_only[index[v]] = False
+    result = _Region(traced, list(got), cast_only)
     ctx.cache[key] = (closed, result)
     return result
 
@@ -695,17 +712,21 @@ def _eval_control_flow(
     """``scan``, ``while`` and ``cond`` with activations kept in the autocast dtype.
 
     Loop-invariant inputs (constants, scanned ``xs``, branch operands) enter
-    in the form they have. A loop carry must leave each iteration in the form
-    it entered, so its form is a fixed point: an activation carry stays one if
-    the body returns it as one; a wider carry that the body returns as an
-    activation (an RNN's hidden state, a block stack's residual stream) is cast
-    down on entry, as the unrolled loop would cast it at its first step;
-    anything else runs in its original dtype. Scanned outputs leave in the form
-    the body gives them, branch outputs too when all branches agree.
+    in the form they have. A scan carry must leave each iteration in the form
+    it entered, so its form is a fixed point, and it may differ from the
+    unrolled loop's only towards more precision: an activation carry stays one
+    if the body returns it as one; a float32 carry that the body returns as an
+    activation and reads only through casts down to the compute dtype (an
+    RNN's hidden state) enters cast down, which changes nothing the body
+    computes; any other carry runs in its original dtype. A ``while`` loop's
+    carry enters pinned to its original dtype: its trip count depends on it
+    (``t += 1e-4`` never reaches 1 in float16). Scanned outputs leave in the
+    form the body gives them, branch outputs too when all branches agree; a
+    carry the body returns pinned to float32 leaves pinned.
     """
     name = eqn.primitive.name
     params = eqn.params
-    orig = [v.aval.dtype for v in eqn.invars]
+    orig = [np.dtype(v.aval.dtype) if _is_float(v.aval.dtype) else None for v in eqn.invars]
     forms: list[_Form | None] = [
         (dtypes[i], m) if m != _NONE and _is_float(dtypes[i]) else None
         for i, m in enumerate(inmarks)
@@ -715,11 +736,8 @@ def _eval_control_flow(
         args = []
         for x, d, o, f in zip(invals, dtypes, orig, forms, strict=True):
             want = o if f is None else f[0]
-            args.append(ctx.cast(x, want) if d != want and _is_float(d) else x)
+            args.append(ctx.cast(x, want) if want is not None and d != want else x)
         return args
-
-    def out_marks(fs: Sequence[Any]) -> list[int]:
-        return [f[1] if isinstance(f, tuple) else _NONE for f in fs]
 
     if name == "cond":
         branches = params["branches"]
@@ -728,56 +746,71 @@ def _eval_control_flow(
         free = [_trace_region(b, ops, [_FREE] * nout, ctx, stack) for b in branches]
         decided: list[_Form | None] = []
         for j in range(nout):
-            seen = {got[j] for _, got in free}
+            seen = {r.got[j] for r in free}
             one = next(iter(seen))
             decided.append(one if len(seen) == 1 and one[1] != _NONE else None)
         avals = branches[0].out_avals
         out_dtypes = [a.dtype if d is None else d[0] for a, d in zip(avals, decided, strict=True)]
         traced = tuple(
-            b_free if all(d == g[0] for d, g in zip(out_dtypes, got, strict=True))
-            else _trace_region(b, ops, decided, ctx, stack)[0]
-            for b, (b_free, got) in zip(branches, free, strict=True)
+            r.jaxpr if all(d == g[0] for d, g in zip(out_dtypes, r.got, strict=True))
+            else _trace_region(b, ops, decided, ctx, stack).jaxpr
+            for b, r in zip(branches, free, strict=True)
         )  # fmt: skip
-        return _bind(eqn, entry(), dict(params, branches=traced)), out_marks(decided)
+        marks = [_NONE if d is None else d[1] for d in decided]
+        return _bind(eqn, entry(), dict(params, branches=traced)), marks
 
     if name == "scan":
         body, first = params["jaxpr"], 0  # body inputs: consts, carry, xs
         carry0, ncarry = params["num_consts"], params["num_carry"]
-    else:  # while; body inputs: body consts, carry
+    else:  # while: body inputs are the body consts and the carry
         body, first = params["body_jaxpr"], params["cond_nconsts"]
         carry0 = first + params["body_nconsts"]
         ncarry = len(invals) - carry0
     carry = range(carry0, carry0 + ncarry)
+    if name == "while":
+        # The carry decides the trip count: it enters pinned to its dtype, so
+        # `t + dt` with an activation `dt` runs in float32 (in float16 it would
+        # stall at 0.25 for dt = 1e-4 and the loop would never end), and
+        # leaves in its original dtype.
+        for i in carry:
+            pinned = orig[i] is not None and orig[i].itemsize >= 4
+            forms[i] = (orig[i], _PIN) if pinned else None
+        exits = [forms[i] for i in carry]
+        region = _trace_region(body, forms[first:], exits, ctx, stack)
+        cond_in = forms[: params["cond_nconsts"]] + forms[carry0:]
+        cond = _trace_region(params["cond_jaxpr"], cond_in, [None], ctx, stack)
+        new_params = dict(params, body_jaxpr=region.jaxpr, cond_jaxpr=cond.jaxpr)
+        got = zip(carry, region.got, strict=True)
+        marks = [_PIN if g == (orig[i], _PIN) else _NONE for i, g in got]
+        return _bind(eqn, entry(), new_params), marks
     nys = len(body.out_avals) - ncarry
     # Each carry changes form at most twice (promoted, then demoted for good),
     # so this ends after at most 2 * ncarry + 1 traces of the body.
     demoted: set[int] = set()
     while True:
         exits = [forms[i] for i in carry] + [_FREE] * nys
-        traced, got = _trace_region(body, forms[first:], exits, ctx, stack)
+        region = _trace_region(body, forms[first:], exits, ctx, stack)
         changed = False
         for j, i in enumerate(carry):
-            if forms[i] is not None and got[j] != forms[i]:
+            if forms[i] is not None and region.got[j] != forms[i]:
                 forms[i], changed = None, True
                 demoted.add(i)
             elif (
                 forms[i] is None
                 and i not in demoted
-                and got[j] == (ctx.dtype, _ACT)
-                and _is_float(orig[i])
-                and np.dtype(orig[i]).itemsize > ctx.dtype.itemsize
+                and region.got[j] == (ctx.dtype, _ACT)
+                and region.cast_only[i - first]
+                and orig[i] is not None
+                and orig[i].itemsize > ctx.dtype.itemsize
             ):
-                forms[i], changed = got[j], True
+                forms[i], changed = region.got[j], True
         if not changed:
             break
-    marks = out_marks([forms[i] for i in carry]) + [m for _, m in got[ncarry:]]
-    if name == "scan":
-        new_params = dict(params, jaxpr=traced)
-    else:
-        cond_in = forms[: params["cond_nconsts"]] + forms[carry0:]
-        cond_traced, _ = _trace_region(params["cond_jaxpr"], cond_in, [None], ctx, stack)
-        new_params = dict(params, body_jaxpr=traced, cond_jaxpr=cond_traced)
-    return _bind(eqn, entry(), new_params), marks
+    marks = [
+        f[1] if f is not None else _PIN if g == (orig[i], _PIN) else _NONE
+        for i, f, g in zip(carry, (forms[i] for i in carry), region.got, strict=False)
+    ] + [m for _, m in region.got[ncarry:]]
+    return _bind(eqn, entry(), dict(params, jaxpr=region.jaxpr)), marks
 
 
 def _inner_stacks(jaxpr: Jaxpr, ctx: _Context) -> tuple[str, ...]:

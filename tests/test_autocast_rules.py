@@ -273,9 +273,14 @@ def test_scan_carries_and_outputs_activations_in_float16():
     assert _rel_err(batched[1][1], _rnn(w, u, -xs)[1]) < 1e-2
 
 
-def test_scan_over_layers_keeps_the_residual_stream_in_float16():
-    # nn.scan over blocks: the residual stream is the carry; under autocast it
-    # stays in float16 as in the unrolled model and the hand-cast one.
+@pytest.mark.parametrize("project", [False, True])
+def test_scan_over_layers_residual_stream(project):
+    # nn.scan over blocks: the residual stream is the carry. Entering as a
+    # float16 activation (after a Dense projection) it stays float16, as in
+    # the unrolled and the hand-cast model. Entering as the float32 input, the
+    # first block's LayerNorm reads it in float32 (as the unrolled model's
+    # first block does), so it is carried in float32: a loop may differ from
+    # its unrolled form only towards more precision.
     class Block(nn.Module):
         @nn.compact
         def __call__(self, x, _):
@@ -284,6 +289,8 @@ def test_scan_over_layers_keeps_the_residual_stream_in_float16():
     class Stack(nn.Module):
         @nn.compact
         def __call__(self, x):
+            if project:
+                x = nn.Dense(8)(x)
             body = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                            length=3)  # fmt: skip
             return body()(x, None)[0]
@@ -294,8 +301,43 @@ def test_scan_over_layers_keeps_the_residual_stream_in_float16():
     amp = jaxamp.autocast(model.apply, dtype=F16)
     eqn = _loop_eqn(amp, params, x, name="scan")
     carry = eqn.outvars[: eqn.params["num_carry"]]
-    assert [np.dtype(v.aval.dtype) for v in carry] == [np.dtype(F16)]
+    want = F16 if project else F32
+    assert [np.dtype(v.aval.dtype) for v in carry] == [np.dtype(want)]
     assert _rel_err(amp(params, x), model.apply(params, x)) < 1e-2
+
+
+def test_scan_carry_first_read_by_a_float32_op_is_not_cast_down():
+    # Power iteration: the carry is normalised (float32 ops) before the matmul.
+    # Casting the 1e5-sized start vector to float16 on entry would make it inf.
+    def power(w, v0):
+        return jax.lax.scan(lambda v, _: ((v / jnp.linalg.norm(v)) @ w, None), v0, None,
+                            length=4)[0]  # fmt: skip
+
+    w = jax.random.normal(KEY, (8, 8)) / 3
+    v0 = 1e5 * jax.random.normal(jax.random.key(1), (8,))
+    amp = jaxamp.autocast(power, dtype=F16)
+    eqn = _loop_eqn(amp, w, v0, name="scan")
+    assert np.dtype(eqn.outvars[0].aval.dtype) == np.dtype(F32)
+    got = amp(w, v0)
+    assert np.isfinite(np.asarray(got)).all() and _rel_err(got, power(w, v0)) < 1e-2
+
+
+def test_a_carry_pinned_in_the_loop_leaves_it_pinned():
+    # acc + (x @ w).astype(float32) is pinned inside the loop; after it, acc +
+    # an activation runs in float32 as in the unrolled program (|acc| ~ 7e4
+    # would overflow float16).
+    w = jnp.abs(jax.random.normal(KEY, (8, 8)))
+    xs = 30 * jax.random.normal(jax.random.key(1), (64, 4, 8)) + 100
+
+    def f(w, xs):
+        acc = jax.lax.scan(lambda a, x: (a + (x @ w).astype(F32), None), jnp.zeros((4, 8)), xs)[0]
+        return acc + xs[0] @ w
+
+    amp = jaxamp.autocast(f, dtype=F16)
+    adds = [e for e in jax.make_jaxpr(amp)(w, xs).jaxpr.eqns if e.primitive.name == "add"]
+    assert np.dtype(adds[-1].outvars[0].aval.dtype) == np.dtype(F32)
+    got = amp(w, xs)
+    assert np.isfinite(np.asarray(got)).all() and _rel_err(got, f(w, xs)) < 1e-2
 
 
 def test_float32_accumulator_carry_stays_float32():
@@ -345,25 +387,44 @@ def test_activation_carry_the_body_widens_runs_in_its_original_dtype():
     assert _rel_err(amp(w, x), f(w, x)) < 1e-2
 
 
-def test_while_and_cond_keep_activations_when_the_forms_agree():
-    w = 0.5 * jax.random.normal(KEY, (4, 4))
-    x = jax.random.normal(jax.random.key(1), (2, 4))
+def test_while_loop_carry_keeps_its_dtype_and_the_loop_ends():
+    # t += dt with dt = x @ w ~ 1e-4 (an activation): in float16, t would stall
+    # at 0.25 and the loop would never end. The carry decides the trip count,
+    # so it runs pinned to float32 (the matmul inside still runs in float16).
+    w, x = jnp.full((8,), 1.25e-5), jnp.ones((8,))
+
+    def f(w, x):
+        dt = x @ w
+        return jax.lax.while_loop(lambda c: (c[0] < 1.0) & (c[1] < 30000),
+                                  lambda c: (c[0] + dt, c[1] + 1), (0.0, 0))  # fmt: skip
+
+    amp = jaxamp.autocast(f, dtype=F16)
+    t, steps = amp(w, x)
+    t_ref, steps_ref = f(w, x)
+    assert abs(int(steps) - int(steps_ref)) <= 20 and abs(float(t) - float(t_ref)) < 1e-3
 
     def loop(w, x):
-        h = x @ w
         _, h = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.sin(c[1] @ w)),
-                                  (0, h))  # fmt: skip
+                                  (0, x @ w))  # fmt: skip
         return h
+
+    w, x = 0.5 * jax.random.normal(KEY, (4, 4)), jax.random.normal(jax.random.key(1), (2, 4))
+    amp = jaxamp.autocast(loop, dtype=F16)
+    body = _loop_eqn(amp, w, x, name="while").params["body_jaxpr"]
+    dots = [e for e in body.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots and all(np.dtype(v.aval.dtype) == np.dtype(F16) for e in dots for v in e.invars)
+    assert _rel_err(amp(w, x), loop(w, x)) < 1e-2
+
+
+def test_cond_keeps_activations_when_the_branches_agree():
+    w = 0.5 * jax.random.normal(KEY, (4, 4))
+    x = jax.random.normal(jax.random.key(1), (2, 4))
 
     def branch(w, x, agree):
         h = x @ w
         other = (lambda a: -(a @ w)) if agree else (lambda a: jnp.exp(a))
         return jax.lax.cond(jnp.sum(h) > 0, lambda a: a @ w, other, h)
 
-    amp_loop = jaxamp.autocast(loop, dtype=F16)
-    eqn = _loop_eqn(amp_loop, w, x, name="while")
-    assert np.dtype(eqn.outvars[1].aval.dtype) == np.dtype(F16)
-    assert _rel_err(amp_loop(w, x), loop(w, x)) < 1e-2
     for agree, want in ((True, F16), (False, F32)):
         amp = jaxamp.autocast(functools.partial(branch, agree=agree), dtype=F16)
         eqn = _loop_eqn(amp, w, x, name="cond")
