@@ -868,6 +868,7 @@ def _eval_nested_jit(
         tuple((a.dtype, bool(getattr(a, "weak_type", False))) for a in avals),
         tuple(inmarks),
         scopes,
+        ctx.axis_env,
     )
     hit = ctx.cache.get(key)
     if hit is None or hit[0] is not closed:
