@@ -42,7 +42,7 @@ test-oldest:
 	$(OLDEST)/bin/python -m pip install --quiet --no-deps -e .
 	$(OLDEST)/bin/python -m pytest -q tests/test_loss_scale.py tests/test_compat.py \
 		tests/test_transform.py tests/test_tree.py tests/test_autocast.py tests/test_policy.py \
-		tests/test_jax_compat.py
+		tests/test_jax_compat.py tests/test_autocast_rules.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

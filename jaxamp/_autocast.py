@@ -1387,13 +1387,15 @@ def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
         flat_args = [*state_leaves, *(leaves[i] for i in rest)]
         p_leaves, p_def = jax.tree_util.tree_flatten((tuple(flat_args), {}))
         out, changed = _dispatch(pure, p_leaves, p_def, list(range(len(p_leaves))), p_leaves)
+        if not changed:
+            return out
         variables = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        for i, value in changed.items():
-            var = variables[i]
-            if hasattr(var, "set_value"):
-                var.set_value(value)
-            else:  # flax < 0.11
-                var.value = value
+        if all(hasattr(v, "set_value") for v in variables):
+            for i, value in changed.items():
+                variables[i].set_value(value)
+        else:  # flax < 0.11: the split state holds copies (VariableState), not Variables
+            new_leaves = [changed.get(i, x) for i, x in enumerate(state_leaves)]
+            nnx.update(nodes, jax.tree_util.tree_unflatten(state_def, new_leaves))
         return out
 
     def linen_call(*args: Any, **kwargs: Any) -> Any:
