@@ -1276,9 +1276,9 @@ def _nnx_scopes(nnx: Any, roots: Sequence[Any]) -> Callable[[], Any]:
             classes[cls] = original
 
             def call(self: Any, *a: Any, __original: Any = original, **k: Any) -> Any:
-                path = names.get(id(self))
-                if not path:
-                    return __original(self, *a, **k)
+                # A module rebuilt inside an nnx transform (nnx.scan, nnx.vmap)
+                # is a new object: named by its class only.
+                path = names.get(id(self), "")
                 with jax.named_scope(f"{path}[{type(self).__name__}]"):
                     return __original(self, *a, **k)
 
@@ -1488,7 +1488,8 @@ def autocast(
         ``LayerNorm_0`` and ``nn.LayerNorm(name="ln")`` both match
         ``"LayerNorm"``), or, with a ``/``, against its path, e.g.
         ``{"LayerNorm": "float32", "head": "float32"}``; a module's rule
-        covers its submodules.
+        covers its submodules. Modules that ``nnx.scan`` / ``nnx.vmap``
+        rebuild are matched by class only.
       unknown_higher_order: what to do with a primitive that carries a jaxpr
         but is not in the table: ``"warn"`` (default) or ``"as_written"`` run
         it in its original dtypes, ``"error"`` raises.

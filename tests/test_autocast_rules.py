@@ -646,6 +646,37 @@ def test_nnx_module_rule_by_class_matches_named_attributes():
     assert muls and all(p[2][0] == np.float32 for p in muls), muls
 
 
+def test_nnx_module_rules_by_class_inside_nnx_scan():
+    # nnx.scan rebuilds the modules it scans over: a class pattern still
+    # selects them.
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return nnx.relu(self.lin(x))
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return Block(nnx.Rngs(key))
+
+    stack = make(jax.random.split(KEY, 3))
+
+    def scan_fwd(stack, x):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def body(block, x):
+            return block(x)
+
+        return body(stack, x)
+
+    x = jax.random.normal(KEY, (2, 8))
+    for modules, want in ((None, F16), ({"Linear": "float32"}, F32)):
+        amp = jaxamp.autocast(scan_fwd, dtype=F16, modules=modules)
+        dots = [p for p in _prims(lambda x, amp=amp: amp(stack, x), x) if p[0] == "dot_general"]
+        assert dots and all(d == np.dtype(want) for p in dots for d in p[1]), (modules, dots)
+        assert _rel_err(amp(stack, x), scan_fwd(stack, x)) < 1e-2
+
+
 def test_module_rules_validation():
     with pytest.raises(ValueError, match="modules\\['head'\\]"):
         jaxamp.autocast(lambda x: x, modules={"head": "lower"})
