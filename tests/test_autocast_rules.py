@@ -670,9 +670,14 @@ def test_nnx_module_rules_by_class_inside_nnx_scan():
         return body(stack, x)
 
     x = jax.random.normal(KEY, (2, 8))
+    graphdef, state = nnx.split(stack)
     for modules, want in ((None, F16), ({"Linear": "float32"}, F32)):
         amp = jaxamp.autocast(scan_fwd, dtype=F16, modules=modules)
-        dots = [p for p in _prims(lambda x, amp=amp: amp(stack, x), x) if p[0] == "dot_general"]
+
+        def pure(state, x, amp=amp):  # no module closed over by the trace
+            return amp(nnx.merge(graphdef, state), x)
+
+        dots = [p for p in _prims(pure, state, x) if p[0] == "dot_general"]
         assert dots and all(d == np.dtype(want) for p in dots for d in p[1]), (modules, dots)
         assert _rel_err(amp(stack, x), scan_fwd(stack, x)) < 1e-2
 
