@@ -646,21 +646,20 @@ def test_nnx_module_rule_by_class_matches_named_attributes():
     assert muls and all(p[2][0] == np.float32 for p in muls), muls
 
 
-def test_nnx_module_rules_by_class_inside_nnx_scan():
-    # nnx.scan rebuilds the modules it scans over: a class pattern still
-    # selects them.
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            self.lin = nnx.Linear(8, 8, rngs=rngs)
+class _NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
 
-        def __call__(self, x):
-            return nnx.relu(self.lin(x))
+    def __call__(self, x):
+        return nnx.relu(self.lin(x))
+
+
+def _nnx_block_stack():
+    """Three stacked nnx blocks (nnx.vmap) and a forward pass over them with nnx.scan."""
 
     @nnx.vmap(in_axes=0, out_axes=0)
     def make(key):
-        return Block(nnx.Rngs(key))
-
-    stack = make(jax.random.split(KEY, 3))
+        return _NnxBlock(nnx.Rngs(key))
 
     def scan_fwd(stack, x):
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
@@ -669,6 +668,13 @@ def test_nnx_module_rules_by_class_inside_nnx_scan():
 
         return body(stack, x)
 
+    return make(jax.random.split(KEY, 3)), scan_fwd
+
+
+def test_nnx_module_rules_by_class_inside_nnx_scan():
+    # nnx.scan rebuilds the modules it scans over: a class pattern still
+    # selects them.
+    stack, scan_fwd = _nnx_block_stack()
     x = jax.random.normal(KEY, (2, 8))
     graphdef, state = nnx.split(stack)
     for modules, want in ((None, F16), ({"Linear": "float32"}, F32)):
@@ -725,32 +731,13 @@ def test_nnx_batchnorm_dropout_state_updates_as_without_autocast(jit):
 
 
 def test_nnx_rnn_remat_and_scan_stacks():
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            self.lin = nnx.Linear(8, 8, rngs=rngs)
-
-        def __call__(self, x):
-            return nnx.relu(self.lin(x))
-
-    @nnx.vmap(in_axes=0, out_axes=0)
-    def make(key):
-        return Block(nnx.Rngs(key))
-
-    stack = make(jax.random.split(KEY, 3))
-
-    def scan_fwd(stack, x):
-        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-        def body(block, x):
-            return block(x)
-
-        return body(stack, x)
-
+    stack, scan_fwd = _nnx_block_stack()
     x = jax.random.normal(KEY, (2, 8))
     ref = scan_fwd(stack, x)
     got = jaxamp.autocast(scan_fwd, dtype=F16)(stack, x)
     assert got.dtype == F32 and _rel_err(got, ref) < 1e-2
 
-    block = Block(nnx.Rngs(1))
+    block = _NnxBlock(nnx.Rngs(1))
     remat = nnx.remat(lambda m, x: m(m(x)))
     ref = remat(block, x)
     got = jaxamp.autocast(remat, dtype=F16)(block, x)
