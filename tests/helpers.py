@@ -1,4 +1,4 @@
-"""Shared test helpers: scale trajectories and small training problems."""
+"""Shared test helpers: scale trajectories, small training problems, a custom-VJP op."""
 
 from __future__ import annotations
 
@@ -65,3 +65,23 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(
             np.atleast_1d(x).view(np.uint8), np.atleast_1d(y).view(np.uint8)
         )
+
+
+@jax.custom_vjp
+def tanh_proj(x, w):
+    """``tanh(x @ w)`` with a hand-written VJP (a user's custom derivative)."""
+    return jnp.tanh(x @ w)
+
+
+def _tanh_proj_fwd(x, w):
+    y = jnp.tanh(x @ w)
+    return y, (x, w, y)
+
+
+def _tanh_proj_bwd(res, g):
+    x, w, y = res
+    gy = g * (1 - y * y)
+    return gy @ w.T, x.T @ gy
+
+
+tanh_proj.defvjp(_tanh_proj_fwd, _tanh_proj_bwd)

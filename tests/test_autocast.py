@@ -22,6 +22,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 import jaxamp
 from jaxamp import _jax_compat
 from jaxamp._autocast import DEFAULT_RULES, FLOAT32_OPS, LOWER_PRECISION_OPS
+from tests.helpers import tanh_proj
 
 F16 = jnp.float16
 BF16 = jnp.bfloat16
@@ -287,25 +288,6 @@ def test_scan_with_weak_typed_carry():
     assert abs(float(jaxamp.autocast(f, dtype=F16)(x)) - float(f(x))) < 1e-2 * (1 + abs(f(x)))
 
 
-@jax.custom_vjp
-def _scaled_tanh(x, w):
-    return jnp.tanh(x @ w)
-
-
-def _scaled_tanh_fwd(x, w):
-    y = jnp.tanh(x @ w)
-    return y, (x, w, y)
-
-
-def _scaled_tanh_bwd(res, g):
-    x, w, y = res
-    gy = g * (1 - y**2)
-    return gy @ w.T, x.T @ gy
-
-
-_scaled_tanh.defvjp(_scaled_tanh_fwd, _scaled_tanh_bwd)
-
-
 @pytest.mark.skipif(
     not _jax_compat.CUSTOM_VJP_ENTERED,
     reason="JAX 0.5 writes custom_vjp as custom_vjp_call_jaxpr, which autocast runs as "
@@ -315,7 +297,7 @@ def test_custom_vjp_and_custom_jvp():
     x, w = _normal((4, 8)), _normal((8, 8), jax.random.key(1), 0.3)
 
     def f(x, w):
-        return jnp.sum(_scaled_tanh(jax.nn.relu(x), w) ** 2)
+        return jnp.sum(tanh_proj(jax.nn.relu(x), w) ** 2)
 
     g = jaxamp.autocast(f, dtype=F16)
     # The primal of the custom_vjp function is autocast.
@@ -332,7 +314,7 @@ def test_old_jax_custom_vjp_runs_as_written_with_a_warning():
     x, w = _normal((4, 8)), _normal((8, 8), jax.random.key(1), 0.3)
 
     def f(x, w):
-        return jnp.sum(_scaled_tanh(x, w) ** 2)
+        return jnp.sum(tanh_proj(x, w) ** 2)
 
     with pytest.warns(UserWarning, match="custom_vjp_call_jaxpr.*newer JAX"):
         g = jax.grad(jaxamp.autocast(f, dtype=F16), argnums=1)(x, w)

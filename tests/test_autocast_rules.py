@@ -23,6 +23,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import jaxamp
 from jaxamp import _jax_compat
+from tests.helpers import tanh_proj
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 KEY = jax.random.key(0)
@@ -489,25 +490,6 @@ def test_explicit_preferred_element_type_float32_is_kept(dot):
 # ------------------------------------------------------------ 3. custom derivatives
 
 
-@jax.custom_vjp
-def _proj(x, w):
-    return jnp.tanh(x @ w)
-
-
-def _proj_fwd(x, w):
-    y = jnp.tanh(x @ w)
-    return y, (x, w, y)
-
-
-def _proj_bwd(res, g):
-    x, w, y = res
-    d = g * (1 - y * y)
-    return d @ w.T, x.T @ d
-
-
-_proj.defvjp(_proj_fwd, _proj_bwd)
-
-
 @jax.custom_jvp
 def _jproj(x, w):
     return jnp.tanh(x @ w)
@@ -528,7 +510,7 @@ _OLD_VJP = pytest.mark.skipif(
 
 @pytest.mark.parametrize(
     "fn",
-    [pytest.param(_proj, marks=_OLD_VJP), _jproj],
+    [pytest.param(tanh_proj, marks=_OLD_VJP), _jproj],
     ids=["custom_vjp", "custom_jvp"],
 )
 def test_custom_derivative_primal_same_with_and_without_grad(fn):
@@ -553,7 +535,7 @@ def test_full_precision_is_custom_fwd_cast_inputs_float32():
 
     def f(x, w):
         h = x @ w  # float16 activation
-        return jnp.sum(jaxamp.full_precision(_proj)(h, w))
+        return jnp.sum(jaxamp.full_precision(tanh_proj)(h, w))
 
     grad = jax.make_jaxpr(jax.grad(jaxamp.autocast(f, dtype=F16), argnums=1))(x, w)
     dots = [e for e in _eqns(grad) if e.primitive.name == "dot_general"]
