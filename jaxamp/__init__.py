@@ -5,7 +5,7 @@ The modules are private; everything public is re-exported here (and in the
 """
 
 from jaxamp import checkpoint, compat
-from jaxamp._autocast import DEFAULT_RULES, autocast, full_precision
+from jaxamp._autocast import DEFAULT_RULES, autocast, full_precision, keep_float32
 from jaxamp._distributed import check_in_sync
 from jaxamp._loss_scale import (
     LossScaleState,
@@ -51,6 +51,7 @@ __all__ = [
     "dynamic_scale",
     "full_precision",
     "get_loss_scale",
+    "keep_float32",
     "metrics",
     "multi_transform",
     "no_scale",

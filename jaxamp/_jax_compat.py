@@ -1,5 +1,7 @@
 """The only place where jaxamp relies on JAX behaviour that is not public API.
 
+Supported JAX versions: 0.5.0 (``make test-oldest``) to 0.10.2 (``make test``).
+
 Everything else in :mod:`jaxamp.autocast` uses ``jax.make_jaxpr``,
 ``jax.extend.core`` and ``Primitive.bind`` / ``Primitive.get_bind_params``.
 What is left here is small, and ``tests/test_jax_compat.py`` checks each piece
@@ -10,9 +12,6 @@ silently miscasting.
 from __future__ import annotations
 
 import contextlib
-import functools
-import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,20 +20,20 @@ from jax.extend.core import Primitive
 
 __all__ = [
     "CUSTOM_VJP_ENTERED",
-    "EXPLICIT_CAST_SCOPE",
     "HAS_SHARD_MAP",
-    "KEEP_ACCUMULATION_SCOPE",
     "aval_of",
     "bind",
     "custom_jvp_rule",
     "custom_vjp_bwd",
     "custom_vjp_fwd",
-    "hooks_paused",
+    "call_mesh",
+    "eqn_mesh",
+    "inlinable_call",
     "is_unspecified",
+    "mesh_of",
     "name_stack",
     "outputs_as_list",
     "shard_map_call",
-    "user_intent_hooks",
 ]
 
 #: ``jax.shard_map`` (public since JAX 0.7; before, jax.experimental.shard_map
@@ -122,150 +121,52 @@ def shard_map_call(fn: Callable[..., Any], args: list[Any], params: dict[str, An
 
 
 # --------------------------------------------------------------------------
-# Trace-time hooks: what the user wrote that a jaxpr cannot show.
+# Sharding: meshes and jit params.
 # --------------------------------------------------------------------------
 
-#: ``jax.named_scope`` put around a matmul called with an explicit
-#: ``preferred_element_type``: jnp fills that param in by default, so the
-#: jaxpr alone cannot tell an explicit float32 accumulation from the default.
-KEEP_ACCUMULATION_SCOPE = "jaxamp_preferred_element_type"
 
-#: ``jax.named_scope`` of the ``copy`` that stands for an explicit
-#: ``x.astype(float32)`` of a float32 value (JAX drops identity casts).
-EXPLICIT_CAST_SCOPE = "jaxamp_explicit_cast"
-
-_hook_state = threading.local()
-_hook_lock = threading.Lock()
-_hook_users = 0
-_saved: list[tuple[Any, str, Any]] = []
+def _abstract(mesh: Any) -> Any:
+    return getattr(mesh, "abstract_mesh", mesh)
 
 
-def _explicit_cast_codes() -> tuple[Any, ...]:
-    from jax._src.lax import lax as lax_internal
-    from jax._src.numpy import lax_numpy
+def eqn_mesh(eqn: Any) -> Any:
+    """The abstract mesh an equation was traced under, or None.
 
-    return (lax_numpy.astype.__code__, lax_internal.convert_element_type.__code__)
-
-
-def _make_convert_hook(original: Callable[..., Any]) -> Callable[..., Any]:
-    from jax._src.core import Tracer, is_concrete
-    from jax._src.lax import lax as lax_internal
-
-    codes = _explicit_cast_codes()
-
-    def convert(
-        operand: Any, new_dtype: Any = None, weak_type: bool = False, *args: Any, **kwargs: Any
-    ) -> Any:
-        # `x.astype(jnp.float32)` on a float32 tracer is dropped by JAX; while
-        # autocast traces `f`, keep it as an (identity) equation so that the
-        # explicit cast is visible to the autocast rules.
-        if (
-            getattr(_hook_state, "depth", 0)
-            and new_dtype is not None
-            and isinstance(operand, Tracer)
-            and not is_concrete(operand)
-            and not args
-            and not kwargs.get("sharding")
-            and operand.aval.dtype == new_dtype
-            and bool(operand.aval.weak_type) == bool(weak_type)
-            and jax.numpy.issubdtype(new_dtype, jax.numpy.floating)
-            and sys._getframe(1).f_code in codes
-        ):
-            # An identity convert_element_type is dropped at bind time too: a
-            # marked copy stands for it.
-            with jax.named_scope(EXPLICIT_CAST_SCOPE):
-                return lax_internal.copy_p.bind(operand)
-        return original(operand, new_dtype, weak_type, *args, **kwargs)
-
-    return convert
-
-
-def _from_jax(frame: Any) -> bool:
-    name = frame.f_globals.get("__name__", "")
-    return bool(name == "jax" or name.startswith("jax."))
-
-
-def _make_accumulation_hook(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        # Only a caller outside JAX asked for it: jnp's own matmul / einsum call
-        # the public jax.lax.dot_general with their default accumulation type
-        # (JAX 0.5 does).
-        if (
-            getattr(_hook_state, "depth", 0)
-            and kwargs.get("preferred_element_type") is not None
-            and not _from_jax(sys._getframe(1))
-        ):
-            with jax.named_scope(KEEP_ACCUMULATION_SCOPE):
-                return original(*args, **kwargs)
-        return original(*args, **kwargs)
-
-    return call
-
-
-def _install() -> None:
-    from jax._src.lax import lax as lax_internal
-
-    targets = [(lax_internal, "_convert_element_type", _make_convert_hook)]
-    for name in ("einsum", "matmul", "dot", "tensordot", "inner", "vdot"):
-        targets.append((jax.numpy, name, _make_accumulation_hook))
-    for name in ("dot_general", "dot"):
-        targets.append((jax.lax, name, _make_accumulation_hook))
-    for module, name, make in targets:
-        original = getattr(module, name, None)
-        if original is None:
-            continue
-        _saved.append((module, name, original))
-        setattr(module, name, make(original))
-
-
-@contextlib.contextmanager
-def user_intent_hooks() -> Iterator[None]:
-    """While active in this thread, explicit casts and accumulation types stay visible.
-
-    Two things a user writes leave no trace in a jaxpr: ``x.astype(float32)``
-    on a float32 value (JAX drops it) and ``preferred_element_type=float32``
-    on a float32 matmul (jnp sets it by default). During autocast's own trace
-    of `f` this keeps the first as a ``copy`` under ``EXPLICIT_CAST_SCOPE`` and
-    marks the second with ``KEEP_ACCUMULATION_SCOPE``. The patched functions
-    are private JAX functions and public jnp / lax attributes; the patch is
-    installed while any thread traces and only acts in tracing threads.
-    Checked by ``tests/test_jax_compat.py``.
+    Under an Explicit mesh every aval carries its mesh, and JAX checks that an
+    op's context mesh matches its inputs' (``jax.sharding.auto_axes`` traces
+    its body under another mesh than its caller's). ``aval.sharding`` is
+    public (``jax.typeof(x).sharding``) since JAX 0.6.
     """
-    global _hook_users
-    with _hook_lock:
-        if _hook_users == 0:
-            try:
-                _install()
-            except Exception:  # a JAX layout this shim does not know: no hooks
-                _restore()
-        _hook_users += 1
-    _hook_state.depth = getattr(_hook_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _hook_state.depth -= 1
-        with _hook_lock:
-            _hook_users -= 1
-            if _hook_users == 0:
-                _restore()
-
-
-def _restore() -> None:
-    while _saved:
-        module, name, original = _saved.pop()
-        setattr(module, name, original)
+    for v in (*eqn.invars, *eqn.outvars):
+        mesh = getattr(getattr(v.aval, "sharding", None), "mesh", None)
+        if mesh is not None and not getattr(mesh, "empty", True):
+            return mesh
+    return None
 
 
 @contextlib.contextmanager
-def hooks_paused() -> Iterator[None]:
-    """Turns the hooks off in this thread (while autocast traces its own code)."""
-    depth = getattr(_hook_state, "depth", 0)
-    _hook_state.depth = 0
-    try:
+def mesh_of(mesh: Any) -> Iterator[None]:
+    """Binds under abstract mesh `mesh` (None: as is) when it is not the current one."""
+    use = getattr(jax.sharding, "use_abstract_mesh", None)
+    mesh = None if mesh is None else _abstract(mesh)
+    if mesh is None or use is None or jax.sharding.get_abstract_mesh() == mesh:
         yield
-    finally:
-        _hook_state.depth = depth
+        return
+    with use(mesh):
+        yield
+
+
+def call_mesh(params: dict[str, Any]) -> Any:
+    """The context of a ``jit`` equation's own mesh (``ctx_mesh``, JAX >= 0.7)."""
+    return mesh_of(params.get("ctx_mesh"))
+
+
+def inlinable_call(params: dict[str, Any]) -> bool:
+    """Whether a call equation can be evaluated inline: no donation, no shardings."""
+    if any(params.get("donated_invars", ())):
+        return False
+    shardings = list(params.get("in_shardings", ())) + list(params.get("out_shardings", ()))
+    return all(is_unspecified(s) for s in shardings)
 
 
 def is_unspecified(sharding: Any) -> bool:

@@ -1,0 +1,430 @@
+"""The public face of autocast: ``autocast``, ``full_precision``, ``keep_float32``.
+
+``autocast(f)`` traces `f` to a jaxpr with ``jax.make_jaxpr`` and evaluates it
+again with the interpreter (``_interpret``); nothing else is read or changed:
+the result depends only on `f`, its arguments and autocast's arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._autocast import _flax, _rules
+from jaxamp._autocast._interpret import (
+    AUTOCAST_SCOPE,
+    FULL_PRECISION_SCOPE,
+    KEEP_FLOAT32_SCOPE,
+    Context,
+    eval_jaxpr,
+)
+from jaxamp._autocast._rules import DEFAULT_RULES, is_float
+from jaxamp._policy import Policy
+
+__all__ = ["autocast", "full_precision", "keep_float32"]
+
+
+def _default_dtype() -> np.dtype:
+    # float16 mirrors torch.autocast on CUDA; TPUs have no fast float16.
+    return np.dtype(jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16)
+
+
+def _is_dynamic(x: Any) -> bool:
+    # Arrays (and tracers) are traced; Python scalars, strings, modules, ...
+    # are fixed at trace time like static arguments, so flags such as
+    # `train=False` keep working in Python control flow.
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _resolve_dtype(dtype: Any, policy: Policy | str | None) -> tuple[np.dtype, np.dtype | None]:
+    if policy is not None and dtype is not None:
+        raise ValueError("autocast: pass either dtype= or policy=, not both")
+    if policy is not None:
+        if isinstance(policy, str):
+            policy = Policy.from_string(policy)
+        if not isinstance(policy, Policy):
+            raise TypeError(
+                f"autocast: policy must be a jaxamp.Policy or a policy string, got "
+                f"{type(policy).__name__}"
+            )
+        return np.dtype(policy.compute_dtype), np.dtype(policy.output_dtype)
+    if dtype is None:
+        return _default_dtype(), None
+    try:
+        resolved = np.dtype(jnp.dtype(dtype))
+    except TypeError as e:
+        raise TypeError(f"autocast: dtype={dtype!r} is not a dtype") from e
+    if not is_float(resolved):
+        raise ValueError(
+            f"autocast: dtype must be a floating dtype such as jnp.float16 or "
+            f"jnp.bfloat16, got {resolved.name}"
+        )
+    return resolved, None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    compute_dtype: np.dtype
+    output_dtype: np.dtype | None
+    rules: Mapping[str, str]
+    modules: tuple[tuple[str, Any], ...]
+    unknown_higher_order: str
+
+
+def _run(
+    f: Callable[..., Any],
+    cfg: _Config,
+    leaves: list[Any],
+    treedef: Any,
+    dynamic: list[int],
+    dyn: Sequence[Any],
+) -> Any:
+    """Traces `f` on the dynamic leaves and evaluates it with autocast rules."""
+
+    def flat_f(*vals: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(dynamic, vals, strict=True):
+            full[i] = x
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        with _flax.linen_class_scopes() if cfg.modules else contextlib.nullcontext():
+            return f(*a, **k)
+
+    closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*dyn)
+    ctx = Context(cfg.compute_dtype, cfg.rules, cfg.unknown_higher_order, cfg.modules)
+    # f's float32 outputs count as float32 uses: the elementwise ops right
+    # before them run in float32 (the output is returned in float32 anyway).
+    wide_out = cfg.output_dtype is None or cfg.output_dtype.itemsize >= 4
+    with jax.named_scope(AUTOCAST_SCOPE):
+        outs, _ = eval_jaxpr(closed.jaxpr, closed.consts, dyn, ctx, float32_outputs=wide_out)
+        final = []
+        for x, shape in zip(outs, jax.tree_util.tree_leaves(out_shape), strict=True):
+            want = shape.dtype
+            if is_float(want) and cfg.output_dtype is not None:
+                want = cfg.output_dtype
+            if is_float(x.dtype) and x.dtype != want:
+                x = ctx.cast(x, want)
+            final.append(x)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), final)
+
+
+def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
+    cache: dict[Any, Callable[..., Any]] = {}
+    linen_lifted: list[Callable[..., Any]] = []
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        nnx = _flax.nnx_module()
+        is_node = nnx.graph.is_graph_node if nnx is not None else (lambda x: False)
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
+        node_idx = [i for i, x in enumerate(leaves) if is_node(x)]
+        fn = f
+        self_node = None
+        if is_node(f):
+            self_node = f
+        elif getattr(f, "__self__", None) is not None and is_node(f.__self__):
+            self_node = f.__self__
+        if not node_idx and self_node is None:
+            dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+            dyn = [leaves[i] for i in dynamic]
+            return _dispatch(fn, leaves, treedef, dynamic, dyn)
+        return _call_nnx(nnx, leaves, treedef, node_idx, self_node)
+
+    def _dispatch(
+        fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int], dyn: list[Any]
+    ) -> Any:
+        if any(isinstance(x, jax.core.Tracer) for x in dyn):
+            return _run(fn, cfg, leaves, treedef, dynamic, dyn)
+        # Eager call: one jitted program per call signature (jit caches per
+        # shapes and dtypes), instead of re-tracing `f` op by op every call.
+        static = tuple(x for i, x in enumerate(leaves) if i not in set(dynamic))
+        try:
+            key = (treedef, tuple(dynamic), static)
+            hash(key)
+        except TypeError:
+            return _run(fn, cfg, leaves, treedef, dynamic, dyn)
+        jitted = cache.get(key)
+        if jitted is None:
+            template = list(leaves)
+            for i in dynamic:
+                template[i] = None
+
+            def flat(*vals: Any) -> Any:
+                return _run(fn, cfg, template, treedef, dynamic, vals)
+
+            jitted = cache[key] = jax.jit(flat)
+            if len(cache) > 64:
+                cache.pop(next(iter(cache)))
+        return jitted(*dyn)
+
+    def _call_nnx(
+        nnx: Any, leaves: list[Any], treedef: Any, node_idx: list[int], self_node: Any
+    ) -> Any:
+        # nnx modules are split into a graph definition and a state pytree;
+        # the state is traced like any other input and the updated state
+        # (BatchStat, RNG counts, ...) is written back after the call, as
+        # nnx.jit does.
+        nodes = tuple(leaves[i] for i in node_idx) + ((self_node,) if self_node is not None else ())
+        graphdef, state = nnx.split(nodes)
+        state_leaves, state_def = jax.tree_util.tree_flatten(state)
+        if len(state_leaves) != len(
+            jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        ):
+            raise NotImplementedError("autocast: nnx Variables with several array leaves")
+        rest = [i for i, x in enumerate(leaves) if i not in set(node_idx) and _is_dynamic(x)]
+        static_leaves = list(leaves)
+        for i in node_idx:
+            static_leaves[i] = None
+        nstate = len(state_leaves)
+        method = f.__func__ if self_node is not None and self_node is not f else None
+
+        def pure(*vals: Any) -> Any:
+            merged = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, vals[:nstate]))
+            full = list(static_leaves)
+            for i, x in zip(node_idx, merged, strict=False):
+                full[i] = x
+            for i, x in zip(rest, vals[nstate:], strict=True):
+                full[i] = x
+            a, k = jax.tree_util.tree_unflatten(treedef, full)
+            target = f
+            if self_node is not None:
+                target = merged[-1] if method is None else functools.partial(method, merged[-1])
+            names = _flax.nnx_scopes(nnx, merged) if cfg.modules else contextlib.nullcontext()
+            with names:
+                out = target(*a, **k)
+            new_leaves = jax.tree_util.tree_leaves(nnx.state(merged))
+            # Only the state the call changed comes back (and is written back):
+            # unchanged parameters must not be written from inside a trace.
+            changed = {
+                i: y for i, (x, y) in enumerate(zip(vals[:nstate], new_leaves, strict=True))
+                if y is not x
+            }  # fmt: skip
+            return out, changed
+
+        flat_args = [*state_leaves, *(leaves[i] for i in rest)]
+        p_leaves, p_def = jax.tree_util.tree_flatten((tuple(flat_args), {}))
+        out, changed = _dispatch(pure, p_leaves, p_def, list(range(len(p_leaves))), p_leaves)
+        if not changed:
+            return out
+        variables = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        if all(hasattr(v, "set_value") for v in variables):
+            for i, value in changed.items():
+                variables[i].set_value(value)
+        else:  # flax < 0.11: the split state holds copies (VariableState), not Variables
+            new_leaves = [changed.get(i, x) for i, x in enumerate(state_leaves)]
+            nnx.update(nodes, jax.tree_util.tree_unflatten(state_def, new_leaves))
+        return out
+
+    def linen_call(*args: Any, **kwargs: Any) -> Any:
+        if not linen_lifted:
+            from flax.core import lift
+            from flax.linen import transforms as nn_transforms
+
+            def core(fn: Callable[..., Any]) -> Callable[..., Any]:
+                def inner(
+                    scope_fn: Any,
+                    repack_fn: Any,
+                    variable_groups: Any,
+                    rng_groups: Any,
+                    *a: Any,
+                    **k: Any,
+                ) -> Any:
+                    def pure(variable_groups: Any, rng_groups: Any, a: Any, k: Any) -> Any:
+                        scope = scope_fn(variable_groups, rng_groups)
+                        y = fn(scope, *a, **k)
+                        return y, repack_fn(scope)
+
+                    return _make_wrapper(pure, cfg)(variable_groups, rng_groups, a, k)
+
+                return lift.pack(
+                    inner, (True,), (True,), (True,), name="autocast", enable_kwargs=True
+                )
+
+            linen_lifted.append(nn_transforms.lift_transform(core, f))
+        return linen_lifted[0](*args, **kwargs)
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if args and _flax.is_bound_linen(args[0]) and not _flax.is_bound_linen(f):
+            # The decorator form on a linen method: lift through flax so that
+            # parameters, collections and RNGs cross the trace (init and apply).
+            return linen_call(*args, **kwargs)
+        return call(*args, **kwargs)
+
+    return wrapper
+
+
+def autocast(
+    f: Callable[..., Any] | None = None,
+    dtype: Any = None,
+    *,
+    policy: Policy | str | None = None,
+    enabled: bool = True,
+    rules: Mapping[Any, str] | None = None,
+    modules: Mapping[str, Any] | None = None,
+    unknown_higher_order: str = "warn",
+) -> Callable[..., Any]:
+    """Runs `f` in mixed precision, choosing each operation's dtype by op class.
+
+    Like ``torch.autocast``: matrix products and convolutions run in `dtype`;
+    numerically sensitive ops (exp, log, division, sums, softmax, norm
+    statistics, losses, and the elementwise steps that feed them) in float32;
+    everything else follows its inputs, so the activations between two matmuls
+    stay in `dtype` (a float32 parameter meeting one, like a Dense bias, is cast
+    down). An explicit ``x.astype(jnp.float32)`` in `f` is kept: the ops after
+    it run in float32 until a matmul. Parameters stay in their own dtype and
+    outputs come back in the dtypes `f` returns without autocast (or the
+    policy's ``output_dtype``), so ``autocast(f)`` is a drop-in for `f`. It
+    composes with ``jit``, ``grad`` (backward ops run in the dtype of their
+    forward ops), ``vmap``, control flow, ``remat``, custom derivatives, Flax
+    linen (also as a decorator on a ``@nn.compact`` method) and nnx modules
+    (state updates are written back). Eager calls are compiled once per
+    input signature.
+
+    Arrays among the arguments are traced; every other argument (Python
+    scalars, strings, modules) is fixed at trace time, like a static argument.
+
+    Args:
+      f: the function to transform, e.g. a Flax ``model.apply``, an nnx module
+        or a linen method. Without it, returns a decorator.
+      dtype: the lower-precision dtype (``jnp.float16`` or ``jnp.bfloat16``).
+        Defaults to float16 (bfloat16 on TPU).
+      policy: a :class:`jaxamp.Policy` (or policy string) instead of `dtype`:
+        its ``compute_dtype`` is the lower-precision dtype and floating
+        outputs are cast to its ``output_dtype``.
+      enabled: if False, return `f` itself.
+      rules: per-call overrides of ``jaxamp.DEFAULT_RULES``: primitive name
+        (or primitive) -> ``"lower"``, ``"float32"``, ``"elementwise"``,
+        ``"follow"``, ``"widest"`` or ``"as_written"``. E.g.
+        ``{"dot_general": "float32"}`` keeps matmuls in float32. An unknown
+        name raises ``ValueError`` naming the closest known ones.
+      modules: per-module rules by Flax module path: pattern -> ``"float32"``
+        (the module runs in full precision, like ``full_precision``) or a
+        mapping of primitive rules for the ops of that module. A pattern is
+        matched (``fnmatch``) against each module's name and class name (linen
+        ``LayerNorm_0`` and ``nn.LayerNorm(name="ln")`` both match
+        ``"LayerNorm"``), or, with a ``/``, against its path, e.g.
+        ``{"LayerNorm": "float32", "head": "float32"}``; a module's rule
+        covers its submodules. Modules that ``nnx.scan`` / ``nnx.vmap``
+        rebuild are matched by class only.
+      unknown_higher_order: what to do with a primitive that carries a jaxpr
+        but is not in the table: ``"warn"`` (default) or ``"as_written"`` run
+        it in its original dtypes, ``"error"`` raises.
+
+    Returns:
+      A function with the signature of `f`.
+
+    Raises:
+      TypeError: if `f` is not callable.
+      ValueError: if `dtype` is not floating, both `dtype` and `policy` are
+        given, or a rule names an unknown primitive or op class.
+
+    Example:
+      >>> model = flax.linen.Dense(16)
+      >>> params = model.init(jax.random.key(0), jnp.ones((2, 8)))
+      >>> y = jaxamp.autocast(model.apply, dtype=jnp.float16)(params, jnp.ones((2, 8)))
+      >>> y.dtype  # the matmul ran in float16; the output keeps f's dtype
+      dtype('float32')
+    """
+    if f is None:
+        return functools.partial(
+            autocast, dtype=dtype, policy=policy, enabled=enabled, rules=rules,
+            modules=modules, unknown_higher_order=unknown_higher_order,
+        )  # fmt: skip
+    if not callable(f):
+        raise TypeError(f"autocast: f must be callable, got {type(f).__name__}")
+    compute_dtype, output_dtype = _resolve_dtype(dtype, policy)
+    resolved_rules = {**DEFAULT_RULES, **_rules.resolve_rules(rules)}
+    resolved_modules = _rules.resolve_modules(modules)
+    if unknown_higher_order not in ("warn", "as_written", "error"):
+        raise ValueError(
+            "autocast: unknown_higher_order must be 'warn', 'as_written' or 'error', "
+            f"got {unknown_higher_order!r}"
+        )
+    if not enabled:
+        return f
+    cfg = _Config(
+        compute_dtype,
+        output_dtype,
+        MappingProxyType(resolved_rules),
+        resolved_modules,
+        unknown_higher_order,
+    )
+    return _make_wrapper(f, cfg)
+
+
+def full_precision(g: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks `g` as a region that runs in full precision inside autocast.
+
+    PyTorch's ``custom_fwd(cast_inputs=torch.float32)`` and
+    ``autocast(enabled=False)``: `g` gets its inputs in the dtypes it has
+    without autocast (float32 for a float32 model) and every operation of `g`,
+    forward and backward, runs as written. An ``autocast`` nested inside `g`
+    switches lower precision back on for its own function. Outside autocast,
+    ``full_precision(g)`` behaves exactly like `g`.
+
+    Args:
+      g: the function to protect.
+
+    Returns:
+      A function with the signature of `g`.
+
+    Raises:
+      TypeError: if `g` is not callable.
+
+    Example:
+      >>> @jaxamp.full_precision
+      ... def loss_fn(logits, labels):
+      ...   return optax.softmax_cross_entropy(logits, labels).mean()
+    """
+    if not callable(g):
+        raise TypeError(f"full_precision: g must be callable, got {type(g).__name__}")
+
+    @functools.wraps(g)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with jax.named_scope(FULL_PRECISION_SCOPE):
+            return g(*args, **kwargs)
+
+    return wrapper
+
+
+def keep_float32(tree: Any) -> Any:
+    """Marks the floating leaves of `tree` as float32 on purpose for ``autocast``.
+
+    Inside ``autocast``, the marked values are float32 and so are the ops that
+    use them, until a matrix product or convolution consumes them (what
+    ``x.astype(jnp.float32)`` does to a float16 value). Use it where the
+    float32 request is not visible in the program: ``x.astype(jnp.float32)``
+    of a value that is already float32 in `f` (logits before a loss) leaves no
+    trace in a jaxpr, so autocast cannot tell it from no cast at all. Outside
+    ``autocast`` it is ``x.astype(jnp.float32)`` for each floating leaf (and
+    XLA removes the marker).
+
+    Args:
+      tree: an array or a pytree of arrays.
+
+    Returns:
+      `tree` with every floating leaf in float32.
+
+    Example:
+      >>> def loss_fn(params, x, y):
+      ...   logits = jaxamp.keep_float32(model.apply(params, x))
+      ...   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    """
+
+    def mark(x: Any) -> Any:
+        if not is_float(jnp.result_type(x)):
+            return x
+        with jax.named_scope(KEEP_FLOAT32_SCOPE):
+            # reduce_precision to float32's own format: an identity equation
+            # that stays in the jaxpr (a same-dtype astype would be dropped).
+            return lax.reduce_precision(jnp.asarray(x, jnp.float32), 8, 23)
+
+    return jax.tree_util.tree_map(mark, tree)

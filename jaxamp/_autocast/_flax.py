@@ -1,0 +1,104 @@
+"""Flax glue: naming module calls for ``modules=`` rules, and nnx / linen calls.
+
+Module rules match on the ``jax.named_scope`` stack of each equation. Linen
+names every module call itself; ``linen_class_scopes`` adds the class through
+flax's own ``nn.intercept_methods`` (a context, not a patch). nnx adds no
+scopes: autocast calls *its own* merged copy of the user's modules, and gives
+each copy a private subclass whose ``__call__`` opens the scope. The user's
+classes and objects are never modified, and the path table lives in a context
+variable of this call, so concurrent calls in other threads do not see it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import sys
+import types
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+
+# id(module copy) -> its path in the graph autocast was called with.
+_PATHS: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar("jaxamp_nnx_paths")
+_NAMED: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+_NAMED_SET: weakref.WeakSet[type] = weakref.WeakSet()  # the subclasses themselves
+
+
+def nnx_module() -> Any:
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is optional
+        return None
+    return nnx
+
+
+def is_bound_linen(x: Any) -> bool:
+    linen = sys.modules.get("flax.linen")
+    return linen is not None and isinstance(x, linen.Module) and x.scope is not None
+
+
+def linen_class_scopes() -> Any:
+    """A context naming every linen module method call `[Class]` (for `modules=`).
+
+    Linen puts each module call under a ``jax.named_scope`` of the module's
+    name only, so an explicitly named module (``nn.LayerNorm(name="ln")``)
+    would not show its class; this interceptor adds it inside that scope. A
+    null context when flax.linen is not imported (then there are no linen
+    modules).
+    """
+    linen = sys.modules.get("flax.linen")
+    if linen is None or not hasattr(linen, "intercept_methods"):
+        return contextlib.nullcontext()
+
+    def interceptor(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+        with jax.named_scope(f"[{type(context.module).__name__}]"):
+            return next_fun(*args, **kwargs)
+
+    return linen.intercept_methods(interceptor)
+
+
+def _named_class(cls: type) -> type:
+    """A subclass of `cls` whose calls open a ``path[Class]`` named scope."""
+    named = _NAMED.get(cls)
+    if named is not None:
+        return named
+    original = cls.__call__
+
+    @functools.wraps(original)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # A module rebuilt inside an nnx transform (nnx.scan, nnx.vmap) from
+        # a graph of named copies is a new object: named by its class only.
+        path = _PATHS.get({}).get(id(self), "")
+        with jax.named_scope(f"{path}[{cls.__name__}]"):
+            return original(self, *args, **kwargs)
+
+    kwds = {"pytree": cls._pytree__is_pytree} if hasattr(cls, "_pytree__is_pytree") else {}
+    named = types.new_class(
+        cls.__name__, (cls,), kwds, lambda ns: ns.update(__call__=__call__, __module__=cls.__module__)
+    )
+    named.__qualname__ = cls.__qualname__
+    _NAMED[cls] = named
+    _NAMED_SET.add(named)
+    return named
+
+
+@contextlib.contextmanager
+def nnx_scopes(nnx: Any, copies: Sequence[Any]) -> Iterator[None]:
+    """Names the calls of every module in `copies` (autocast's own merged copies)."""
+    paths: dict[int, str] = {}
+    for root in copies:
+        for path, node in nnx.iter_graph(root):
+            if isinstance(node, nnx.Module) and id(node) not in paths:
+                paths[id(node)] = "/".join(str(p) for p in path)
+                cls = type(node)
+                if cls not in _NAMED_SET and any("__call__" in vars(k) for k in cls.__mro__[:-1]):
+                    object.__setattr__(node, "__class__", _named_class(cls))
+    token = _PATHS.set(paths)
+    try:
+        yield
+    finally:
+        _PATHS.reset(token)

@@ -1,0 +1,523 @@
+"""The autocast interpreter: evaluates a jaxpr equation by equation with casts.
+
+Each equation's floating inputs are cast to the dtype ``_rules.choose`` picks
+and the primitive is bound on the cast values. Because only primitives are
+bound, the evaluation runs under whatever transformation is active: ``grad``
+differentiates the cast program, ``jit`` and ``vmap`` compose as usual.
+Higher-order primitives (``jit``, ``scan``, ``custom_vjp_call``, ...) are
+handled by the functions registered in ``HANDLERS`` (see ``_calls`` and
+``_loops``), as ``jax.experimental.jet`` keeps its rules in a dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from jaxamp import _jax_compat
+from jaxamp._autocast import _rules
+from jaxamp._autocast._rules import (
+    ACT,
+    AS_WRITTEN,
+    ELEMENTWISE,
+    F32,
+    FLOAT32,
+    FLOAT32_DTYPE,
+    FOLLOW,
+    NONE,
+    is_float,
+)
+
+# `jax.named_scope` markers, read from each equation's name stack.
+#: Equations traced under it run as written (``full_precision``).
+FULL_PRECISION_SCOPE = "jaxamp_full_precision"
+#: Equations of a nested ``autocast``: it already applied its own rules.
+AUTOCAST_SCOPE = "jaxamp_autocast"
+#: The ``reduce_precision`` identity that ``keep_float32`` leaves in a jaxpr.
+KEEP_FLOAT32_SCOPE = "jaxamp_keep_float32"
+
+Outs = tuple[list[Any], list[int]]  # a handler's outputs and their marks
+Handler = Callable[[Any, list[Any], list[int], list[Any], "Context", str], Outs]
+
+#: Higher-order primitive name -> handler(eqn, invals, inmarks, dtypes, ctx, stack).
+HANDLERS: dict[str, Handler] = {}
+
+
+def register(*names: str) -> Callable[[Handler], Handler]:
+    """Registers a handler for the higher-order primitives `names`."""
+
+    def deco(fn: Handler) -> Handler:
+        for name in names:
+            HANDLERS[name] = fn
+        return fn
+
+    return deco
+
+
+@dataclasses.dataclass
+class Context:
+    """One autocast trace: its configuration and per-trace memo tables.
+
+    Every memo is keyed by the object it describes (with that object kept
+    alive and checked by identity) plus everything else its answer depends on,
+    and lives only as long as this trace.
+    """
+
+    dtype: np.dtype
+    rules: Mapping[str, str]
+    unknown_higher_order: str
+    modules: tuple[tuple[str, Any], ...] = ()
+    axis_env: tuple[tuple[Any, int], ...] = ()
+    # Inner jaxprs already autocast during this trace (key -> (jaxpr, result)).
+    cache: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    # Casts already made: (id(value), dtype) -> (value, cast).
+    casts: dict[tuple[int, Any], tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    # Resolved per-module rules per name stack.
+    scoped: dict[str, tuple[bool, Mapping[str, str]]] = dataclasses.field(default_factory=dict)
+
+    def sub(self, **changes: Any) -> Context:
+        """A context for an inner trace: the same caches, no casts (other tracers)."""
+        return dataclasses.replace(self, casts={}, **changes)
+
+    def memo(self, key: Any, owner: Any, make: Callable[[], Any]) -> Any:
+        hit = self.cache.get(key)
+        if hit is not None and hit[0] is owner:
+            return hit[1]
+        value = make()
+        self.cache[key] = (owner, value)
+        return value
+
+    def cast(self, x: Any, dtype: Any) -> Any:
+        """A (saturating) cast, made once per (value, dtype) in this trace."""
+        dtype = np.dtype(dtype)
+        key = (id(x), dtype)
+        hit = self.casts.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        src = np.dtype(x.dtype)
+        y = _cast_jit(src, dtype)(x)
+        self.casts[key] = (x, y)
+        if dtype.itemsize > src.itemsize:
+            # An exact upcast: casting the result back down gives `x` again.
+            self.casts[(id(y), src)] = (y, x)
+        return y
+
+
+def _saturates(src: np.dtype, dst: np.dtype) -> bool:
+    return is_float(src) and is_float(dst) and float(jnp.finfo(dst).max) < float(jnp.finfo(src).max)
+
+
+SATURATING_CAST_NAME = "jaxamp_saturating_cast"
+
+
+@functools.lru_cache(maxsize=64)
+def _cast_jit(src: np.dtype, dst: np.dtype) -> Callable[[Any], Any]:
+    """``x -> x.astype(dst)``, saturating finite values beyond `dst`'s range.
+
+    Why: a float32 value that float32 arithmetic keeps finite (a mask built
+    from ``finfo(float32).min``, a large constant) must not become inf in
+    float16 or bfloat16 (a fully masked softmax row would then give NaN).
+    Infinities and NaN pass unchanged, so overflow detection still sees them.
+    The derivative is the plain cast (a straight-through clip), so the
+    backward pass keeps no mask. Bound as one inlined jit per dtype pair so
+    grad linearizes it once.
+    """
+    if not _saturates(src, dst):
+        return jax.jit(lambda x: lax.convert_element_type(x, dst), inline=True)
+    hi = float(jnp.finfo(dst).max)
+
+    def saturate(x: Any) -> Any:
+        clipped = lax.clamp(np.asarray(-hi, src), x, np.asarray(hi, src))
+        inf = lax.eq(lax.abs(x), np.asarray(np.inf, src))
+        return lax.convert_element_type(lax.select(inf, x, clipped), dst)
+
+    saturate.__name__ = SATURATING_CAST_NAME
+    cast = jax.custom_jvp(saturate)
+    cast.defjvp(lambda p, t: (cast(p[0]), lax.convert_element_type(t[0], dst)))
+    return jax.jit(cast, inline=True)
+
+
+def host_cast(value: Any, dtype: Any) -> Any:
+    """A literal cast on the host, saturating finite values like ``Context.cast``."""
+    v = np.asarray(value)
+    if _saturates(v.dtype, np.dtype(dtype)) and np.isfinite(v).all():
+        hi = float(jnp.finfo(dtype).max)
+        v = np.clip(v, -hi, hi)
+    return np.asarray(v, dtype=dtype)[()]
+
+
+# --------------------------------------------------------------------------
+# Binding.
+# --------------------------------------------------------------------------
+
+# Primitives bound through `_op_jit`: pure, context-free ops (no effects, no
+# axis names, no sharding), i.e. those the op table classifies plus a few
+# common "follow" ones.
+_JITTED_OPS: frozenset[str] = (
+    _rules.LOWER_PRECISION_OPS
+    | _rules.FLOAT32_OPS
+    | _rules.ELEMENTWISE_OPS
+    | _rules.WIDEST_OPS
+    | frozenset(
+        {
+            "split", "stop_gradient", "iota", "eq", "ne", "lt", "le", "gt", "ge",
+            "and", "or", "not", "xor", "is_finite", "argmax", "argmin", "reduce_min",
+            "reduce_and", "reduce_or", "sort",
+        }
+    )
+)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _op_jit(prim: Any, items: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+    """One inlined ``jit`` per (primitive, params).
+
+    Why: autocast binds the ops of an already-traced program one by one, and
+    under ``grad`` JAX linearizes each bind afresh, while a model written with
+    ``jnp`` calls small inlined jits whose linearization JAX caches per program.
+    Binding through one jit per (primitive, params) gets the same cache: the
+    ops of 48 identical layers are linearized once, not 48 times. ``inline``
+    leaves the traced program exactly as a direct bind would.
+    """
+    params = dict(items)
+    return jax.jit(lambda *args: prim.bind(*args, **params), inline=True)
+
+
+def bind(eqn: Any, args: list[Any], params: Any = None) -> list[Any]:
+    prim = eqn.primitive
+    params = eqn.params if params is None else params
+    if prim.name in _JITTED_OPS and not eqn.effects:
+        try:
+            fn = _op_jit(prim, tuple(sorted(params.items())))
+        except TypeError:  # an unhashable param
+            pass
+        else:
+            return _jax_compat.outputs_as_list(prim, fn(*args))
+    out = _jax_compat.bind(prim, args, params)
+    return _jax_compat.outputs_as_list(prim, out)
+
+
+# --------------------------------------------------------------------------
+# Evaluation.
+# --------------------------------------------------------------------------
+
+
+# Elementwise ops whose backward pass keeps no floating residual: computing
+# them in float32 right before a float32 output costs nothing.
+_FREE_BEFORE_OUTPUT: frozenset[str] = frozenset(
+    {
+        "add", "sub", "neg", "select_n", "copy", "convert_element_type",
+        "reduce_precision", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+        "transpose", "slice", "dynamic_slice", "pad", "rev", "concatenate",
+    }
+)  # fmt: skip
+
+
+def _free_before_output(eqn: Any) -> bool:
+    name = eqn.primitive.name
+    return name in _FREE_BEFORE_OUTPUT or (
+        name == "mul" and any(isinstance(v, Literal) for v in eqn.invars)
+    )
+
+
+def demanded_eqns(jaxpr: Jaxpr, ctx: Context, float32_outputs: bool = False) -> frozenset[int]:
+    """Indices of ``"elementwise"`` equations whose results only feed float32.
+
+    A backward pass over the jaxpr: a value is demanded when every use of it
+    is a ``"float32"`` op or a demanded equation (and it is not an output); an
+    ``"elementwise"`` equation is demanded when all its results are. With
+    `float32_outputs` (the top level of ``f``, whose floating outputs are
+    returned in float32), an output also counts as a float32 use, but only
+    for the ops whose backward keeps no residual (``_FREE_BEFORE_OUTPUT``):
+    a bias add before the output runs in float32 at no memory cost.
+    """
+
+    def make() -> frozenset[int]:
+        uses: dict[Any, list[int]] = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.invars:
+                if not isinstance(v, Literal):
+                    uses.setdefault(v, []).append(i)
+        outs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+        wide_outs = {v for v in outs if float32_outputs and np.dtype(v.aval.dtype).itemsize >= 4}
+        sinks: set[int] = set()  # float32 ops and equations demanded by them
+        out_sinks: set[int] = set()  # equations demanded by a float32 output
+        demanded: set[int] = set()
+        for i in range(len(jaxpr.eqns) - 1, -1, -1):
+            eqn = jaxpr.eqns[i]
+            rule = ctx.rules.get(eqn.primitive.name, FOLLOW)
+            if rule == FLOAT32:
+                sinks.add(i)
+                continue
+            if rule != ELEMENTWISE or not eqn.outvars:
+                continue
+            by_float32 = by_output = True
+            for v in eqn.outvars:
+                vuses = uses.get(v, [])
+                if v in outs and v not in wide_outs or not (vuses or v in outs):
+                    by_float32 = by_output = False
+                    break
+                by_float32 &= v not in outs and all(u in sinks for u in vuses)
+                by_output &= all(u in sinks or u in out_sinks for u in vuses)
+            if by_float32:
+                sinks.add(i)
+                demanded.add(i)
+            elif by_output and _free_before_output(eqn):
+                out_sinks.add(i)
+                demanded.add(i)
+        return frozenset(demanded)
+
+    return ctx.memo(("demand", id(jaxpr), float32_outputs), jaxpr, make)
+
+
+def eval_jaxpr(
+    jaxpr: Jaxpr,
+    consts: Iterable[Any],
+    args: Iterable[Any],
+    ctx: Context,
+    marks: Sequence[int] | None = None,
+    stack: str = "",
+    as_written: bool = False,
+    float32_outputs: bool = False,
+) -> Outs:
+    """Evaluates `jaxpr` with autocast rules; returns the outputs and their marks."""
+    env: dict[Any, Any] = {}
+    mark: dict[Any, int] = {}
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    args = list(args)
+    marks = list(marks) if marks is not None else [NONE] * len(args)
+    for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
+        env[v] = x
+        mark[v] = m
+    demanded = frozenset() if as_written else demanded_eqns(jaxpr, ctx, float32_outputs)
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        invals = [read(v) for v in eqn.invars]
+        inmarks = [NONE if isinstance(v, Literal) else mark.get(v, NONE) for v in eqn.invars]
+        # Each equation binds under the mesh it was traced under (an
+        # auto_axes body runs under another mesh than its caller).
+        with _jax_compat.mesh_of(_jax_compat.eqn_mesh(eqn)):
+            outs, outmarks = eval_eqn(eqn, invals, inmarks, ctx, i in demanded, stack, as_written)
+        for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
+            env[v] = x
+            mark[v] = m
+    outvals = [read(v) for v in jaxpr.outvars]
+    outmarks = [NONE if isinstance(v, Literal) else mark.get(v, NONE) for v in jaxpr.outvars]
+    return outvals, outmarks
+
+
+def _dtype_of(x: Any, v: Any) -> Any:
+    # Not np.dtype(...): extended dtypes (PRNG keys) have no numpy equivalent.
+    return v.aval.dtype if isinstance(v, Literal) else x.dtype
+
+
+def to_original(vals: list[Any], dtypes: list[Any], invars: list[Any], ctx: Context) -> list[Any]:
+    """Casts floating values back to the dtypes the un-autocast program had."""
+    out = []
+    for x, cur, v in zip(vals, dtypes, invars, strict=True):
+        want = v.aval.dtype
+        if cur != want and is_float(cur) and is_float(want):
+            x = host_cast(x, want) if isinstance(v, Literal) else ctx.cast(x, want)
+        out.append(x)
+    return out
+
+
+def cast_all(xs: Sequence[Any], dtypes: Sequence[Any], ctx: Context) -> list[Any]:
+    return [
+        ctx.cast(x, d) if is_float(d) and is_float(x.dtype) and x.dtype != d else x
+        for x, d in zip(xs, dtypes, strict=True)
+    ]
+
+
+def scope_rules(ctx: Context, stack: str) -> tuple[bool, Mapping[str, str]]:
+    """(run as written?, rules) for equations traced under name stack `stack`."""
+    hit = ctx.scoped.get(stack)
+    if hit is not None:
+        return hit
+    parts = [p for p in stack.split("/") if p]
+    full = any(p.startswith((FULL_PRECISION_SCOPE, AUTOCAST_SCOPE)) for p in parts)
+    rules = ctx.rules
+    if ctx.modules and not full:
+        for pattern, value in ctx.modules:
+            if _rules.module_match(pattern, parts):
+                if value == FLOAT32:
+                    full = True
+                    break
+                rules = {**rules, **value}
+    ctx.scoped[stack] = (full, rules)
+    return full, rules
+
+
+def has_subjaxprs(params: Mapping[str, Any]) -> bool:
+    for value in params.values():
+        if isinstance(value, (ClosedJaxpr, Jaxpr)):
+            return True
+        if isinstance(value, (tuple, list)) and any(
+            isinstance(v, (ClosedJaxpr, Jaxpr)) for v in value
+        ):
+            return True
+    return False
+
+
+def eval_eqn(
+    eqn: Any,
+    invals: list[Any],
+    inmarks: list[int],
+    ctx: Context,
+    demanded: bool,
+    outer_stack: str,
+    as_written: bool,
+) -> Outs:
+    name = eqn.primitive.name
+    dtypes = [_dtype_of(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
+    stack = _jax_compat.name_stack(eqn)
+    if outer_stack:
+        stack = f"{outer_stack}/{stack}" if stack else outer_stack
+    rules = ctx.rules
+    if not as_written:
+        as_written, rules = scope_rules(ctx, stack)
+    nout = len(eqn.outvars)
+    rule = AS_WRITTEN if as_written else rules.get(name, FOLLOW)
+
+    if rule != AS_WRITTEN and has_subjaxprs(eqn.params):
+        handler = HANDLERS.get(name)
+        if handler is not None:
+            return handler(eqn, invals, inmarks, dtypes, ctx, stack)
+        _unknown_higher_order(name, ctx)
+        rule = AS_WRITTEN
+
+    if rule == AS_WRITTEN:
+        return bind(eqn, to_original(invals, dtypes, eqn.invars, ctx)), [NONE] * nout
+
+    floats = [i for i, d in enumerate(dtypes) if is_float(d)]
+    if not floats:  # integer / bool / key ops are never touched
+        return bind(eqn, invals), [NONE] * nout
+    if name == "convert_element_type":
+        return _eval_convert(eqn, invals, inmarks, dtypes, ctx, demanded)
+    if name == "reduce_precision" and KEEP_FLOAT32_SCOPE in stack:
+        x = invals[0]  # the keep_float32 marker: an identity in float32
+        return [x if dtypes[0] == FLOAT32_DTYPE else ctx.cast(x, FLOAT32_DTYPE)], [F32]
+
+    target, out_mark = _rules.choose(
+        rule,
+        [np.dtype(dtypes[i]) for i in floats],
+        [inmarks[i] for i in floats],
+        [not eqn.invars[i].aval.weak_type for i in floats],
+        ctx.dtype,
+        demanded,
+    )
+    args = list(invals)
+    for i in floats:
+        if dtypes[i] != target:
+            literal = isinstance(eqn.invars[i], Literal)
+            args[i] = host_cast(invals[i], target) if literal else ctx.cast(invals[i], target)
+    params = eqn.params
+    pref = params.get("preferred_element_type")
+    if pref is not None and is_float(pref) and np.dtype(pref) != target:
+        # jnp sets preferred_element_type to its inputs' dtype: follow the cast,
+        # unless `f` asked for another accumulation type than its inputs'.
+        orig = functools.reduce(
+            _rules.promote, [np.dtype(eqn.invars[i].aval.dtype) for i in floats]
+        )
+        if np.dtype(pref) == orig:
+            params = dict(params, preferred_element_type=target)
+        elif np.dtype(pref).itemsize >= 4:
+            out_mark = F32
+    return bind(eqn, args, params), [out_mark] * nout
+
+
+def _unknown_higher_order(name: str, ctx: Context) -> None:
+    if ctx.unknown_higher_order == "error":
+        raise NotImplementedError(
+            f"jaxamp.autocast does not know the higher-order primitive {name!r}. "
+            "Pass unknown_higher_order='as_written' to run it in its original "
+            f"dtypes, or rules={{{name!r}: 'as_written'}}."
+        )
+    if ctx.unknown_higher_order == "warn":
+        why = ""
+        if name == "custom_vjp_call_jaxpr":
+            why = (
+                f" On JAX {jax.__version__} a jax.custom_vjp function appears in "
+                "jaxprs in a form autocast does not enter; newer JAX (tested: "
+                "0.10) writes it as custom_vjp_call, which autocast enters."
+            )
+        warnings.warn(
+            f"jaxamp.autocast: higher-order primitive {name!r} is not entered; it "
+            f"runs in the dtypes of the original function.{why}",
+            stacklevel=2,
+        )
+
+
+def _eval_convert(
+    eqn: Any, invals: list[Any], inmarks: list[int], dtypes: list[Any], ctx: Context, demanded: bool
+) -> Outs:
+    new = eqn.params["new_dtype"]
+    x = invals[0]
+    if not is_float(new):  # float -> int / bool: from the value `f` had
+        return bind(eqn, to_original([x], dtypes, eqn.invars, ctx)), [NONE]
+    new = np.dtype(new)
+    # An explicit cast to float32 or wider (`x.astype(jnp.float32)` of a
+    # lower-precision value) marks the value float32 for the ops after it. A
+    # weak -> strong retyping is not a cast.
+    src = eqn.invars[0].aval
+    retype = bool(src.weak_type) != bool(eqn.params.get("weak_type", False))
+    pinned = new.itemsize >= 4 and not demanded and not retype
+    if dtypes[0] == new:
+        return [x], [F32 if pinned else inmarks[0]]
+    return [ctx.cast(x, new)], [F32 if pinned else NONE]
+
+
+def eval_to_original(
+    jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any], ctx: Context, stack: str = ""
+) -> list[Any]:
+    """Like `eval_jaxpr`, with outputs cast back to the jaxpr's output dtypes."""
+    outs, _ = eval_jaxpr(jaxpr, consts, args, ctx, None, stack)
+    return [
+        ctx.cast(x, v.aval.dtype) if is_float(x.dtype) and x.dtype != v.aval.dtype else x
+        for x, v in zip(outs, jaxpr.outvars, strict=True)
+    ]
+
+
+def traced(
+    body: Callable[..., Any], avals: Sequence[Any], ctx: Context
+) -> ClosedJaxpr:
+    """``jax.make_jaxpr(body)`` with the trace's axis environment."""
+    return jax.make_jaxpr(body, axis_env=list(ctx.axis_env) or None)(*avals)
+
+
+def autocast_subjaxpr(sub: ClosedJaxpr | Jaxpr, ctx: Context, stack: str) -> ClosedJaxpr | Jaxpr:
+    """An autocast version of `sub` with the same input and output types."""
+
+    def make() -> ClosedJaxpr | Jaxpr:
+        if isinstance(sub, ClosedJaxpr):
+            jaxpr, consts = sub.jaxpr, sub.consts
+        else:
+            jaxpr, consts = sub, ()
+            if jaxpr.constvars:
+                raise NotImplementedError("open inner jaxpr with constvars")
+        sub_ctx = ctx.sub()
+        new = traced(
+            lambda *args: eval_to_original(jaxpr, consts, args, sub_ctx, stack),
+            [v.aval for v in jaxpr.invars],
+            ctx,
+        )
+        if isinstance(sub, ClosedJaxpr):
+            return new
+        if new.consts:
+            raise NotImplementedError("autocast introduced constants in an open inner jaxpr")
+        return new.jaxpr
+
+    return ctx.memo(("sub", id(sub), stack), sub, make)
