@@ -26,11 +26,9 @@ __all__ = [
     "custom_jvp_rule",
     "custom_vjp_bwd",
     "custom_vjp_fwd",
-    "call_mesh",
-    "eqn_mesh",
+    "eqn_context",
     "inlinable_call",
     "is_unspecified",
-    "mesh_of",
     "name_stack",
     "outputs_as_list",
     "shard_map_call",
@@ -125,40 +123,16 @@ def shard_map_call(fn: Callable[..., Any], args: list[Any], params: dict[str, An
 # --------------------------------------------------------------------------
 
 
-def _abstract(mesh: Any) -> Any:
-    return getattr(mesh, "abstract_mesh", mesh)
+def eqn_context(eqn: Any) -> Any:
+    """The trace context an equation was traced under, to bind it under again.
 
-
-def eqn_mesh(eqn: Any) -> Any:
-    """The abstract mesh an equation was traced under, or None.
-
-    Under an Explicit mesh every aval carries its mesh, and JAX checks that an
-    op's context mesh matches its inputs' (``jax.sharding.auto_axes`` traces
-    its body under another mesh than its caller's). ``aval.sharding`` is
-    public (``jax.typeof(x).sharding``) since JAX 0.6.
+    ``JaxprEqn.ctx.manager`` (JAX >= 0.4.36) restores the abstract mesh
+    (``jax.sharding.auto_axes`` traces its body under another mesh than its
+    caller, and JAX checks that an op's context mesh matches its inputs'),
+    the compute type and the XLA metadata, as ``jax.core.eval_jaxpr`` does.
     """
-    for v in (*eqn.invars, *eqn.outvars):
-        mesh = getattr(getattr(v.aval, "sharding", None), "mesh", None)
-        if mesh is not None and not getattr(mesh, "empty", True):
-            return mesh
-    return None
-
-
-@contextlib.contextmanager
-def mesh_of(mesh: Any) -> Iterator[None]:
-    """Binds under abstract mesh `mesh` (None: as is) when it is not the current one."""
-    use = getattr(jax.sharding, "use_abstract_mesh", None)
-    mesh = None if mesh is None else _abstract(mesh)
-    if mesh is None or use is None or jax.sharding.get_abstract_mesh() == mesh:
-        yield
-        return
-    with use(mesh):
-        yield
-
-
-def call_mesh(params: dict[str, Any]) -> Any:
-    """The context of a ``jit`` equation's own mesh (``ctx_mesh``, JAX >= 0.7)."""
-    return mesh_of(params.get("ctx_mesh"))
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    return manager if manager is not None else contextlib.nullcontext()
 
 
 def inlinable_call(params: dict[str, Any]) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jaxamp import _jax_compat
@@ -30,7 +31,8 @@ from jaxamp._autocast._interpret import (
     to_original,
     traced,
 )
-from jaxamp._autocast._rules import NONE, is_float
+from jaxamp._autocast import _rules
+from jaxamp._autocast._rules import F32, FLOAT32_DTYPE, FLOAT32_FUNCTIONS, NONE, is_float
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "call")
 
@@ -45,6 +47,13 @@ def _eval_call(
 ) -> Outs:
     params = eqn.params
     inner = _closed(params.get("jaxpr", params.get("call_jaxpr")))
+    if params.get("name") in FLOAT32_FUNCTIONS:
+        # torch runs softmax / log_softmax / logsumexp in float32 and returns
+        # float32: the whole function does, whatever its inputs.
+        ups = [_rules.promote(np.dtype(d), FLOAT32_DTYPE) if is_float(d) else None for d in dtypes]
+        args = [x if u is None or d == u else ctx.cast(x, u) for x, d, u in zip(invals, dtypes, ups)]
+        marks = [F32 if u is not None else m for u, m in zip(ups, inmarks, strict=True)]
+        return eval_jaxpr(inner.jaxpr, inner.consts, args, ctx, marks, stack)
     if _jax_compat.inlinable_call(params):
         # Activations keep their dtype across the boundary (jax.nn.relu, silu,
         # jnp.cross, jnp.tril are nested jits).
@@ -55,10 +64,8 @@ def _eval_call(
         return eval_jaxpr(inner.jaxpr, inner.consts, invals, ctx, inmarks, stack)
     # A jit with shardings, donation or its own mesh keeps its signature:
     # inputs go back to their original dtypes and the inner jaxpr is replaced
-    # by an autocast jaxpr of exactly the same types, traced under the jit's
-    # own mesh context.
-    with _jax_compat.call_mesh(params):
-        new = autocast_subjaxpr(params["jaxpr"], ctx, stack)
+    # by an autocast jaxpr of exactly the same types.
+    new = autocast_subjaxpr(params["jaxpr"], ctx, stack)
     args = to_original(invals, dtypes, eqn.invars, ctx)
     return bind(eqn, args, dict(params, jaxpr=new)), [NONE] * len(eqn.outvars)
 
@@ -110,7 +117,7 @@ def _eval_nested_jit(
             for s in _inner_stacks(closed.jaxpr, ctx)
         )
     )
-    key = ("jit", id(closed), tuple(avals), tuple(inmarks), scopes, ctx.axis_env, stack)
+    key = ("jit", id(closed), tuple(avals), tuple(inmarks), scopes)
 
     def make() -> tuple[ClosedJaxpr, list[int]] | None:
         out_marks: list[int] = []

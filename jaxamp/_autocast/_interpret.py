@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +33,7 @@ from jaxamp._autocast._rules import (
     FLOAT32,
     FLOAT32_DTYPE,
     FOLLOW,
+    LOWER,
     NONE,
     is_float,
 )
@@ -89,6 +90,9 @@ class Context:
         return dataclasses.replace(self, casts={}, **changes)
 
     def memo(self, key: Any, owner: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, once per (key, owner) and everything in this context
+        that changes how an inner jaxpr is evaluated."""
+        key = (key, self.axis_env)
         hit = self.cache.get(key)
         if hit is not None and hit[0] is owner:
             return hit[1]
@@ -211,9 +215,9 @@ def bind(eqn: Any, args: list[Any], params: Any = None) -> list[Any]:
 # --------------------------------------------------------------------------
 
 
-# Elementwise ops whose backward pass keeps no floating residual: computing
-# them in float32 right before a float32 output costs nothing.
-_FREE_BEFORE_OUTPUT: frozenset[str] = frozenset(
+# Ops whose backward pass keeps no floating residual: computing them in
+# float32 costs no memory (``mul`` too when its other operand is a literal).
+_RESIDUAL_FREE: frozenset[str] = frozenset(
     {
         "add", "sub", "neg", "select_n", "copy", "convert_element_type",
         "reduce_precision", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
@@ -222,61 +226,77 @@ _FREE_BEFORE_OUTPUT: frozenset[str] = frozenset(
 )  # fmt: skip
 
 
-def _free_before_output(eqn: Any) -> bool:
+def _residual_free(eqn: Any) -> bool:
     name = eqn.primitive.name
-    return name in _FREE_BEFORE_OUTPUT or (
+    return name in _RESIDUAL_FREE or (
         name == "mul" and any(isinstance(v, Literal) for v in eqn.invars)
     )
 
 
-def demanded_eqns(jaxpr: Jaxpr, ctx: Context, float32_outputs: bool = False) -> frozenset[int]:
-    """Indices of ``"elementwise"`` equations whose results only feed float32.
+class Analysis(NamedTuple):
+    """Per-equation facts read from a jaxpr's uses, before it is evaluated."""
 
-    A backward pass over the jaxpr: a value is demanded when every use of it
-    is a ``"float32"`` op or a demanded equation (and it is not an output); an
-    ``"elementwise"`` equation is demanded when all its results are. With
-    `float32_outputs` (the top level of ``f``, whose floating outputs are
-    returned in float32), an output also counts as a float32 use, but only
-    for the ops whose backward keeps no residual (``_FREE_BEFORE_OUTPUT``):
-    a bias add before the output runs in float32 at no memory cost.
+    #: "elementwise" equations whose results only feed float32 (they run in float32).
+    demanded: frozenset[int]
+    #: equations where a float32 input promotes an activation: the results
+    #: reach only float32 ops, matmuls / convolutions or ``f``'s float32
+    #: outputs, through ops that keep no residual, so float32 there costs no
+    #: memory. Elsewhere the activation's dtype wins (a gelu's ``x ** 3``
+    #: meeting ``x``): promoting there stores float32 residuals.
+    promote: frozenset[int]
+
+
+def analyse(jaxpr: Jaxpr, ctx: Context, float32_outputs: bool = False) -> Analysis:
+    """One backward pass over `jaxpr`'s uses (see ``Analysis``).
+
+    A value is float32-demanded when every use of it is a ``"float32"`` op or
+    a demanded equation (and it is not an output); an ``"elementwise"``
+    equation is demanded when all its results are. With `float32_outputs`
+    (the top level of ``f``, whose floating outputs are returned in float32),
+    an output also counts as a float32 use for residual-free equations: a bias
+    add before the output runs in float32 at no memory cost.
     """
 
-    def make() -> frozenset[int]:
+    def make() -> Analysis:
         uses: dict[Any, list[int]] = {}
         for i, eqn in enumerate(jaxpr.eqns):
             for v in eqn.invars:
                 if not isinstance(v, Literal):
                     uses.setdefault(v, []).append(i)
         outs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
-        wide_outs = {v for v in outs if float32_outputs and np.dtype(v.aval.dtype).itemsize >= 4}
+        wide = {v for v in outs if float32_outputs and np.dtype(v.aval.dtype).itemsize >= 4}
         sinks: set[int] = set()  # float32 ops and equations demanded by them
-        out_sinks: set[int] = set()  # equations demanded by a float32 output
+        free: set[int] = set()  # residual-free equations feeding only float32 / lower ops
         demanded: set[int] = set()
         for i in range(len(jaxpr.eqns) - 1, -1, -1):
             eqn = jaxpr.eqns[i]
             rule = ctx.rules.get(eqn.primitive.name, FOLLOW)
-            if rule == FLOAT32:
-                sinks.add(i)
+            if rule in (FLOAT32, LOWER):
+                sinks.add(i) if rule == FLOAT32 else free.add(i)
                 continue
-            if rule != ELEMENTWISE or not eqn.outvars:
+            if not eqn.outvars:
                 continue
-            by_float32 = by_output = True
+            by_float32 = rule == ELEMENTWISE
+            by_free = _residual_free(eqn)
             for v in eqn.outvars:
                 vuses = uses.get(v, [])
-                if v in outs and v not in wide_outs or not (vuses or v in outs):
-                    by_float32 = by_output = False
+                if (v in outs and v not in wide) or not (vuses or v in outs):
+                    by_float32 = by_free = False
                     break
                 by_float32 &= v not in outs and all(u in sinks for u in vuses)
-                by_output &= all(u in sinks or u in out_sinks for u in vuses)
+                by_free &= all(u in sinks or u in free for u in vuses)
             if by_float32:
                 sinks.add(i)
                 demanded.add(i)
-            elif by_output and _free_before_output(eqn):
-                out_sinks.add(i)
-                demanded.add(i)
-        return frozenset(demanded)
+            elif by_free:
+                free.add(i)
+                if rule == ELEMENTWISE and all(v in wide or not uses.get(v) for v in eqn.outvars):
+                    demanded.add(i)  # feeds f's float32 outputs only
+        promote = frozenset(demanded | {i for i in free if ctx.rules.get(
+            jaxpr.eqns[i].primitive.name, FOLLOW) != LOWER})
+        return Analysis(frozenset(demanded), promote)
 
-    return ctx.memo(("demand", id(jaxpr), float32_outputs), jaxpr, make)
+    return ctx.memo(("analysis", id(jaxpr), float32_outputs), jaxpr, make)
 
 
 def eval_jaxpr(
@@ -299,7 +319,7 @@ def eval_jaxpr(
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
         env[v] = x
         mark[v] = m
-    demanded = frozenset() if as_written else demanded_eqns(jaxpr, ctx, float32_outputs)
+    facts = Analysis(frozenset(), frozenset()) if as_written else analyse(jaxpr, ctx, float32_outputs)
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
@@ -307,10 +327,12 @@ def eval_jaxpr(
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         inmarks = [NONE if isinstance(v, Literal) else mark.get(v, NONE) for v in eqn.invars]
-        # Each equation binds under the mesh it was traced under (an
+        # Each equation binds under the context it was traced under (an
         # auto_axes body runs under another mesh than its caller).
-        with _jax_compat.mesh_of(_jax_compat.eqn_mesh(eqn)):
-            outs, outmarks = eval_eqn(eqn, invals, inmarks, ctx, i in demanded, stack, as_written)
+        with _jax_compat.eqn_context(eqn):
+            outs, outmarks = eval_eqn(
+                eqn, invals, inmarks, ctx, i in facts.demanded, i in facts.promote, stack, as_written
+            )
         for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
             env[v] = x
             mark[v] = m
@@ -378,6 +400,7 @@ def eval_eqn(
     inmarks: list[int],
     ctx: Context,
     demanded: bool,
+    promote: bool,
     outer_stack: str,
     as_written: bool,
 ) -> Outs:
@@ -418,6 +441,7 @@ def eval_eqn(
         [not eqn.invars[i].aval.weak_type for i in floats],
         ctx.dtype,
         demanded,
+        promote_f32=promote,
     )
     args = list(invals)
     for i in floats:

@@ -107,7 +107,7 @@ def _trace_region(
                     cast_only[index[v]] = False
         return _Region(region, list(got), cast_only)
 
-    key = ("region", id(closed), stack, ctx.axis_env, tuple(in_forms), tuple(out_forms))
+    key = ("region", id(closed), stack, tuple(in_forms), tuple(out_forms))
     return ctx.memo(key, closed, make)
 
 

@@ -101,6 +101,10 @@ DEFAULT_RULES: Mapping[str, str] = MappingProxyType(
     }
 )
 
+#: Library functions that torch runs as float32-list ops, where JAX writes
+#: them as named nested jits (``jax.nn.log_softmax``): run wholly in float32.
+FLOAT32_FUNCTIONS: frozenset[str] = frozenset({"softmax", "log_softmax", "logsumexp"})
+
 # Value marks, carried beside each value while a jaxpr is evaluated:
 #: parameters, inputs, constants: in the dtype ``f`` gives them.
 NONE = 0
@@ -134,6 +138,7 @@ def choose(
     strong: Sequence[bool],
     compute: np.dtype,
     demanded: bool,
+    promote_f32: bool = True,
 ) -> tuple[np.dtype, int]:
     """The dtype an equation runs in and the mark of its results.
 
@@ -144,11 +149,13 @@ def choose(
         which follows the other inputs as in JAX and PyTorch.
       compute: the autocast dtype.
       demanded: every use of the results is float32 (``_demand``).
+      promote_f32: whether a float32 input promotes an activation it meets
+        (``_interpret.analyse``: only where that stores no float32 residual).
     """
     kinds = [d for d, s in zip(dtypes, strong, strict=True) if s] or list(dtypes)
     widest = functools.reduce(promote, kinds[1:], kinds[0])
-    f32_in = any(m == F32 for m in marks)
     act_in = any(m == ACT for m in marks)
+    f32_in = any(m == F32 for m in marks) and (promote_f32 or not act_in)
     if rule == LOWER:
         if widest.itemsize > compute.itemsize and widest.itemsize > 4:
             return widest, NONE  # float64 is not cast down
