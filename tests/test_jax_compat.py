@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.sharding import PartitionSpec as P
 
 from jaxamp import _jax_compat
 
@@ -89,25 +90,28 @@ def test_shard_map_call():
     assert jnp.allclose(out[0], 2.0)
 
 
-def test_user_intent_hooks_keep_explicit_casts_and_accumulation():
-    def cast(x):
-        return x.astype(jnp.float32) * 2.0  # a no-op cast on float32: JAX drops it
+def test_eqn_context_restores_the_mesh_an_equation_was_traced_under():
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        x = jnp.ones((4, 2))
+        closed = jax.make_jaxpr(
+            lambda x: jax.sharding.auto_axes(lambda y: y * 2.0, out_sharding=P())(x)
+        )(x)
+        (mul,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "mul"]
+        inner = mul.invars[0].aval.sharding.mesh
+        assert inner != jax.sharding.get_abstract_mesh()  # Auto inside, Explicit outside
+        with _jax_compat.eqn_context(mul):
+            assert jax.sharding.get_abstract_mesh() == inner
 
-    def dot(x, w):
-        return jnp.einsum("ij,jk->ik", x, w, preferred_element_type=jnp.float32)
 
-    x, w = jnp.ones((2, 3)), jnp.ones((3, 3))
-    # (fresh lambdas each time: make_jaxpr caches traces per function)
-    assert [e.primitive.name for e in jax.make_jaxpr(lambda x: cast(x))(x).jaxpr.eqns] == ["mul"]
-    with _jax_compat.user_intent_hooks():
-        hooked = jax.make_jaxpr(lambda x: cast(x))(x)
-        dots = jax.make_jaxpr(lambda x, w: dot(x, w))(x, w)
-    assert [e.primitive.name for e in hooked.jaxpr.eqns] == ["copy", "mul"]
-    assert _jax_compat.EXPLICIT_CAST_SCOPE in _jax_compat.name_stack(hooked.jaxpr.eqns[0])
-    (eqn,) = [e for e in dots.jaxpr.eqns if e.primitive.name == "dot_general"]
-    assert _jax_compat.KEEP_ACCUMULATION_SCOPE in _jax_compat.name_stack(eqn)
-    # Outside the context everything is as before (the patch is removed).
-    assert [e.primitive.name for e in jax.make_jaxpr(lambda x: cast(x))(x).jaxpr.eqns] == ["mul"]
+def test_custom_jvp_name_reads_the_function_name():
+    @jax.custom_jvp
+    def my_rule(x):
+        return x
+
+    my_rule.defjvp(lambda p, t: (p[0], t[0]))
+    (eqn,) = jax.make_jaxpr(my_rule)(1.0).jaxpr.eqns
+    assert _jax_compat.custom_jvp_name(eqn) == "my_rule"
 
 
 def test_custom_rule_params():

@@ -202,7 +202,7 @@ def _eval_custom_jvp(
 
     def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         rule, rconsts, out_zeros = _jax_compat.custom_jvp_rule(params, len(primals))
-        sub = ctx.sub()
+        sub = ctx.sub(saturate=False)
         outs, _ = eval_jaxpr(
             rule.jaxpr if isinstance(rule, ClosedJaxpr) else rule,
             rconsts,

@@ -35,6 +35,7 @@ from jaxamp._autocast._rules import (
     FOLLOW,
     LOWER,
     NONE,
+    PIN,
     is_float,
 )
 
@@ -78,6 +79,9 @@ class Context:
     unknown_higher_order: str
     modules: tuple[tuple[str, Any], ...] = ()
     axis_env: tuple[tuple[Any, int], ...] = ()
+    # False inside a custom_jvp rule, whose tangent ops must stay linear
+    # (JAX transposes them): its casts are plain casts.
+    saturate: bool = True
     # Inner jaxprs already autocast during this trace (key -> (jaxpr, result)).
     cache: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     # Casts already made: (id(value), dtype) -> (value, cast).
@@ -92,7 +96,7 @@ class Context:
     def memo(self, key: Any, owner: Any, make: Callable[[], Any]) -> Any:
         """``make()``, once per (key, owner) and everything in this context
         that changes how an inner jaxpr is evaluated."""
-        key = (key, self.axis_env)
+        key = (key, self.axis_env, self.saturate)
         hit = self.cache.get(key)
         if hit is not None and hit[0] is owner:
             return hit[1]
@@ -108,7 +112,7 @@ class Context:
         if hit is not None and hit[0] is x:
             return hit[1]
         src = np.dtype(x.dtype)
-        y = _cast_jit(src, dtype)(x)
+        y = _cast_jit(src, dtype, self.saturate)(x)
         self.casts[key] = (x, y)
         if dtype.itemsize > src.itemsize:
             # An exact upcast: casting the result back down gives `x` again.
@@ -124,7 +128,7 @@ SATURATING_CAST_NAME = "jaxamp_saturating_cast"
 
 
 @functools.lru_cache(maxsize=64)
-def _cast_jit(src: np.dtype, dst: np.dtype) -> Callable[[Any], Any]:
+def _cast_jit(src: np.dtype, dst: np.dtype, saturate: bool = True) -> Callable[[Any], Any]:
     """``x -> x.astype(dst)``, saturating finite values beyond `dst`'s range.
 
     Why: a float32 value that float32 arithmetic keeps finite (a mask built
@@ -135,7 +139,7 @@ def _cast_jit(src: np.dtype, dst: np.dtype) -> Callable[[Any], Any]:
     backward pass keeps no mask. Bound as one inlined jit per dtype pair so
     grad linearizes it once.
     """
-    if not _saturates(src, dst):
+    if not (saturate and _saturates(src, dst)):
         return jax.jit(lambda x: lax.convert_element_type(x, dst), inline=True)
     hi = float(jnp.finfo(dst).max)
 
@@ -264,7 +268,10 @@ def analyse(jaxpr: Jaxpr, ctx: Context, float32_outputs: bool = False) -> Analys
                 if not isinstance(v, Literal):
                     uses.setdefault(v, []).append(i)
         outs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
-        wide = {v for v in outs if float32_outputs and np.dtype(v.aval.dtype).itemsize >= 4}
+        wide = {
+            v for v in outs
+            if float32_outputs and is_float(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize >= 4
+        }  # fmt: skip
         sinks: set[int] = set()  # float32 ops and equations demanded by them
         free: set[int] = set()  # residual-free equations feeding only float32 / lower ops
         demanded: set[int] = set()
@@ -432,7 +439,7 @@ def eval_eqn(
         return _eval_convert(eqn, invals, inmarks, dtypes, ctx, demanded)
     if name == "reduce_precision" and KEEP_FLOAT32_SCOPE in stack:
         x = invals[0]  # the keep_float32 marker: an identity in float32
-        return [x if dtypes[0] == FLOAT32_DTYPE else ctx.cast(x, FLOAT32_DTYPE)], [F32]
+        return [x if dtypes[0] == FLOAT32_DTYPE else ctx.cast(x, FLOAT32_DTYPE)], [PIN]
 
     target, out_mark = _rules.choose(
         rule,
@@ -500,8 +507,8 @@ def _eval_convert(
     retype = bool(src.weak_type) != bool(eqn.params.get("weak_type", False))
     pinned = new.itemsize >= 4 and not demanded and not retype
     if dtypes[0] == new:
-        return [x], [F32 if pinned else inmarks[0]]
-    return [ctx.cast(x, new)], [F32 if pinned else NONE]
+        return [x], [PIN if pinned else inmarks[0]]
+    return [ctx.cast(x, new)], [PIN if pinned else NONE]
 
 
 def eval_to_original(

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
+from jaxamp import _jax_compat
 from jaxamp._autocast._interpret import (
     SATURATING_CAST_NAME,
     Context,
@@ -33,7 +34,7 @@ from jaxamp._autocast._interpret import (
     register,
     traced,
 )
-from jaxamp._autocast._rules import ACT, F32, NONE, is_float
+from jaxamp._autocast._rules import ACT, NONE, PIN, is_float
 
 _Form = tuple[Any, int]  # (dtype, mark) of a value entering or leaving a region
 _FREE = "free"  # an output form: whatever the region gives
@@ -52,7 +53,7 @@ def _is_cast_down(eqn: Any, dtype: np.dtype) -> bool:
         return eqn.params["new_dtype"] == dtype
     return (
         name == "custom_jvp_call"
-        and eqn.params.get("name") == SATURATING_CAST_NAME
+        and _jax_compat.custom_jvp_name(eqn) == SATURATING_CAST_NAME
         and eqn.outvars[0].aval.dtype == dtype
     )
 
@@ -169,14 +170,14 @@ def _eval_while(
     # in its original dtype.
     for i in carry:
         pinned = orig[i] is not None and orig[i].itemsize >= 4
-        forms[i] = (orig[i], F32) if pinned else None
+        forms[i] = (orig[i], PIN) if pinned else None
     exits = [forms[i] for i in carry]
     region = _trace_region(params["body_jaxpr"], forms[first:], exits, ctx, stack)
     cond_in = forms[: params["cond_nconsts"]] + forms[carry0:]
     cond = _trace_region(params["cond_jaxpr"], cond_in, [None], ctx, stack)
     new_params = dict(params, body_jaxpr=region.jaxpr, cond_jaxpr=cond.jaxpr)
     got = zip(carry, region.got, strict=True)
-    marks = [F32 if g == (orig[i], F32) else NONE for i, g in got]
+    marks = [PIN if g == (orig[i], PIN) else NONE for i, g in got]
     return bind(eqn, _entry(invals, dtypes, orig, forms, ctx), new_params), marks
 
 
@@ -213,7 +214,7 @@ def _eval_scan(
         if not changed:
             break
     marks = [
-        f[1] if f is not None else F32 if g == (orig[i], F32) else NONE
+        f[1] if f is not None else PIN if g == (orig[i], PIN) else NONE
         for i, f, g in zip(carry, (forms[i] for i in carry), region.got, strict=False)
     ] + [m for _, m in region.got[ncarry:]]
     entry = _entry(invals, dtypes, orig, forms, ctx)

@@ -111,9 +111,13 @@ NONE = 0
 #: an activation: a value autocast put in the lower-precision dtype (a matmul's
 #: output and what "follow" ops compute from it).
 ACT = 1
-#: float32 on purpose: a float32-list op's result, an explicit cast to float32
-#: in ``f``, a ``keep_float32`` marker. It stays float32 until a "lower" op.
+#: a float32-list op's result: it promotes an activation it meets where that
+#: stores no float32 residual (``_interpret.analyse``), until a "lower" op.
 F32 = 2
+#: float32 by the user's request: an explicit cast to float32 in ``f``, a
+#: ``keep_float32`` marker, a while loop's carry. It promotes everything it
+#: meets until a "lower" op.
+PIN = 3
 
 FLOAT32_DTYPE = np.dtype(np.float32)
 
@@ -155,16 +159,19 @@ def choose(
     kinds = [d for d, s in zip(dtypes, strong, strict=True) if s] or list(dtypes)
     widest = functools.reduce(promote, kinds[1:], kinds[0])
     act_in = any(m == ACT for m in marks)
+    pin_in = any(m == PIN for m in marks)
     f32_in = any(m == F32 for m in marks) and (promote_f32 or not act_in)
     if rule == LOWER:
         if widest.itemsize > compute.itemsize and widest.itemsize > 4:
             return widest, NONE  # float64 is not cast down
         return compute, ACT
     if rule == FLOAT32:
-        return promote(widest, FLOAT32_DTYPE), F32
+        return promote(widest, FLOAT32_DTYPE), PIN if pin_in else F32
     if rule == ELEMENTWISE and demanded:
         return promote(widest, FLOAT32_DTYPE), NONE
-    if f32_in:  # a float32 value on purpose promotes what it meets
+    if pin_in:  # the user's float32 promotes what it meets
+        return promote(widest, FLOAT32_DTYPE), PIN
+    if f32_in:
         return promote(widest, FLOAT32_DTYPE), F32
     if rule == WIDEST:
         return widest, ACT if act_in and widest == compute else NONE
