@@ -12,10 +12,12 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +36,13 @@ class _Net(nnx.Module):
         self.head = nnx.Linear(32, 4, rngs=rngs)
 
     def __call__(self, x):
+        if _SYNC:  # both threads are inside a trace now (and so inside autocast's patch)
+            _SYNC[0].wait(timeout=30)
+            time.sleep(random.random() * 0.02)
         return self.head(self.norm(nnx.relu(self.l1(x))))
+
+
+_SYNC: list[threading.Barrier] = []
 
 
 def test_modules_rules_from_two_threads_leave_classes_unpatched():
@@ -45,7 +53,7 @@ def test_modules_rules_from_two_threads_leave_classes_unpatched():
     for cls, fn in originals.items():
         assert cls.__dict__["__call__"] is fn
 
-    rounds = 25
+    rounds = 10
     barrier = threading.Barrier(2)
     results: list[list[np.ndarray]] = [[], []]
     errors: list[BaseException] = []
@@ -62,10 +70,14 @@ def test_modules_rules_from_two_threads_leave_classes_unpatched():
             barrier.abort()
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _SYNC.append(threading.Barrier(2))
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        _SYNC.clear()
     assert not errors, errors
     left = [cls.__name__ for cls, fn in originals.items() if cls.__dict__["__call__"] is not fn]
     for cls, fn in originals.items():  # undo a leak before asserting: later tests use these
