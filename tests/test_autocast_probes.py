@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.numpy import matmul  # bound before autocast's trace-time hooks exist
 
 import jaxamp
 
@@ -155,40 +154,3 @@ def test_kl_of_own_softmax_is_zero_under_autocast():
     out = jaxamp.autocast(_kl, dtype=jnp.float16)(x, w)
     assert out.dtype == ref.dtype
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
-
-
-# --------------------------------------------------------------------------
-# An explicit float32 accumulation.
-# --------------------------------------------------------------------------
-
-
-def _dot_out_dtypes(fn, *args):
-    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    return [
-        (tuple(np.dtype(v.aval.dtype) for v in e.invars), np.dtype(e.outvars[0].aval.dtype))
-        for e in jaxpr.eqns
-        if e.primitive.name == "dot_general"
-    ]
-
-
-def _mm_attribute(a, b):
-    return jnp.matmul(a, b, preferred_element_type=jnp.float32)
-
-
-def _mm_imported(a, b):
-    return matmul(a, b, preferred_element_type=jnp.float32)
-
-
-def test_preferred_element_type_float32_kept_jnp_attribute():
-    a = jnp.ones((8, 8))
-    dots = _dot_out_dtypes(jaxamp.autocast(_mm_attribute, dtype=jnp.float16), a, a)
-    f16, f32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
-    assert dots == [((f16, f16), f32)], dots
-
-
-def test_preferred_element_type_float32_kept_from_import():
-    """`from jax.numpy import matmul` bypasses the patched jnp attribute."""
-    a = jnp.ones((8, 8))
-    dots = _dot_out_dtypes(jaxamp.autocast(_mm_imported, dtype=jnp.float16), a, a)
-    f16, f32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
-    assert dots == [((f16, f16), f32)], dots

@@ -15,12 +15,12 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.numpy import matmul
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.numpy import matmul
 
 import jaxamp
 from jaxamp import _jax_compat

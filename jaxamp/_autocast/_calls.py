@@ -18,6 +18,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jaxamp import _jax_compat
+from jaxamp._autocast import _rules
 from jaxamp._autocast._interpret import (
     Context,
     Outs,
@@ -31,7 +32,6 @@ from jaxamp._autocast._interpret import (
     to_original,
     traced,
 )
-from jaxamp._autocast import _rules
 from jaxamp._autocast._rules import F32, FLOAT32_DTYPE, FLOAT32_FUNCTIONS, NONE, is_float
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "call")
@@ -51,7 +51,10 @@ def _eval_call(
         # torch runs softmax / log_softmax / logsumexp in float32 and returns
         # float32: the whole function does, whatever its inputs.
         ups = [_rules.promote(np.dtype(d), FLOAT32_DTYPE) if is_float(d) else None for d in dtypes]
-        args = [x if u is None or d == u else ctx.cast(x, u) for x, d, u in zip(invals, dtypes, ups)]
+        args = [
+            x if u is None or d == u else ctx.cast(x, u)
+            for x, d, u in zip(invals, dtypes, ups, strict=True)
+        ]
         marks = [F32 if u is not None else m for u, m in zip(ups, inmarks, strict=True)]
         return eval_jaxpr(inner.jaxpr, inner.consts, args, ctx, marks, stack)
     if _jax_compat.inlinable_call(params):

@@ -78,7 +78,10 @@ def _named_class(cls: type) -> type:
 
     kwds = {"pytree": cls._pytree__is_pytree} if hasattr(cls, "_pytree__is_pytree") else {}
     named = types.new_class(
-        cls.__name__, (cls,), kwds, lambda ns: ns.update(__call__=__call__, __module__=cls.__module__)
+        cls.__name__,
+        (cls,),
+        kwds,
+        lambda ns: ns.update(__call__=__call__, __module__=cls.__module__),
     )
     named.__qualname__ = cls.__qualname__
     _NAMED[cls] = named

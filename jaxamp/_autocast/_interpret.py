@@ -26,7 +26,6 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jaxamp import _jax_compat
 from jaxamp._autocast import _rules
 from jaxamp._autocast._rules import (
-    ACT,
     AS_WRITTEN,
     ELEMENTWISE,
     F32,
@@ -299,8 +298,10 @@ def analyse(jaxpr: Jaxpr, ctx: Context, float32_outputs: bool = False) -> Analys
                 free.add(i)
                 if rule == ELEMENTWISE and all(v in wide or not uses.get(v) for v in eqn.outvars):
                     demanded.add(i)  # feeds f's float32 outputs only
-        promote = frozenset(demanded | {i for i in free if ctx.rules.get(
-            jaxpr.eqns[i].primitive.name, FOLLOW) != LOWER})
+        promote = frozenset(
+            demanded
+            | {i for i in free if ctx.rules.get(jaxpr.eqns[i].primitive.name, FOLLOW) != LOWER}
+        )
         return Analysis(frozenset(demanded), promote)
 
     return ctx.memo(("analysis", id(jaxpr), float32_outputs), jaxpr, make)
@@ -326,7 +327,9 @@ def eval_jaxpr(
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
         env[v] = x
         mark[v] = m
-    facts = Analysis(frozenset(), frozenset()) if as_written else analyse(jaxpr, ctx, float32_outputs)
+    facts = (
+        Analysis(frozenset(), frozenset()) if as_written else analyse(jaxpr, ctx, float32_outputs)
+    )
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
@@ -338,7 +341,14 @@ def eval_jaxpr(
         # auto_axes body runs under another mesh than its caller).
         with _jax_compat.eqn_context(eqn):
             outs, outmarks = eval_eqn(
-                eqn, invals, inmarks, ctx, i in facts.demanded, i in facts.promote, stack, as_written
+                eqn,
+                invals,
+                inmarks,
+                ctx,
+                i in facts.demanded,
+                i in facts.promote,
+                stack,
+                as_written,
             )
         for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
             env[v] = x
@@ -522,9 +532,7 @@ def eval_to_original(
     ]
 
 
-def traced(
-    body: Callable[..., Any], avals: Sequence[Any], ctx: Context
-) -> ClosedJaxpr:
+def traced(body: Callable[..., Any], avals: Sequence[Any], ctx: Context) -> ClosedJaxpr:
     """``jax.make_jaxpr(body)`` with the trace's axis environment."""
     return jax.make_jaxpr(body, axis_env=list(ctx.axis_env) or None)(*avals)
 

@@ -123,8 +123,7 @@ def _entry(invals: list[Any], dtypes: list[Any], orig: list[Any], forms: list[An
 def _forms(eqn: Any, inmarks: list[int], dtypes: list[Any]) -> tuple[list[Any], list[Any]]:
     orig = [np.dtype(v.aval.dtype) if is_float(v.aval.dtype) else None for v in eqn.invars]
     forms: list[_Form | None] = [
-        (dtypes[i], m) if m != NONE and is_float(dtypes[i]) else None
-        for i, m in enumerate(inmarks)
+        (dtypes[i], m) if m != NONE and is_float(dtypes[i]) else None for i, m in enumerate(inmarks)
     ]
     return orig, forms
 

@@ -71,9 +71,7 @@ ELEMENTWISE_OPS: frozenset[str] = frozenset(
 
 #: torch.autocast's promote list (``cat``, ``stack``, ``index_put``, ``atan2``,
 #: ...): these run in the widest input dtype and never cast an input down.
-WIDEST_OPS: frozenset[str] = frozenset(
-    {"concatenate", "dynamic_update_slice", "atan2"}
-)
+WIDEST_OPS: frozenset[str] = frozenset({"concatenate", "dynamic_update_slice", "atan2"})
 
 #: Ops that run in the dtypes the un-autocast function gave them: their
 #: semantics or their params (a combiner jaxpr, a callback's result types, a
