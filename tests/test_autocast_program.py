@@ -1,0 +1,205 @@
+"""autocast is a function of the program (API.md section 7): what must hold in 0.3.
+
+Each test here fails on jaxamp 0.2 (process-wide hooks, float16 masks, float32
+results cast back down, no float32 linear algebra).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxamp
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+KEY = jax.random.key(0)
+
+
+def _attention_with_padding(params, x, valid):
+    # Flax's own attention with a padding mask: nn.make_attention_mask and the
+    # finfo(float32).min bias inside nn.dot_product_attention.
+    mask = nn.make_attention_mask(valid, valid)
+    return nn.MultiHeadDotProductAttention(num_heads=2).apply(params, x, x, mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_fully_masked_padding_rows_stay_finite(dtype):
+    x = jax.random.normal(KEY, (2, 6, 8))
+    valid = jnp.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
+    params = nn.MultiHeadDotProductAttention(num_heads=2).init(KEY, x, x)
+    ref = _attention_with_padding(params, x, valid)
+    got = jaxamp.autocast(_attention_with_padding, dtype=dtype)(params, x, valid)
+    assert np.isfinite(np.asarray(ref)).all()
+    assert np.isfinite(np.asarray(got)).all()  # 0.2: NaN in the padded query rows
+    grads = jax.grad(lambda p: jnp.sum(jaxamp.autocast(_attention_with_padding, dtype=dtype)(
+        p, x, valid) ** 2))(params)  # fmt: skip
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    value=st.sampled_from([
+        float(np.finfo(np.float32).min), float(np.finfo(np.float32).max), -1e30, 7e4, 1e5, -65520.0
+    ]),
+    op=st.sampled_from(["where", "add", "max", "select_bias", "concat"]),
+    dtype=st.sampled_from([F16, BF16]),
+)  # fmt: skip
+def test_a_large_finite_constant_never_becomes_inf(value, op, dtype):
+    # Any float32 constant meeting an activation in any op: float32 keeps it
+    # finite, so autocast's casts must too (they saturate).
+    def f(x, w):
+        h = x @ w  # an activation
+        c = jnp.full(h.shape, value, F32)
+        if op == "where":
+            return jnp.where(h > 0, h, c)
+        if op == "add":
+            return h * 0.0 + c
+        if op == "max":
+            return jnp.maximum(h, c)
+        if op == "select_bias":
+            return jax.nn.softmax(h + jnp.where(h > 100.0, c, 0.0))
+        return jnp.concatenate([h, c], axis=-1)
+
+    x, w = jnp.ones((2, 4)), jnp.ones((4, 4))
+    ref = f(x, w)
+    got = jaxamp.autocast(f, dtype=dtype)(x, w)
+    assert np.isfinite(np.asarray(ref)).all()
+    assert np.isfinite(np.asarray(got)).all(), (value, op)
+
+
+def _fresh_log_softmax_kl(z):
+    return optax.kl_divergence(jax.nn.log_softmax(z), jax.nn.softmax(z))
+
+
+def test_answer_does_not_depend_on_what_was_traced_before():
+    w = jax.random.normal(KEY, (16, 16))
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    f = lambda x, w: _fresh_log_softmax_kl(x @ w)  # noqa: E731
+    first = jaxamp.autocast(f, dtype=F16)(x, w)
+    f(x, w)  # a float32 trace and call of the same library functions
+    jax.jit(f)(x, w)
+    again = jaxamp.autocast(f, dtype=F16)(x, w)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
+    # KL(p || p) is zero up to float32 rounding: log_softmax ran in float32.
+    assert np.abs(np.asarray(again)).max() < 1e-6
+
+
+def test_no_jax_function_is_replaced_while_autocast_traces():
+    names = ("einsum", "matmul", "dot", "tensordot", "inner", "vdot")
+    before = {n: getattr(jnp, n) for n in names} | {
+        "lax.dot_general": jax.lax.dot_general,
+        "lax.convert_element_type": jax.lax.convert_element_type,
+    }
+    seen = {}
+
+    def f(x, w):
+        seen.update({n: getattr(jnp, n) for n in names})
+        seen["lax.dot_general"] = jax.lax.dot_general
+        seen["lax.convert_element_type"] = jax.lax.convert_element_type
+        return x @ w
+
+    jaxamp.autocast(f, dtype=F16)(jnp.ones((2, 2)), jnp.ones((2, 2)))
+    assert seen == before
+
+
+def test_concurrent_autocast_calls_agree_with_a_single_one():
+    m = nn.Sequential([nn.Dense(32), nn.gelu, nn.LayerNorm(), nn.Dense(8)])
+    x = jax.random.normal(KEY, (4, 16))
+    params = m.init(KEY, x)
+    fn = jaxamp.autocast(m.apply, dtype=F16, modules={"LayerNorm": "float32"})
+    want = np.asarray(jax.jit(fn)(params, x))
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(np.asarray(jax.jit(jaxamp.autocast(
+                m.apply, dtype=F16, modules={"LayerNorm": "float32"}))(params, x)))  # fmt: skip
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 4
+    for r in results:
+        np.testing.assert_array_equal(r, want)
+
+
+def test_float32_result_is_not_rounded_where_it_meets_an_activation():
+    # optax.huber_loss on tiny errors: 0.5 * err**2 ~ 3e-8 is below float16's
+    # smallest normal; 0.2 cast it down to 0 where it met the activation.
+    w = jnp.eye(4)
+    pred_in = jnp.full((2, 4), 2.5e-4)  # a float16 activation error of 2.5e-4
+
+    def f(x, w):
+        return optax.huber_loss(x @ w, jnp.zeros((2, 4)))
+
+    ref = f(pred_in, w)
+    got = jaxamp.autocast(f, dtype=F16)(pred_in, w)
+    assert got.dtype == F32
+    assert (np.asarray(got) > 0).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0.5)
+
+
+def test_promote_list_ops_run_in_the_widest_input_dtype():
+    def f(x, w, extra):
+        return jnp.concatenate([x @ w, extra], axis=0)  # torch's cat: widest type
+
+    x, w = jnp.ones((2, 4)), jnp.eye(4)
+    extra = jnp.full((1, 4), 1.0 + 2**-20)  # not representable in float16
+    closed = jax.make_jaxpr(jaxamp.autocast(f, dtype=F16))(x, w, extra)
+    (cat,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "concatenate"]
+    assert cat.outvars[0].aval.dtype == F32
+    got = jaxamp.autocast(f, dtype=F16)(x, w, extra)
+    assert float(got[2, 0]) == float(extra[0, 0])
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda a: jnp.linalg.solve(a, a[:, :1]),
+        lambda a: jnp.linalg.inv(a),
+        lambda a: jnp.linalg.qr(a)[1],
+        lambda a: jnp.linalg.slogdet(a)[1],
+        lambda a: jnp.linalg.cholesky(a @ a.T + 4 * jnp.eye(4)),
+        lambda a: jnp.linalg.eigh(a @ a.T)[0],
+        lambda a: jnp.linalg.svd(a, compute_uv=False),
+        lambda a: jnp.abs(jnp.fft.rfft(a)),
+        lambda a: jnp.abs(jnp.fft.fft(a)),
+    ],
+    ids=["solve", "inv", "qr", "slogdet", "cholesky", "eigh", "svd", "rfft", "fft"],
+)
+def test_linear_algebra_and_fft_fed_by_a_matmul_run_in_float32(op):
+    x = jax.random.normal(KEY, (4, 4)) + 3 * jnp.eye(4)
+    f = lambda x: op(x @ jnp.eye(4))  # noqa: E731
+    got = jaxamp.autocast(f, dtype=F16)(x)  # 0.2: Unsupported dtype float16
+    ref = f(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-2, atol=2e-2)
+
+
+def test_keep_float32_marks_a_value_float32_until_a_matmul():
+    x = jnp.full((2, 4), 300.0)
+    w = jnp.eye(4)
+
+    def f(x, w):
+        y = jaxamp.keep_float32(x @ w)
+        return (y * y) @ w  # 9e4: beyond float16; the matmul casts it down again
+
+    closed = jax.make_jaxpr(jaxamp.autocast(f, dtype=F16))(x, w)
+    (mul,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "mul"]
+    assert mul.outvars[0].aval.dtype == F32
+    dots = [e for e in closed.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert [d.invars[0].aval.dtype for d in dots] == [F16, F16]
+    # Outside autocast it is an astype(float32).
+    assert jaxamp.keep_float32(jnp.ones(2, F16)).dtype == F32
+    np.testing.assert_array_equal(jaxamp.keep_float32(x), x)
