@@ -24,7 +24,9 @@ def _cell(row: dict[str, Any]) -> list[str]:
     a, h, t, t32 = (row.get(k) or {} for k in ("autocast", "hand", "train", "train_f32"))
     skips = "-"
     if t and t32:
-        skips = f"{sum(t['skipped'])} / {sum(t32['skipped'])}"
+        calibration = row.get("calibration_skips", 0)
+        note = f" ({calibration} calibrating)" if calibration else ""
+        skips = f"{sum(t['skipped'])}{note} / {sum(t32['skipped'])}"
     final = t["final"] / t32["final"] if t and t32 else None
     if row["failures"]:
         verdict = "FAIL: " + "; ".join(f.replace("|", "/") for f in row["failures"])
@@ -69,7 +71,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         "knob); `loss err`: relative; `grad cos`: cosine of the gradient at init to float32's "
         f"(float16 loss scaled by 2^15); `final loss / f32`: after {steps} AdamW steps "
         "(float16: dynamic scale from 2^15; bfloat16: skip only), both judged by the float32 "
-        "model; `residuals`: backward residual bytes (`bench_autocast._residual_bytes`); "
+        "model; `calibrating`: leading float16 skips that float32's own gradient at init "
+        "forces (it times the scale overflows float16); `residuals`: backward residual bytes "
+        "(`bench_autocast._residual_bytes`); "
         "`compile`: trace + compile seconds of `jit(value_and_grad)`. Requirements and "
         "tolerances: `tests/conformance/harness.py`.",
         "",
@@ -86,7 +90,7 @@ def main() -> None:
     dst = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("benchmarks/RESULTS.md")
     rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
     section = f"{BEGIN}\n{table(rows)}\n{END}"
-    text = dst.read_text()
+    text = dst.read_text() if dst.exists() else ""
     if BEGIN in text and END in text:
         text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
     else:
