@@ -4,18 +4,33 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MULTIDEVICE := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: test demo bench bench-gpu lint clean test-oldest
+.PHONY: test demo bench bench-gpu lint clean test-oldest conformance
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev,examples,bench]"
+	$(PY) -m pip install --quiet -e ".[dev,examples,bench,conformance]"
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 jaxamp tests --ignore=tests/multidevice --ignore=tests/multiprocess
 	$(MULTIDEVICE) $(PY) -m pytest -q tests/multidevice
 	$(PY) -m pytest -q tests/multiprocess
+
+# jaxamp.autocast + loss scaling on third-party models (tests/conformance; CI runs a
+# 10-step subset of the same tests in `make test`): all models, both dtypes, 30 steps,
+# residual and compile measurements; writes the table in benchmarks/RESULTS.md even
+# when some fail, then exits with pytest's status.
+CONFORMANCE_ROWS := runs/conformance/rows.jsonl
+conformance: $(STAMP)
+	rm -f $(CONFORMANCE_ROWS)
+	st=0; \
+	CONFORMANCE_FULL=1 CONFORMANCE_OUT=$(CONFORMANCE_ROWS) $(PY) -m pytest -q -n 2 \
+		tests/conformance || st=$$?; \
+	CONFORMANCE_FULL=1 CONFORMANCE_OUT=$(CONFORMANCE_ROWS) $(MULTIDEVICE) $(PY) -m pytest -q \
+		tests/multidevice/test_conformance_mesh.py || st=$$?; \
+	$(PY) tests/conformance/report.py $(CONFORMANCE_ROWS) benchmarks/RESULTS.md; \
+	exit $$st
 
 demo: $(STAMP)
 	$(PY) examples/train_lm.py
