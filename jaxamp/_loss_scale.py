@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp import _jax_compat
 from jaxamp._tree import agree, is_float_leaf, leaf_finite, map_float_leaves, wide_dtype
 
 __all__ = [
@@ -545,6 +546,13 @@ def local_finite(
 SMALL_LEAF = 2**14
 
 
+def _typed_sharded(leaf: jax.Array) -> bool:
+    # Sharded in its type (an Explicit mesh): flattening it has no one sharding
+    # (JAX refuses the reshape), so it is checked alone.
+    spec = getattr(getattr(_jax_compat.aval_of(leaf), "sharding", None), "spec", None)
+    return spec is not None and any(p is not None for p in spec)
+
+
 def _check_groups(grads: Any) -> list[jax.Array]:
     """The floating leaves to check: large ones alone, small ones joined per dtype."""
     groups: list[jax.Array] = []
@@ -553,7 +561,7 @@ def _check_groups(grads: Any) -> list[jax.Array]:
         if not is_float_leaf(leaf):
             continue
         leaf = jnp.asarray(leaf)
-        if leaf.size > SMALL_LEAF or jnp.iscomplexobj(leaf):
+        if leaf.size > SMALL_LEAF or jnp.iscomplexobj(leaf) or _typed_sharded(leaf):
             groups.append(leaf)
         else:
             small.setdefault(leaf.dtype, []).append(leaf.reshape(-1))
