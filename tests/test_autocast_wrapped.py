@@ -115,11 +115,6 @@ def test_nnx_capture_inside_autocast():
     _assert_f16_dot(fast, m, x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="autocast does not yet write back nnx Variables created during the call "
-    "(sow, nnx.capture's __captures__)",
-)
 def test_nnx_capture_of_autocast_module():
     """nnx.capture(autocast(model)): the sow happens inside autocast's trace."""
     m, x = _Sowing(nnx.Rngs(0)), _x()
@@ -129,11 +124,6 @@ def test_nnx_capture_of_autocast_module():
     _close(nnx.to_pure_dict(inter), nnx.to_pure_dict(ref_i))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="autocast does not yet write back nnx Variables created during the call "
-    "(sow, nnx.capture's __captures__)",
-)
 def test_nnx_capture_of_autocast_function():
     m, x = _Sowing(nnx.Rngs(0)), _x()
     ref_y, ref_i = nnx.capture(lambda m, x: m(x), nnx.Intermediate)(m, x)
@@ -143,11 +133,6 @@ def test_nnx_capture_of_autocast_function():
     _close(nnx.to_pure_dict(inter), nnx.to_pure_dict(ref_i))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="autocast does not yet write back nnx Variables created during the call "
-    "(sow, nnx.capture's __captures__)",
-)
 def test_nnx_sow_written_back():
     """A sow inside autocast adds a Variable to the module, as a plain call does."""
     ref_m, m, x = _Sowing(nnx.Rngs(0)), _Sowing(nnx.Rngs(0)), _x()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import types
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -174,10 +175,6 @@ def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
         nodes = tuple(leaves[i] for i in node_idx) + ((self_node,) if self_node is not None else ())
         graphdef, state = nnx.split(nodes)
         state_leaves, state_def = jax.tree_util.tree_flatten(state)
-        if len(state_leaves) != len(
-            jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        ):
-            raise NotImplementedError("autocast: nnx Variables with several array leaves")
         rest = [i for i, x in enumerate(leaves) if i not in set(node_idx) and _is_dynamic(x)]
         static_leaves = list(leaves)
         for i in node_idx:
@@ -197,29 +194,28 @@ def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
             if self_node is not None:
                 target = merged[-1] if method is None else functools.partial(method, merged[-1])
             names = _flax.nnx_scopes(nnx, merged) if cfg.modules else contextlib.nullcontext()
+            # The leaf objects now (a Variable in the state is the live one).
+            before = {
+                path: jax.tree_util.tree_leaves(var)
+                for path, var in _flax.flat_variables(nnx, nnx.state(merged))
+            }
             with names:
                 out = target(*a, **k)
-            new_leaves = jax.tree_util.tree_leaves(nnx.state(merged))
-            # Only the state the call changed comes back (and is written back):
-            # unchanged parameters must not be written from inside a trace.
-            changed = {
-                i: y for i, (x, y) in enumerate(zip(vals[:nstate], new_leaves, strict=True))
-                if y is not x
+            # Only the Variables the call changed or created (BatchStat, RNG
+            # counts, sow, nnx.capture's __captures__) come back and are
+            # written back: unchanged parameters must not be written from
+            # inside a trace.
+            updated = {
+                path for path, var in _flax.flat_variables(nnx, nnx.state(merged))
+                if path not in before or not _flax.same_leaves(before[path], var)
             }  # fmt: skip
-            return out, changed
+            return out, nnx.state(merged, lambda path, _: path in updated)
 
         flat_args = [*state_leaves, *(leaves[i] for i in rest)]
         p_leaves, p_def = jax.tree_util.tree_flatten((tuple(flat_args), {}))
-        out, changed = _dispatch(pure, p_leaves, p_def, list(range(len(p_leaves))), p_leaves)
-        if not changed:
-            return out
-        variables = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        if all(hasattr(v, "set_value") for v in variables):
-            for i, value in changed.items():
-                variables[i].set_value(value)
-        else:  # flax < 0.11: the split state holds copies (VariableState), not Variables
-            new_leaves = [changed.get(i, x) for i, x in enumerate(state_leaves)]
-            nnx.update(nodes, jax.tree_util.tree_unflatten(state_def, new_leaves))
+        out, updated = _dispatch(pure, p_leaves, p_def, list(range(len(p_leaves))), p_leaves)
+        if _flax.flat_variables(nnx, updated):
+            nnx.update(nodes, updated)
         return out
 
     def linen_call(*args: Any, **kwargs: Any) -> Any:
@@ -258,6 +254,16 @@ def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
             return linen_call(*args, **kwargs)
         return call(*args, **kwargs)
 
+    nnx = _flax.nnx_module()
+    node = f if nnx is not None and nnx.graph.is_graph_node(f) else getattr(f, "__self__", None)
+    if node is not None and nnx is not None and nnx.graph.is_graph_node(node):
+        # autocast(module) or autocast(module.method) is a method bound to the
+        # module, so nnx.capture / nnx.view find the module behind it.
+        @functools.wraps(getattr(f, "__func__", type(f).__call__))
+        def method(_module: Any, *args: Any, **kwargs: Any) -> Any:
+            return wrapper(*args, **kwargs)
+
+        return types.MethodType(method, node)
     return wrapper
 
 

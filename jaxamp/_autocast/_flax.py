@@ -61,6 +61,20 @@ def linen_class_scopes() -> Any:
     return linen.intercept_methods(interceptor)
 
 
+def flat_variables(nnx: Any, state: Any) -> list[tuple[tuple[Any, ...], Any]]:
+    """``(path, Variable)`` pairs of an nnx state (flax >= 0.11 and 0.10 spellings)."""
+    to_flat = getattr(nnx, "to_flat_state", None)
+    if to_flat is not None:
+        return list(to_flat(state))
+    return list(state.flat_state().items())  # pragma: no cover - flax 0.10
+
+
+def same_leaves(xs: list[Any], var: Any) -> bool:
+    """Whether a Variable still holds the very leaf objects `xs` (nothing was written)."""
+    ys = jax.tree_util.tree_leaves(var)
+    return len(xs) == len(ys) and all(x is y for x, y in zip(xs, ys, strict=True))
+
+
 def _named_class(cls: type) -> type:
     """A subclass of `cls` whose calls open a ``path[Class]`` named scope."""
     named = _NAMED.get(cls)
