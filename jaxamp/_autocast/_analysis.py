@@ -29,7 +29,7 @@ _RESIDUAL_FREE: frozenset[str] = frozenset(
 )  # fmt: skip
 
 
-def _residual_free(eqn: Any) -> bool:
+def residual_free(eqn: Any) -> bool:
     name = eqn.primitive.name
     return name in _RESIDUAL_FREE or (
         name == "mul" and any(isinstance(v, Literal) for v in eqn.invars)
@@ -83,7 +83,7 @@ def analyse(jaxpr: Jaxpr, ctx: Context, float32_outputs: bool = False) -> Analys
             if not eqn.outvars:
                 continue
             by_float32 = rule == ELEMENTWISE
-            by_free = _residual_free(eqn)
+            by_free = residual_free(eqn)
             for v in eqn.outvars:
                 vuses = uses.get(v, [])
                 if (v in outs and v not in wide) or not (vuses or v in outs):

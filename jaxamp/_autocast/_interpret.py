@@ -25,7 +25,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jaxamp import _jax_compat
 from jaxamp._autocast import _rules
-from jaxamp._autocast._analysis import Analysis, analyse
+from jaxamp._autocast._analysis import Analysis, analyse, residual_free
 from jaxamp._autocast._rules import (
     AS_WRITTEN,
     F32,
@@ -361,7 +361,7 @@ def eval_eqn(
         x = invals[0]  # the keep_float32 marker: an identity in float32
         return [x if dtypes[0] == FLOAT32_DTYPE else ctx.cast(x, FLOAT32_DTYPE)], [PIN]
 
-    target, out_mark = _rules.choose(
+    target, out_mark, hand_on = _rules.choose(
         rule,
         [np.dtype(dtypes[i]) for i in floats],
         [inmarks[i] for i in floats],
@@ -369,6 +369,8 @@ def eval_eqn(
         ctx.dtype,
         demanded,
         promote_f32=promote,
+        residual_free=residual_free(eqn),
+        reduction=name in _rules.REDUCTIONS,
     )
     args = list(invals)
     for i in floats:
@@ -387,7 +389,10 @@ def eval_eqn(
             params = dict(params, preferred_element_type=target)
         elif np.dtype(pref).itemsize >= 4:
             out_mark = F32
-    return bind(eqn, args, params), [out_mark] * nout
+    outs = bind(eqn, args, params)
+    if hand_on is not None:
+        outs = [ctx.cast(o, hand_on) if is_float(o.dtype) else o for o in outs]
+    return outs, [out_mark] * nout
 
 
 def _unknown_higher_order(name: str, ctx: Context) -> None:

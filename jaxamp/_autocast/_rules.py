@@ -116,6 +116,17 @@ F32 = 2
 #: ``keep_float32`` marker, a while loop's carry. It promotes everything it
 #: meets until a "lower" op.
 PIN = 3
+#: a float32 statistic: a float32 reduction's result (a mean, a variance, a
+#: max) and what is computed from it before it meets an activation
+#: (``rsqrt(var + eps) * scale``). It promotes the activation it meets, so a
+#: normalisation (``(x - mean) * rstd``) or a softmax shift runs in float32 and
+#: rounds once, as Flax's norm layers with ``dtype=`` and torch's norm kernels
+#: do (a BatchNorm of bfloat16 activations loses most of its gradient accuracy
+#: to a bfloat16 ``x - mean``).
+STAT = 4
+
+#: The float32-list reductions whose results are statistics.
+REDUCTIONS: frozenset[str] = frozenset({"reduce_sum", "reduce_max", "reduce_prod"})
 
 FLOAT32_DTYPE = np.dtype(np.float32)
 
@@ -141,8 +152,11 @@ def choose(
     compute: np.dtype,
     demanded: bool,
     promote_f32: bool = True,
-) -> tuple[np.dtype, int]:
-    """The dtype an equation runs in and the mark of its results.
+    residual_free: bool = False,
+    reduction: bool = False,
+) -> tuple[np.dtype, int, np.dtype | None]:
+    """The dtype an equation runs in, the mark of its results, and the dtype its
+    results are handed on in (None: the one it runs in).
 
     Args:
       rule: the equation's op class (not ``"as_written"``).
@@ -151,33 +165,49 @@ def choose(
         which follows the other inputs as in JAX and PyTorch.
       compute: the autocast dtype.
       demanded: every use of the results is float32 (``_demand``).
-      promote_f32: whether a float32 input promotes an activation it meets
-        (``_interpret.analyse``: only where that stores no float32 residual).
+      promote_f32: whether a float32 result promotes an activation it meets
+        (``_analysis.analyse``: only where that stores no float32 residual).
+      residual_free: the op keeps no residual for the backward pass. Where a
+        float32 result meets an activation and may not promote it, such an op
+        still runs in float32 and hands its result on in the compute dtype
+        (torch's "opmath"): ``x - mean`` of a BatchNorm is exact before it is
+        rounded once, at no memory cost.
+      reduction: the op is one of ``REDUCTIONS``.
     """
     kinds = [d for d, s in zip(dtypes, strong, strict=True) if s] or list(dtypes)
     widest = functools.reduce(promote, kinds[1:], kinds[0])
     act_in = any(m == ACT for m in marks)
     pin_in = any(m == PIN for m in marks)
-    f32_in = any(m == F32 for m in marks) and (promote_f32 or not act_in)
+    stat_in = any(m == STAT for m in marks)
+    any_f32 = any(m == F32 for m in marks)
+    f32_in = any_f32 and (promote_f32 or not act_in)
+    wide = promote(widest, FLOAT32_DTYPE)
     if rule == LOWER:
         if widest.itemsize > compute.itemsize and widest.itemsize > 4:
-            return widest, NONE  # float64 is not cast down
-        return compute, ACT
+            return widest, NONE, None  # float64 is not cast down
+        return compute, ACT, None
     if rule == FLOAT32:
-        return promote(widest, FLOAT32_DTYPE), PIN if pin_in else F32
+        if pin_in:
+            return wide, PIN, None
+        stat = reduction or (stat_in and not act_in and not any_f32)
+        return wide, STAT if stat else F32, None
     if rule == ELEMENTWISE and demanded:
-        return promote(widest, FLOAT32_DTYPE), NONE
+        return wide, NONE, None
     if pin_in:  # the user's float32 promotes what it meets
-        return promote(widest, FLOAT32_DTYPE), PIN
+        return wide, PIN, None
+    if stat_in:  # a statistic promotes what it meets
+        return wide, F32 if act_in or any_f32 else STAT, None
     if f32_in:
-        return promote(widest, FLOAT32_DTYPE), F32
+        return wide, F32, None
     if rule == WIDEST:
-        return widest, ACT if act_in and widest == compute else NONE
+        return widest, ACT if act_in and widest == compute else NONE, None
     if rule in (ELEMENTWISE, FOLLOW):
         if act_in and widest.itemsize <= 4:
+            if any_f32 and residual_free:
+                return wide, ACT, compute  # opmath: float32 arithmetic, stored low
             # Parameters and constants meeting an activation are cast down.
-            return compute, ACT
-        return widest, NONE
+            return compute, ACT, None
+        return widest, NONE, None
     raise ValueError(f"autocast: unknown op class {rule!r}")
 
 
