@@ -73,6 +73,22 @@ def _eval_call(
     return bind(eqn, args, dict(params, jaxpr=new)), [NONE] * len(eqn.outvars)
 
 
+def _marked_body(
+    closed: ClosedJaxpr, inmarks: list[int], ctx: Context, stack: str
+) -> tuple[Any, list[int]]:
+    """``(body, out_marks)``: `closed` as a function of its inputs under autocast;
+    `out_marks` is filled in each time ``body`` is traced."""
+    out_marks: list[int] = []
+    sub_ctx = ctx.sub()
+
+    def body(*xs: Any) -> list[Any]:
+        outs, marks = eval_jaxpr(closed.jaxpr, closed.consts, xs, sub_ctx, inmarks, stack)
+        out_marks[:] = marks
+        return outs
+
+    return body, out_marks
+
+
 def _inner_stacks(jaxpr: Jaxpr, ctx: Context) -> tuple[str, ...]:
     """The distinct name stacks of `jaxpr`'s equations, sub-jaxprs included."""
 
@@ -123,14 +139,7 @@ def _eval_nested_jit(
     key = ("jit", id(closed), tuple(avals), tuple(inmarks), scopes)
 
     def make() -> tuple[ClosedJaxpr, list[int]] | None:
-        out_marks: list[int] = []
-        sub_ctx = ctx.sub()
-
-        def body(*xs: Any) -> list[Any]:
-            outs, marks = eval_jaxpr(closed.jaxpr, closed.consts, xs, sub_ctx, inmarks, stack)
-            out_marks[:] = marks
-            return outs
-
+        body, out_marks = _marked_body(closed, inmarks, ctx, stack)
         try:
             new = traced(body, avals, ctx)
         except Exception:  # e.g. an axis name bound outside: inline instead
@@ -153,15 +162,7 @@ def _eval_remat(
     # Re-issued through the public jax.checkpoint so the rematerialised region
     # takes and returns activations in their autocast dtypes.
     params = eqn.params
-    closed = _closed(params["jaxpr"])
-    out_marks: list[int] = []
-    sub_ctx = ctx.sub()
-
-    def body(*xs: Any) -> list[Any]:
-        outs, marks = eval_jaxpr(closed.jaxpr, closed.consts, xs, sub_ctx, inmarks, stack)
-        out_marks[:] = marks
-        return outs
-
+    body, out_marks = _marked_body(_closed(params["jaxpr"]), inmarks, ctx, stack)
     outs = jax.checkpoint(
         body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
     )(*invals)
