@@ -85,3 +85,19 @@ def _tanh_proj_bwd(res, g):
 
 
 tanh_proj.defvjp(_tanh_proj_fwd, _tanh_proj_bwd)
+
+
+def dot_input_dtypes(jaxpr) -> list[tuple[np.dtype, ...]]:
+    """Input dtypes of every dot_general in `jaxpr` (closed or not), sub-jaxprs included."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(np.dtype(v.aval.dtype) for v in eqn.invars))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (ClosedJaxpr, Jaxpr)):
+                    found.extend(dot_input_dtypes(sub))
+    return found

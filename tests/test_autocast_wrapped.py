@@ -19,29 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import jaxamp
+from tests.helpers import dot_input_dtypes
 
 F16 = jnp.float16
 TOL = 1e-2
 
 
-def _dots(jaxpr):
-    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(tuple(np.dtype(v.aval.dtype) for v in eqn.invars))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, (ClosedJaxpr, Jaxpr)):
-                    found.extend(_dots(sub))
-    return found
-
-
 def _assert_f16_dot(fn, *args):
-    dots = _dots(jax.make_jaxpr(fn)(*args))
+    dots = dot_input_dtypes(jax.make_jaxpr(fn)(*args))
     assert dots, "no dot_general traced"
     assert any(all(d == np.dtype(F16) for d in ins) for ins in dots), dots
 

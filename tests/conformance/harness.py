@@ -172,20 +172,9 @@ def _train(apply: Any, built: models.Built, loss_scale: Any, steps: int) -> dict
         state = jaxamp.select_tree(m["skipped"], state, new_state)  # a skip keeps BatchNorm stats
         return params, state, opt_state, value, m["skipped"]
 
-    params, state, opt_state = built.params, built.state, tx.init(built.params)
-    step = _compile(step, params, state, opt_state)
-    losses, skipped = [], []
-    for _ in range(steps):
-        params, state, opt_state, value, skip = step(params, state, opt_state)
-        losses.append(value)
-        skipped.append(skip)
-    return {
-        "losses": [float(v) for v in losses],
-        "skipped": [bool(s) for s in skipped],
-        "params": params,
-        "state": state,
-        "scale": float(jaxamp.metrics(opt_state)["loss_scale"]),
-    }
+    run = _run_steps(built, tx, step, steps)
+    run["scale"] = float(jaxamp.metrics(run.pop("opt_state"))["loss_scale"])
+    return run
 
 
 def _final_loss(ref: dict[str, Any], built: models.Built, train: dict[str, Any]) -> float:
@@ -232,6 +221,13 @@ def _train_float32(built: models.Built, steps: int) -> dict[str, Any]:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), new_state, opt_state, value, ~finite
 
+    run = _run_steps(built, tx, step, steps)
+    run.pop("opt_state")
+    return run
+
+
+def _run_steps(built: Any, tx: Any, step: Any, steps: int) -> dict[str, Any]:
+    """Runs a compiled `step` `steps` times from the model's init; the losses and skips."""
     params, state, opt_state = built.params, built.state, tx.init(built.params)
     step = _compile(step, params, state, opt_state)
     losses, skipped = [], []
@@ -244,6 +240,7 @@ def _train_float32(built: models.Built, steps: int) -> dict[str, Any]:
         "skipped": [bool(s) for s in skipped],
         "params": params,
         "state": state,
+        "opt_state": opt_state,
     }
 
 

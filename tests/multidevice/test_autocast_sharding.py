@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from tests.helpers import dot_input_dtypes
 
 DTYPES = [jnp.float16, jnp.bfloat16]
 # Relative to the largest float32 output: bfloat16 keeps 8 mantissa bits.
@@ -51,23 +51,9 @@ def _rand(key, shape, scale=1.0):
     return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
 
 
-def _dot_input_dtypes(jaxpr):
-    """Input dtypes of every dot_general in `jaxpr`, sub-jaxprs included."""
-    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(tuple(np.dtype(v.aval.dtype) for v in eqn.invars))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, (ClosedJaxpr, Jaxpr)):
-                    found.extend(_dot_input_dtypes(sub))
-    return found
-
-
 def _assert_lowered(fn, args, dtype):
     """The autocast program has a dot_general whose inputs are all in `dtype`."""
-    dots = _dot_input_dtypes(jax.make_jaxpr(fn)(*args))
+    dots = dot_input_dtypes(jax.make_jaxpr(fn)(*args))
     want = np.dtype(dtype)
     assert any(all(d == want for d in ins) for ins in dots), (
         f"no dot_general on {want} inputs in the autocast program: {dots}"
