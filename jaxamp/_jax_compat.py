@@ -23,7 +23,6 @@ __all__ = [
     "HAS_SHARD_MAP",
     "aval_of",
     "bind",
-    "custom_jvp_name",
     "custom_jvp_rule",
     "custom_vjp_bwd",
     "custom_vjp_fwd",
@@ -134,12 +133,6 @@ def eqn_context(eqn: Any) -> Any:
     """
     manager = getattr(getattr(eqn, "ctx", None), "manager", None)
     return manager if manager is not None else contextlib.nullcontext()
-
-
-def custom_jvp_name(eqn: Any) -> str:
-    """The function name of a ``custom_jvp_call`` equation (its debug info)."""
-    debug = getattr(getattr(eqn.params.get("call_jaxpr"), "jaxpr", None), "debug_info", None)
-    return str(getattr(debug, "func_src_info", "") or "").split(" ")[0]
 
 
 def inlinable_call(params: dict[str, Any]) -> bool:

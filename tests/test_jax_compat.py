@@ -90,6 +90,7 @@ def test_shard_map_call():
     assert jnp.allclose(out[0], 2.0)
 
 
+@pytest.mark.skipif(not hasattr(jax.sharding, "AxisType"), reason="Explicit meshes: JAX >= 0.6")
 def test_eqn_context_restores_the_mesh_an_equation_was_traced_under():
     mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(mesh):
@@ -102,16 +103,6 @@ def test_eqn_context_restores_the_mesh_an_equation_was_traced_under():
         assert inner != jax.sharding.get_abstract_mesh()  # Auto inside, Explicit outside
         with _jax_compat.eqn_context(mul):
             assert jax.sharding.get_abstract_mesh() == inner
-
-
-def test_custom_jvp_name_reads_the_function_name():
-    @jax.custom_jvp
-    def my_rule(x):
-        return x
-
-    my_rule.defjvp(lambda p, t: (p[0], t[0]))
-    (eqn,) = jax.make_jaxpr(my_rule)(1.0).jaxpr.eqns
-    assert _jax_compat.custom_jvp_name(eqn) == "my_rule"
 
 
 def test_custom_rule_params():

@@ -123,6 +123,9 @@ def _saturates(src: np.dtype, dst: np.dtype) -> bool:
 
 
 SATURATING_CAST_NAME = "jaxamp_saturating_cast"
+#: The primitives of a saturating cast's body, in order (how a traced region
+#: recognises one: ``_loops``).
+SATURATING_CAST_OPS = ["clamp", "abs", "eq", "select_n", "convert_element_type"]
 
 
 @functools.lru_cache(maxsize=64)

@@ -24,9 +24,8 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
-from jaxamp import _jax_compat
 from jaxamp._autocast._interpret import (
-    SATURATING_CAST_NAME,
+    SATURATING_CAST_OPS,
     Context,
     Outs,
     bind,
@@ -51,11 +50,11 @@ def _is_cast_down(eqn: Any, dtype: np.dtype) -> bool:
     name = eqn.primitive.name
     if name == "convert_element_type":
         return eqn.params["new_dtype"] == dtype
-    return (
-        name == "custom_jvp_call"
-        and _jax_compat.custom_jvp_name(eqn) == SATURATING_CAST_NAME
-        and eqn.outvars[0].aval.dtype == dtype
-    )
+    if name != "custom_jvp_call" or eqn.outvars[0].aval.dtype != dtype:
+        return False
+    # The saturating cast (_interpret._cast_jit), known by its body's ops.
+    inner = eqn.params["call_jaxpr"]
+    return [e.primitive.name for e in getattr(inner, "jaxpr", inner).eqns] == SATURATING_CAST_OPS
 
 
 def _trace_region(
