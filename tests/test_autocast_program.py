@@ -51,13 +51,14 @@ def test_fully_masked_padding_rows_stay_finite(dtype):
     ]),
     op=st.sampled_from(["where", "add", "max", "select_bias", "concat"]),
     dtype=st.sampled_from([F16, BF16]),
+    as_argument=st.booleans(),
 )  # fmt: skip
-def test_a_large_finite_constant_never_becomes_inf(value, op, dtype):
-    # Any float32 constant meeting an activation in any op: float32 keeps it
-    # finite, so autocast's casts must too (they saturate).
-    def f(x, w):
+def test_a_large_finite_constant_never_becomes_inf(value, op, dtype, as_argument):
+    # Any float32 constant or input meeting an activation in any op: float32
+    # keeps it finite, so autocast's casts must too (they saturate).
+    def f(x, w, big):
         h = x @ w  # an activation
-        c = jnp.full(h.shape, value, F32)
+        c = jnp.broadcast_to(big, h.shape) if as_argument else jnp.full(h.shape, value, F32)
         if op == "where":
             return jnp.where(h > 0, h, c)
         if op == "add":
@@ -68,11 +69,11 @@ def test_a_large_finite_constant_never_becomes_inf(value, op, dtype):
             return jax.nn.softmax(h + jnp.where(h > 100.0, c, 0.0))
         return jnp.concatenate([h, c], axis=-1)
 
-    x, w = jnp.ones((2, 4)), jnp.ones((4, 4))
-    ref = f(x, w)
-    got = jaxamp.autocast(f, dtype=dtype)(x, w)
+    x, w, big = jnp.ones((2, 4)), jnp.ones((4, 4)), jnp.float32(value)
+    ref = f(x, w, big)
+    got = jaxamp.autocast(f, dtype=dtype)(x, w, big)
     assert np.isfinite(np.asarray(ref)).all()
-    assert np.isfinite(np.asarray(got)).all(), (value, op)
+    assert np.isfinite(np.asarray(got)).all(), (value, op, as_argument)
 
 
 def _fresh_log_softmax_kl(z):
@@ -82,11 +83,15 @@ def _fresh_log_softmax_kl(z):
 def test_answer_does_not_depend_on_what_was_traced_before():
     w = jax.random.normal(KEY, (16, 16))
     x = jax.random.normal(jax.random.key(1), (4, 16))
-    f = lambda x, w: _fresh_log_softmax_kl(x @ w)  # noqa: E731
-    first = jaxamp.autocast(f, dtype=F16)(x, w)
-    f(x, w)  # a float32 trace and call of the same library functions
-    jax.jit(f)(x, w)
-    again = jaxamp.autocast(f, dtype=F16)(x, w)
+
+    def amp_call():  # a new function each time: nothing of autocast's own is reused
+        return jaxamp.autocast(lambda x, w: _fresh_log_softmax_kl(x @ w), dtype=F16)(x, w)
+
+    first = amp_call()
+    # A float32 trace and call of the same library functions (jax.nn.log_softmax
+    # is a jit: JAX caches its trace).
+    jax.jit(lambda x, w: _fresh_log_softmax_kl(x @ w))(x, w)
+    again = amp_call()
     np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
     # KL(p || p) is zero up to float32 rounding: log_softmax ran in float32.
     assert np.abs(np.asarray(again)).max() < 1e-6
