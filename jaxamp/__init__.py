@@ -28,7 +28,9 @@ from jaxamp._transform import (
     multi_transform,
     skip_nonfinite,
     step,
+    stepped,
     value_and_grad,
+    where_stepped,
 )
 from jaxamp._tree import all_finite, select_tree
 
@@ -60,7 +62,9 @@ __all__ = [
     "skip_nonfinite",
     "static_scale",
     "step",
+    "stepped",
     "unscale_and_check",
     "update",
     "value_and_grad",
+    "where_stepped",
 ]

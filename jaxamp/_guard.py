@@ -76,6 +76,27 @@ def _opaque(updates: Any, zero: jax.Array) -> Any:
     return jax.tree.map(one, updates)
 
 
+def cond_traced_once(pred: jax.Array, taken: Any, other: Any, *operands: Any) -> Any:
+    """``lax.cond(pred, taken, other)`` that traces ``taken`` (an inner update) once.
+
+    ``other`` is called as ``other(shapes, *operands)`` with ``taken``'s output
+    shapes, read off the trace ``lax.cond`` has just made of ``taken``: it traces
+    its true branch first (JAX 0.5 to 0.10). Were that order ever to change,
+    ``other`` falls back to ``jax.eval_shape`` (a second trace, the same result).
+    """
+    seen: list[Any] = []
+
+    def first(*ops: Any) -> Any:
+        out = taken(*ops)
+        seen.append(jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out))
+        return out
+
+    def second(*ops: Any) -> Any:
+        return other(seen[0] if seen else jax.eval_shape(taken, *ops), *ops)
+
+    return lax.cond(pred, first, second, *operands)
+
+
 def _run_part(
     part: Part,
     finite: jax.Array | None,
@@ -95,17 +116,16 @@ def _run_part(
 
     if finite is None:  # nothing is checked: no cond, and so nothing to round either
         return apply(part.state, part.grads, part.params, None)
-    operands = (part.state, part.grads, part.params, (~finite).astype(jnp.int32))
-    shapes = jax.eval_shape(apply, *operands)
 
-    def skip(state: Any, grads: Any, params: Any, nonfinite: Any) -> tuple[Any, Any]:
+    def skip(shapes: Any, state: Any, grads: Any, params: Any, nonfinite: Any) -> tuple[Any, Any]:
         if to_params:
             out = params
         else:
             out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
         return like(out, shapes[0]), like(state, shapes[1])
 
-    return lax.cond(finite, apply, skip, *operands)
+    operands = (part.state, part.grads, part.params, (~finite).astype(jnp.int32))
+    return cond_traced_once(finite, apply, skip, *operands)
 
 
 def guarded(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from flax.core import FrozenDict
 from flax.training import train_state
 
 from jaxamp._loss_scale import LossScaleState, get_loss_scale
-from jaxamp._transform import step
+from jaxamp._transform import step, where_stepped
 
 __all__ = ["TrainState"]
 
@@ -49,24 +51,44 @@ class TrainState(train_state.TrainState):
         extra_args: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> TrainState:
-        """Applies (scaled) gradients; a non-finite step leaves params and opt state as they were.
+        """Applies (scaled) gradients; a skipped step writes nothing but its counters.
 
         Args:
           grads: gradients of the scaled loss, shaped like ``params``.
           finite: as in :func:`jaxamp.step`: the gradients were already unscaled and
             checked, and this is the verdict.
           extra_args: keyword arguments forwarded to the optimizer (e.g. ``value=``).
-          **kwargs: other fields to ``replace``, as in Flax.
+          **kwargs: other fields to ``replace``, as in Flax (e.g. ``batch_stats=``):
+            written only if the step is taken (:func:`jaxamp.where_stepped`), so a
+            skipped step keeps the old BatchNorm statistics.
 
         Returns:
-          The next state; ``step`` counts calls, skipped or not.
+          The next state. On a skipped step params, ``opt_state`` (but for its
+          loss scale and counters), the fp8 metadata and every field in
+          ``kwargs`` keep their values; ``step`` counts calls, skipped or not,
+          as Flax's does (checkpoint managers key their files on it).
         """
-        fp8 = isinstance(grads, dict) and OVERWRITE_WITH_GRADIENT in grads
+        fp8 = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
         grads_opt = grads["params"] if fp8 else grads
         params_opt = self.params["params"] if fp8 else self.params
         params, opt_state = step(
             self.tx, grads_opt, self.opt_state, params_opt, finite=finite, **(extra_args or {})
         )
         if fp8:
-            params = {"params": params, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
+            fp8_new = where_stepped(
+                opt_state, grads[OVERWRITE_WITH_GRADIENT], self.params[OVERWRITE_WITH_GRADIENT]
+            )
+            merged = {**self.params, "params": params, OVERWRITE_WITH_GRADIENT: fp8_new}
+            params = type(self.params)(merged) if isinstance(self.params, FrozenDict) else merged
+        for name, new in kwargs.items():
+            if not hasattr(self, name):
+                raise TypeError(f"TrainState.apply_gradients: TrainState has no field {name!r}.")
+            try:
+                kwargs[name] = where_stepped(opt_state, new, getattr(self, name))
+            except (ValueError, TypeError) as e:
+                raise ValueError(
+                    f"TrainState.apply_gradients: `{name}=` must have the structure, shapes "
+                    f"and dtypes of state.{name}, so that a skipped step can keep the old "
+                    f"value: {e}"
+                ) from None
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)

@@ -10,7 +10,7 @@ parameter update fused in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -19,9 +19,9 @@ import optax
 from jax import lax
 
 from jaxamp import _loss_scale as ls_lib
-from jaxamp._guard import Part, guarded, like
+from jaxamp._guard import Part, cond_traced_once, guarded, like
 from jaxamp._loss_scale import LossScaleState
-from jaxamp._tree import check_axis_name, is_float_leaf
+from jaxamp._tree import all_finite, check_axis_name, is_float_leaf, select_tree
 
 __all__ = [
     "MultiTransformState",
@@ -29,6 +29,9 @@ __all__ = [
     "multi_transform",
     "skip_nonfinite",
     "step",
+    "stepped",
+    "value_and_grad",
+    "where_stepped",
 ]
 
 
@@ -48,6 +51,17 @@ class SkipNonfiniteState(NamedTuple):
     loss_scale: LossScaleState
     acc: Any = None
     mini_step: Any = None
+
+
+class Window(NamedTuple):
+    """An accumulation window's last call: the sum so far and the incoming gradients.
+
+    ``every_k``'s guarded step reads the window's mean through ``Part.prepare``
+    (``mean(Window)``), so the mean is never materialised as a tree of its own.
+    """
+
+    acc: Any
+    grads: Any
 
 
 class MultiTransformState(NamedTuple):
@@ -187,7 +201,7 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
             "opt_state.inner_state",
         )
 
-        def window(
+        def window_step(
             grads: Any, state: SkipNonfiniteState, prepare: Any = None
         ) -> tuple[Any, SkipNonfiniteState]:
             part = Part(self.inner, state.inner_state, grads, params, prepare)
@@ -202,38 +216,51 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
             return out, state._replace(inner_state=inner_state, loss_scale=ls)
 
         if self.every_k == 1:
-            return window(grads, state)
+            return window_step(grads, state)
         if finite is not None:
             raise ValueError(
                 "jaxamp.step: finite= cannot be combined with every_k > 1: the window's "
                 "gradients are accumulated inside the optimizer state and checked at its end."
             )
-        return self._accumulate(grads, state, params, window, to_params)
+        return self._accumulate(grads, state, params, window_step, to_params)
 
     def _accumulate(
-        self, grads: Any, state: SkipNonfiniteState, params: Any, window: Any, to_params: bool
+        self,
+        grads: Any,
+        state: SkipNonfiniteState,
+        params: Any,
+        window_step: Any,
+        to_params: bool,
     ) -> tuple[Any, SkipNonfiniteState]:
         k = self.every_k
 
         def add(a: Any, g: Any) -> Any:
             return a + g.astype(a.dtype) if is_float_leaf(a) else a
 
-        def mean(acc_and_grads: Any) -> Any:
-            acc, grads = acc_and_grads
-            return jax.tree.map(
-                lambda a, g: (add(a, g) / k).astype(a.dtype) if is_float_leaf(a) else g, acc, grads
-            )
-
         def finish(grads: Any, state: SkipNonfiniteState) -> tuple[Any, SkipNonfiniteState]:
-            # One guarded step on the window's mean, computed where it is read.
-            out, state = window((state.acc, grads), state, mean)
+            # The window's mean over the micro-batches it holds: k, or more when a
+            # window saved under a larger every_k is restored here (it ends now, as
+            # one step of the right size, never k-times too large).
+            count = state.mini_step + 1
+
+            def mean(window: Window) -> Any:
+                return jax.tree.map(
+                    lambda a, g: (add(a, g) / count.astype(a.dtype)).astype(a.dtype)
+                    if is_float_leaf(a)
+                    else g,
+                    window.acc,
+                    window.grads,
+                )
+
+            # One guarded step on the mean, computed where it is read.
+            out, state = window_step(Window(state.acc, grads), state, mean)
             # Reset by replacement: `acc * 0` would keep an overflowed micro-batch's NaN.
             zeros = jax.tree.map(jnp.zeros_like, state.acc)
             return out, state._replace(acc=zeros, mini_step=jnp.zeros((), jnp.int32))
 
-        shapes = jax.eval_shape(finish, grads, state)
-
-        def accumulate(grads: Any, state: SkipNonfiniteState) -> tuple[Any, SkipNonfiniteState]:
+        def accumulate(
+            shapes: Any, grads: Any, state: SkipNonfiniteState
+        ) -> tuple[Any, SkipNonfiniteState]:
             if to_params:
                 out = params
             else:
@@ -241,7 +268,7 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
             acc = jax.tree.map(add, state.acc, grads)
             return like((out, state._replace(acc=acc, mini_step=state.mini_step + 1)), shapes)
 
-        return lax.cond(state.mini_step >= k - 1, finish, accumulate, grads, state)
+        return cond_traced_once(state.mini_step >= k - 1, finish, accumulate, grads, state)
 
 
 def skip_nonfinite(
@@ -328,11 +355,19 @@ def _full_labels(labels: Any, tree: Any, transforms: Mapping[Any, Any], fn: str)
             f"{fn}: param_labels must have the params' tree structure (or a prefix of it), "
             f"with one label per leaf: {e}"
         ) from None
-    missing = sorted({str(x) for x in jax.tree.leaves(full)} - {str(k) for k in transforms})
+    missing = []
+    for label in jax.tree.leaves(full):
+        try:
+            known = label in transforms
+        except TypeError:  # unhashable: no mapping key can equal it
+            known = False
+        if not known and label not in missing:
+            missing.append(label)
     if missing:
+        # Compared as keys, not as text: the label 1 is not the key "1".
         raise ValueError(
-            f"{fn}: param_labels name label(s) {missing} that have no transformation; "
-            f"`transforms` has {sorted(map(str, transforms))}."
+            f"{fn}: param_labels name label(s) {missing} that are not keys of `transforms`; "
+            f"its keys are {list(transforms)}."
         )
     return full
 
@@ -519,8 +554,82 @@ def step(
     return optax.apply_updates(params, updates), opt_state
 
 
+def _window(opt_state: Any) -> SkipNonfiniteState | None:
+    """The accumulating ``skip_nonfinite`` state inside ``opt_state``, if any."""
+    found = [
+        x
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SkipNonfiniteState))
+        if isinstance(x, SkipNonfiniteState) and x.mini_step is not None
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def stepped(opt_state: Any) -> jax.Array:
+    """Whether the last call's step was taken: a bool scalar, no host sync.
+
+    False after a skipped step. With ``every_k > 1``, a call that ends a window
+    says whether the window was applied; a call inside a window says whether its
+    gradients so far are all finite (one read of the accumulator): once one
+    micro-batch overflows, the window will be skipped, and so is what its later
+    micro-batches would write. A loss-scale state that checks nothing
+    (``jaxamp.no_scale()``) never skips.
+    """
+    ls = ls_lib.find_state(opt_state, "stepped")
+    taken = ~ls.nonfinite_streak.astype(jnp.bool_)
+    window = _window(opt_state)
+    if window is None or not ls.mode.checks:
+        return taken
+    return lax.cond(
+        window.mini_step == 0, lambda: taken, lambda: all_finite(window.acc)
+    )
+
+
+def where_stepped(opt_state: Any, new: Any, old: Any) -> Any:
+    """``new`` if the last step was taken, ``old`` if it was skipped: model state.
+
+    What a train step writes besides params and optimizer state (BatchNorm
+    statistics, Flax mutable collections, nnx ``BatchStat`` and other non-``Param``
+    Variables, fp8 amax histories) must not be written by a skipped step: a batch
+    whose gradients overflowed has statistics that overflowed too, and writing them
+    would poison every later evaluation. Call this after :func:`jaxamp.step` (or
+    ``tx.update``) with the new optimizer state. :class:`jaxamp.TrainState` does it
+    for the keyword arguments of ``apply_gradients``. See :func:`stepped` for what
+    "taken" means under ``every_k`` and ``multi_transform`` (any partition skipped:
+    the model state is kept).
+
+    Args:
+      opt_state: the optimizer state *after* the step (or a ``TrainState``).
+      new: the model state the step computed.
+      old: the model state before the step; the same tree structure, shapes and dtypes.
+
+    Returns:
+      ``new`` or ``old``, selected on the device (no host sync).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+      >>> params, stats = {"w": jnp.ones(2)}, {"mean": jnp.zeros(2)}
+      >>> grads, new_stats = {"w": jnp.array([jnp.inf, 1.0])}, {"mean": jnp.full(2, jnp.nan)}
+      >>> params, opt_state = jaxamp.step(tx, grads, tx.init(params), params)
+      >>> jaxamp.where_stepped(opt_state, new_stats, stats)
+      {'mean': Array([0., 0.], dtype=float32)}
+    """
+    try:
+        return select_tree(stepped(opt_state), new, old)
+    except ValueError as e:
+        raise ValueError(
+            "where_stepped: `new` and `old` must be the same model state before and after "
+            f"the step (one tree structure, shapes and dtypes): {e}"
+        ) from None
+
+
+_LOSS_SCALE_KWARG = "__jaxamp_loss_scale_state__"
+
+
 def value_and_grad(
-    fun: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
 ) -> Callable[..., Any]:
     """``jax.value_and_grad`` of the *scaled* loss, returning the *unscaled* loss.
 
@@ -531,7 +640,9 @@ def value_and_grad(
 
     Args:
       fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
-      argnums: which of ``fun``'s positional arguments to differentiate.
+      argnums: which of ``fun``'s positional arguments to differentiate: an int
+        or a sequence of ints, negative ones counted from the end, exactly as
+        ``jax.value_and_grad`` reads them (the leading state is not counted).
       has_aux: whether ``fun`` returns ``(loss, aux)``.
 
     Returns:
@@ -549,7 +660,8 @@ def value_and_grad(
     if not callable(fun):
         raise TypeError(f"value_and_grad: `fun` must be callable, got {type(fun).__name__}.")
 
-    def scaled_fun(ls: LossScaleState, *args: Any, **kwargs: Any) -> Any:
+    def scaled_fun(*args: Any, **kwargs: Any) -> Any:
+        ls = kwargs.pop(_LOSS_SCALE_KWARG)
         out = fun(*args, **kwargs)
         if has_aux:
             if not (isinstance(out, tuple | list) and len(out) == 2):
@@ -569,11 +681,14 @@ def value_and_grad(
             )
         return ls_lib.scale(ls, loss), (loss, aux)
 
-    def wrapped(state: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    # jax.value_and_grad itself reads argnums (negative, tuple, list) against
+    # `fun`'s own arguments; the loss-scale state reaches `scaled_fun` as a keyword
+    # no user function has, so it is neither counted nor differentiated.
+    grad_fn = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+
+    def wrapped(state: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         ls = ls_lib.find_state(state, "value_and_grad")
-        shifted = tuple(a + 1 for a in argnums) if isinstance(argnums, tuple) else argnums + 1
-        grad_fn = jax.value_and_grad(scaled_fun, argnums=shifted, has_aux=True)
-        (_, (loss, aux)), grads = grad_fn(ls, *args, **kwargs)
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs, **{_LOSS_SCALE_KWARG: ls})
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped

@@ -37,6 +37,7 @@ the constructors), e.g. ``ls.replace(growth_interval=500)``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -314,6 +315,19 @@ def restore(
     """
     import orbax.checkpoint as ocp  # here, so that `import jaxamp` does not pay for orbax
 
+    if isinstance(checkpointer, str | os.PathLike):
+        raise TypeError(
+            f"restore: the first argument is the orbax checkpointer or CheckpointManager, "
+            f"not a path (got {checkpointer!r}). Pass the path as `directory=`: "
+            "jaxamp.checkpoint.restore(ocp.StandardCheckpointer(), target, "
+            f"directory={str(checkpointer)!r}), or restore from a manager: "
+            "jaxamp.checkpoint.restore(ocp.CheckpointManager(root), target, step=step)."
+        )
+    if not (hasattr(checkpointer, "latest_step") or hasattr(checkpointer, "restore")):
+        raise TypeError(
+            "restore: `checkpointer` must be an orbax checkpointer (ocp.StandardCheckpointer()) "
+            f"or an ocp.CheckpointManager, got {type(checkpointer).__name__}."
+        )
     if hasattr(checkpointer, "latest_step"):  # a CheckpointManager (or one like it)
         if directory is not None:
             raise TypeError("restore: pass `step=` (not `directory=`) with a CheckpointManager.")

@@ -173,3 +173,56 @@ def test_finite_with_every_k_is_an_error():
     tx = jaxamp.skip_nonfinite(optax.sgd(0.5), jaxamp.static_scale(4.0), every_k=2)
     with pytest.raises(ValueError, match="every_k"):
         jaxamp.step(tx, params, tx.init(params), params, finite=jnp.array(True))
+
+
+# ---------------------------------------------------------------- restoring a window elsewhere
+
+
+def _window_after(k: int, calls: int, params):
+    tx = jaxamp.skip_nonfinite(optax.sgd(1.0), jaxamp.static_scale(4.0), every_k=k)
+    state = tx.init(params)
+    for i in range(calls):
+        params, state = jaxamp.step(tx, {"w": jnp.full(2, 4.0 * (i + 1))}, state, params)
+    return params, state
+
+
+@pytest.mark.parametrize("saved_k,restored_k", [(4, 2), (4, 3), (2, 4)])
+def test_a_window_restored_under_another_every_k_applies_its_mean(
+    tmp_path, saved_k, restored_k
+) -> None:
+    import orbax.checkpoint as ocp
+
+    params = {"w": jnp.zeros(2)}
+    calls = saved_k - 1  # mid-window: saved_k - 1 micro-batches accumulated
+    params, state = _window_after(saved_k, calls, params)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "c", {"params": params, "opt_state": state})
+    tx = jaxamp.skip_nonfinite(optax.sgd(1.0), jaxamp.static_scale(4.0), every_k=restored_k)
+    target = {"params": params, "opt_state": tx.init(params)}
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = jaxamp.checkpoint.restore(ckpt, target, directory=tmp_path / "c")
+    params, state = restored["params"], restored["opt_state"]
+    # Feed micro-batches until the window ends; unscaled gradients are 1, 2, 3, ...
+    n = calls
+    while True:
+        n += 1
+        params, state = jaxamp.step(tx, {"w": jnp.full(2, 4.0 * n)}, state, params)
+        if int(state.mini_step) == 0:
+            break
+    # One update, by the mean of every micro-batch the window held: never k_saved / k times it.
+    expected = -np.mean(np.arange(1.0, n + 1))
+    np.testing.assert_allclose(params["w"], [expected, expected], rtol=1e-6)
+    assert n == max(saved_k, restored_k)
+
+
+def test_where_stepped_inside_a_window_follows_the_window_so_far() -> None:
+    tx = jaxamp.skip_nonfinite(optax.sgd(1.0), jaxamp.dynamic_scale(2.0), every_k=3)
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    good, bad = {"w": jnp.ones(2)}, {"w": jnp.array([jnp.inf, 1.0])}
+    verdicts = []
+    for g in (good, good, good, good, bad, good, good, good, good):
+        params, state = jaxamp.step(tx, g, state, params)
+        verdicts.append(bool(jaxamp.stepped(state)))
+    # window 1 taken; window 2 poisoned at its 2nd call and skipped; window 3 taken
+    assert verdicts == [True, True, True, True, False, False, True, True, True]

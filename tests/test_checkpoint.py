@@ -240,6 +240,12 @@ def test_restore_argument_errors(tmp_path) -> None:
     with ocp.CheckpointManager(tmp_path / "empty") as mngr:
         with pytest.raises(FileNotFoundError, match="no checkpoint"):
             jaxamp.checkpoint.restore(mngr, {})
+    # A path where the checkpointer goes: say what to pass instead.
+    for path in ("some/path", tmp_path / "ckpt"):
+        with pytest.raises(TypeError, match=r"directory=.*StandardCheckpointer"):
+            jaxamp.checkpoint.restore(path, {})
+    with pytest.raises(TypeError, match="orbax checkpointer"):
+        jaxamp.checkpoint.restore(42, {})
 
 
 # Missing and corrupted checkpoints: orbax's own error comes through.

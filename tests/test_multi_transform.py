@@ -131,3 +131,9 @@ def test_agrees_across_a_mapped_axis():
         np.testing.assert_array_equal(params["head"][d], PARAMS["head"])
         assert not np.array_equal(params["body"]["w"][d], PARAMS["body"]["w"])
     np.testing.assert_array_equal(new.loss_scale.scale, [2.0, 2.0])
+
+
+def test_labels_are_compared_as_keys_not_as_text() -> None:
+    tx = jaxamp.multi_transform({"1": optax.sgd(1.0)}, {"a": 1})
+    with pytest.raises(ValueError, match="param_labels"):
+        tx.init({"a": jnp.ones(2)})

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from flax.training import train_state as flax_train_state
 
 import jaxamp
@@ -420,3 +422,98 @@ def test_step_is_bit_identical_to_update_then_apply_without_a_check():
         for _ in range(3):
             a, b = via_update(*a), via_step(*b)
             assert_trees_equal(a, b)
+
+
+# ---------------------------------------------------------------- value_and_grad argnums
+
+
+def _vg_case(n_args: int, argnums, has_aux: bool, kw: bool):
+    def fun(*args, **kwargs):
+        loss = sum((i + 1.0) * jnp.sum(a**2) for i, a in enumerate(args))
+        loss = loss + sum(jnp.sum(v) for v in kwargs.values())
+        return (loss, {"n": len(args)}) if has_aux else loss
+
+    args = [jnp.arange(1.0, 2.0 + i) for i in range(n_args)]
+    kwargs = {"state": jnp.ones(2), "w": jnp.full(2, 3.0)} if kw else {}
+    return fun, args, kwargs
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_value_and_grad_reads_argnums_exactly_as_jax(data) -> None:
+    n = data.draw(st.integers(1, 4), label="n_args")
+    index = st.integers(-n - 1, n)  # one out of range on each side
+    argnums = data.draw(
+        st.one_of(index, st.tuples(index, index), st.lists(index, min_size=1, max_size=3)),
+        label="argnums",
+    )
+    has_aux, kw = data.draw(st.booleans(), label="has_aux"), data.draw(st.booleans(), label="kw")
+    fun, args, kwargs = _vg_case(n, argnums, has_aux, kw)
+    scale = 8.0  # a power of two: the scaled gradients are exactly 8x jax's
+    try:
+        want = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
+    except Exception as e:  # jax refuses: jaxamp refuses the same way
+        with pytest.raises(type(e)):
+            jaxamp.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
+                jaxamp.static_scale(scale), *args, **kwargs
+            )
+        return
+    got = jaxamp.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
+        jaxamp.static_scale(scale), *args, **kwargs
+    )
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    jax.tree.map(np.testing.assert_array_equal, got[0], want[0])
+    jax.tree.map(lambda g, w: np.testing.assert_array_equal(g, w * scale), got[1], want[1])
+
+
+def test_value_and_grad_takes_a_loss_keyword_named_state() -> None:
+    fun = lambda w, *, state: jnp.sum(w * state)
+    value, grads = jaxamp.value_and_grad(fun)(jaxamp.static_scale(2.0), jnp.ones(2), state=3.0)
+    assert float(value) == 6.0
+    np.testing.assert_array_equal(grads, [6.0, 6.0])
+
+
+# ---------------------------------------------------------------- the inner update, traced once
+
+
+@pytest.mark.parametrize("every_k", [1, 3])
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_inner_update_is_traced_once_per_step(every_k: int, fused: bool) -> None:
+    traces = []
+    sgd = optax.sgd(0.1)
+
+    def update(updates, state, params=None):
+        traces.append(1)
+        return sgd.update(updates, state, params)
+
+    inner = optax.GradientTransformation(sgd.init, update)
+    tx = jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale(), every_k=every_k)
+    params = {"w": jnp.ones(3)}
+
+    @jax.jit
+    def one(params, state, g):
+        if fused:
+            return jaxamp.step(tx, g, state, params)
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    one(params, tx.init(params), {"w": jnp.ones(3)})
+    assert len(traces) == 1
+
+
+def test_multi_transform_traces_each_inner_update_once() -> None:
+    traces = {"a": 0, "b": 0}
+
+    def counted(label):
+        sgd = optax.sgd(0.1)
+
+        def update(updates, state, params=None):
+            traces[label] += 1
+            return sgd.update(updates, state, params)
+
+        return optax.GradientTransformation(sgd.init, update)
+
+    tx = jaxamp.multi_transform({"a": counted("a"), "b": counted("b")}, {"x": "a", "y": "b"})
+    params = {"x": jnp.ones(2), "y": jnp.ones(2)}
+    jax.jit(lambda p, s, g: jaxamp.step(tx, g, s, p))(params, tx.init(params), params)
+    assert traces == {"a": 1, "b": 1}
