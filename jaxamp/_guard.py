@@ -88,7 +88,8 @@ def cond_traced_once(pred: jax.Array, taken: Any, other: Any, *operands: Any) ->
 
     def first(*ops: Any) -> Any:
         out = taken(*ops)
-        seen.append(jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out))
+        shape = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+        seen.append(jax.tree.map(shape, out))
         return out
 
     def second(*ops: Any) -> Any:

@@ -127,7 +127,7 @@ def test_where_stepped_keeps_nnx_batch_stats_on_a_skipped_step() -> None:
         p1, s1, o1 = train_step(params, stats, opt_state, x)
         p2, s2, o2 = train_step(p1, s1, o1, bad)
     assert not bool(jaxamp.metrics(o1)["skipped"]) and bool(jaxamp.metrics(o2)["skipped"])
-    moved = [bool(jnp.any(a != b)) for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(stats))]
+    moved = [bool(jnp.any(a != b)) for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(stats), strict=True)]
     assert all(moved)
     jax.tree.map(np.testing.assert_array_equal, s1, s2)
     jax.tree.map(np.testing.assert_array_equal, p1, p2)

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax.training import train_state as flax_train_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from flax.training import train_state as flax_train_state
 
 import jaxamp
 from tests.helpers import assert_trees_equal, batches, mlp_init, mlp_loss
