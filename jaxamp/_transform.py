@@ -245,9 +245,11 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
 
             def mean(window: Window) -> Any:
                 return jax.tree.map(
-                    lambda a, g: (add(a, g) / count.astype(a.dtype)).astype(a.dtype)
-                    if is_float_leaf(a)
-                    else g,
+                    lambda a, g: (
+                        (add(a, g) / count.astype(a.dtype)).astype(a.dtype)
+                        if is_float_leaf(a)
+                        else g
+                    ),
                     window.acc,
                     window.grads,
                 )
@@ -579,9 +581,7 @@ def stepped(opt_state: Any) -> jax.Array:
     window = _window(opt_state)
     if window is None or not ls.mode.checks:
         return taken
-    return lax.cond(
-        window.mini_step == 0, lambda: taken, lambda: all_finite(window.acc)
-    )
+    return lax.cond(window.mini_step == 0, lambda: taken, lambda: all_finite(window.acc))
 
 
 def where_stepped(opt_state: Any, new: Any, old: Any) -> Any:

@@ -69,9 +69,7 @@ def _runs(draw):
         g = draw(st.lists(st.integers(-4, 4), min_size=4, max_size=4))
         poison = draw(st.sampled_from((None, None, None, np.inf, -np.inf, np.nan)))
         where = draw(st.integers(0, 3))
-        restore = draw(
-            st.sampled_from((None, None, None, None, "unflatten", "unflatten", "orbax"))
-        )
+        restore = draw(st.sampled_from((None, None, None, None, "unflatten", "unflatten", "orbax")))
         calls.append((g, poison, where, restore, draw(st.sampled_from(ks)), draw(st.booleans())))
     return kind, mode, draw(st.sampled_from(ks)), draw(st.sampled_from((1.0, 2.0**10))), calls
 

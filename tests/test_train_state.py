@@ -127,8 +127,8 @@ def test_where_stepped_keeps_nnx_batch_stats_on_a_skipped_step() -> None:
         p1, s1, o1 = train_step(params, stats, opt_state, x)
         p2, s2, o2 = train_step(p1, s1, o1, bad)
     assert not bool(jaxamp.metrics(o1)["skipped"]) and bool(jaxamp.metrics(o2)["skipped"])
-    moved = [bool(jnp.any(a != b)) for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(stats), strict=True)]
-    assert all(moved)
+    moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), s1, stats)
+    assert all(jax.tree.leaves(moved))
     jax.tree.map(np.testing.assert_array_equal, s1, s2)
     jax.tree.map(np.testing.assert_array_equal, p1, p2)
 
@@ -161,9 +161,7 @@ def test_fp8_metadata_is_overwritten_never_stepped(frozen: bool, inner: str) -> 
     assert not np.allclose(new.params["params"]["w"], 1.0)  # the params did step
     # A skipped step keeps the old metadata too (an overflowed step's amax is not kept).
     bad = jax.tree.map(lambda x: x, grads)
-    bad = (freeze if frozen else dict)(
-        {**bad, "params": {"w": jnp.array([jnp.inf, 0.0, 0.0])}}
-    )
+    bad = (freeze if frozen else dict)({**bad, "params": {"w": jnp.array([jnp.inf, 0.0, 0.0])}})
     kept = jax.jit(lambda s, g: s.apply_gradients(grads=g))(new, bad)
     jax.tree.map(np.testing.assert_array_equal, kept.params, new.params)
 
