@@ -46,9 +46,28 @@ _OPS = {
 _SCHEDULE = {"default": (3, 15, 2), "large": (10, 7, 3), "tiny": (1, 2, 1)}
 
 
+_REDUCE = re.compile(r"\breduce\(")
+
+
+def reduction_kernels(text: str) -> int:
+    """Reduction kernels in compiled HLO text: fused computations that contain a
+    ``reduce`` (each one kernel on a GPU, where the launches of a model's many small
+    reductions cost more than their reads) plus reduces left unfused."""
+    count, fused, has_reduce = 0, False, False
+    for line in text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):  # a computation
+            count += fused and has_reduce
+            fused, has_reduce = "fused" in line.split("(")[0], False
+        elif _REDUCE.search(line):
+            count += 0 if fused else 1
+            has_reduce = True
+    return count + (fused and has_reduce)
+
+
 def scan_hlo(text: str) -> dict[str, Any]:
-    """Counts host traffic and conditionals in compiled HLO text."""
+    """Counts host traffic, conditionals and reduction kernels in compiled HLO text."""
     out: dict[str, Any] = {k: len(p.findall(text)) for k, p in _OPS.items()}
+    out["reductions"] = reduction_kernels(text)
     out["host_callbacks"] = sorted({m.group(1) for m in _HOST_CALLBACK.finditer(text)})
     # send/recv appear as send( and send-done( pairs: count the ops, not the pairs.
     out["host_traffic"] = bool(
@@ -163,7 +182,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """Fixed-width table of the step benchmark."""
     head = (
         f"{'variant':<24}{'ms/step':>9}{'time x':>8}{'bytes MB':>10}{'bytes x':>9}"
-        f"{'temp MB':>9}{'temp x':>8}{'compile s':>10}{'host/cond':>10}"
+        f"{'temp MB':>9}{'temp x':>8}{'compile s':>10}{'host/cond':>10}{'reduce':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -171,7 +190,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['name']:<24}{r['step_ms']:>9.1f}{r['time_ratio']:>8.3f}"
             f"{r['bytes_accessed'] / 1e6:>10.1f}{r['bytes_ratio']:>9.3f}"
             f"{r['temp_bytes'] / 1e6:>9.2f}{r['temp_ratio']:>8.3f}"
-            f"{r['compile_s']:>10.2f}{_hlo_cell(r['hlo']):>10}"
+            f"{r['compile_s']:>10.2f}{_hlo_cell(r['hlo']):>10}{r['hlo']['reductions']:>8}"
         )
     return "\n".join(lines)
 

@@ -8,6 +8,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp._loss_scale import get_loss_scale
+from jaxamp._tree import render_path
+
 _WIDTH = 8  # bytes kept per leaf: enough for any scalar dtype up to 64 bits
 _STATIC = "static configuration"
 
@@ -64,12 +67,9 @@ def check_in_sync(opt_state_or_loss_scale_state: Any) -> None:
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
       >>> jaxamp.check_in_sync(tx.init({"w": jnp.ones(2)}))  # one process, one device: quiet
     """
-    # The package's public finder (imported here: jaxamp imports this module first).
-    from jaxamp import get_loss_scale
-
     state = get_loss_scale(opt_state_or_loss_scale_state)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
-    names = [".".join(str(getattr(k, "name", k)) for k in path) for path, _ in flat]
+    names = [render_path(path) for path, _ in flat]
     dtypes: list[np.dtype | None] = []
     firsts, others = [], []  # per leaf: this process's first copy, and one that differs
     for _, leaf in flat:

@@ -26,9 +26,24 @@ from jax import lax
 
 from jaxamp import _loss_scale as ls_lib
 from jaxamp._loss_scale import LossScaleState
-from jaxamp._tree import agree, is_float_leaf
+from jaxamp._tree import agree, is_float_leaf, like
 
 _BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+class Call(NamedTuple):
+    """What one optimizer call was given besides the trees.
+
+    Attributes:
+      extra_args: forwarded to every inner ``update`` (``value=``, ...).
+      verdict: ``None``: the gradients are scaled, unscale and check them here;
+        a bool scalar: the user's ``finite=`` (already unscaled and checked).
+      to_params: ``jaxamp.step``: return the new params instead of updates.
+    """
+
+    extra_args: dict[str, Any]
+    verdict: Any
+    to_params: bool
 
 
 class Part(NamedTuple):
@@ -41,17 +56,6 @@ class Part(NamedTuple):
     # Maps ``grads`` to the scaled gradients inside the check and the cond's branches,
     # so that a derived tree (an accumulation window's mean) is never materialised.
     prepare: Any = None
-
-
-def like(old: Any, new_shapes: Any) -> Any:
-    """``old`` with each leaf in the dtype of ``new_shapes`` (a no-op when they agree)."""
-
-    def cast(o: Any, n: Any) -> Any:
-        if o is None or getattr(o, "dtype", None) == n.dtype:
-            return o
-        return jnp.asarray(o).astype(n.dtype)
-
-    return jax.tree.map(cast, old, new_shapes)
 
 
 def _opaque(updates: Any, zero: jax.Array) -> Any:
@@ -98,78 +102,65 @@ def cond_traced_once(pred: jax.Array, taken: Any, other: Any, *operands: Any) ->
     return lax.cond(pred, first, second, *operands)
 
 
-def _run_part(
-    part: Part,
-    finite: jax.Array | None,
-    unscale: Any,
-    extra_args: dict[str, Any],
-    to_params: bool,
-) -> tuple[Any, Any]:
+def _run_part(part: Part, take: jax.Array | None, unscale: Any, call: Call) -> tuple[Any, Any]:
+    """One part's update under ``lax.cond(take, ...)``; ``take=None``: unchecked, no cond."""
     prepare = part.prepare or (lambda g: g)
 
     def apply(state: Any, grads: Any, params: Any, nonfinite: Any) -> tuple[Any, Any]:
-        updates, state = part.inner.update(unscale(prepare(grads)), state, params, **extra_args)
-        if not to_params:
+        grads = unscale(prepare(grads))
+        updates, state = part.inner.update(grads, state, params, **call.extra_args)
+        if not call.to_params:
             return updates, state
         if nonfinite is not None:
             updates = _opaque(updates, nonfinite)
         return optax.apply_updates(params, updates), state
 
-    if finite is None:  # nothing is checked: no cond, and so nothing to round either
+    if take is None:  # nothing is checked: no cond, and so nothing to round either
         return apply(part.state, part.grads, part.params, None)
 
     def skip(shapes: Any, state: Any, grads: Any, params: Any, nonfinite: Any) -> tuple[Any, Any]:
-        if to_params:
+        if call.to_params:
             out = params
         else:
             out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
         return like(out, shapes[0]), like(state, shapes[1])
 
-    operands = (part.state, part.grads, part.params, (~finite).astype(jnp.int32))
-    return cond_traced_once(finite, apply, skip, *operands)
+    operands = (part.state, part.grads, part.params, (~take).astype(jnp.int32))
+    return cond_traced_once(take, apply, skip, *operands)
 
 
 def guarded(
-    ls: LossScaleState,
-    parts: list[Part],
-    *,
-    finite: Any,
-    axis_name: Any,
-    extra_args: dict[str, Any],
-    to_params: bool,
+    ls: LossScaleState, parts: list[Part], call: Call, axis_name: Any
 ) -> tuple[list[Any], list[Any], LossScaleState]:
     """Runs each part's inner update if its gradients are finite; updates the scale once.
 
     Args:
       ls: the loss-scale state the gradients were scaled with.
       parts: the groups; each is checked and skipped on its own.
-      finite: ``None`` (the gradients are scaled: unscale and check them here) or a
-        bool scalar (they are already unscaled and checked by the user).
+      call: the call's extra args, the user's verdict (if any) and the output kind.
       axis_name: mapped axis over which the finiteness is agreed.
-      extra_args: forwarded to every inner ``update``.
-      to_params: return new params (``jaxamp.step``) instead of updates.
 
     Returns:
       ``(outs, inner_states, next_loss_scale_state)``, one out and state per part;
       the scale advances with "every part finite".
     """
-    if finite is not None:
-        finite = ls_lib.as_finite(finite, "jaxamp.step")
+    if call.verdict is not None:
+        verdict = ls_lib.as_finite(call.verdict, "jaxamp.step")
         unscale = lambda g: g
-        finites: list[Any] = [finite] * len(parts)
+        takes: list[Any] = [verdict] * len(parts)
     else:
         unscale = lambda g: ls_lib.unscale(ls, g)
         local = [ls_lib.local_finite(ls, p.grads, p.prepare) for p in parts]
         if local and local[0] is not None:
             agreed = agree(jnp.stack(local), axis_name)  # one collective for all parts
-            finites = [agreed[i] for i in range(len(parts))]
+            takes = [agreed[i] for i in range(len(parts))]
         else:
-            finites = [None] * len(parts)
+            takes = [None] * len(parts)
     outs, states = [], []
-    for part, part_finite in zip(parts, finites, strict=True):
-        out, state = _run_part(part, part_finite, unscale, extra_args, to_params)
+    for part, take in zip(parts, takes, strict=True):
+        out, state = _run_part(part, take, unscale, call)
         outs.append(out)
         states.append(state)
-    checked = [f for f in finites if f is not None]
+    checked = [t for t in takes if t is not None]
     every = jnp.all(jnp.stack(checked)) if checked else jnp.array(True)
     return outs, states, ls_lib.update(ls, every)

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._tree import is_float_dtype
+
 __all__ = ["Policy"]
 
 # Every spelling `Policy.from_string` accepts for a dtype, mapped to the dtype.
@@ -86,7 +88,7 @@ def _as_float_dtype(value: Any, field: str) -> np.dtype:
         dtype = jnp.dtype(value)
     except TypeError as e:
         raise ValueError(f"{field}={value!r} is not a dtype") from e
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if not is_float_dtype(dtype):
         raise ValueError(f"{field} must be a floating dtype, got {dtype.name}")
     return dtype
 
@@ -95,9 +97,7 @@ def _cast_tree(tree: Any, dtype: np.dtype) -> Any:
     def cast(x: Any) -> Any:
         # Only arrays with a floating dtype are cast: ints, bools, PRNG keys,
         # Python scalars and non-array leaves pass through untouched.
-        if isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-            x.dtype, jnp.floating
-        ):
+        if isinstance(x, (jax.Array, np.ndarray, np.generic)) and is_float_dtype(x.dtype):
             return x if x.dtype == dtype else jnp.asarray(x, dtype=dtype)
         return x
 

@@ -19,9 +19,16 @@ import optax
 from jax import lax
 
 from jaxamp import _loss_scale as ls_lib
-from jaxamp._guard import Part, cond_traced_once, guarded, like
+from jaxamp._guard import Call, Part, cond_traced_once, guarded
 from jaxamp._loss_scale import LossScaleState
-from jaxamp._tree import all_finite, check_axis_name, is_float_leaf, select_tree
+from jaxamp._tree import (
+    all_finite,
+    check_axis_name,
+    is_float_leaf,
+    like,
+    render_path,
+    select_tree,
+)
 
 __all__ = [
     "MultiTransformState",
@@ -103,10 +110,6 @@ def _check_inner(inner: Any, fn: str, what: str = "inner") -> optax.GradientTran
     return optax.with_extra_args_support(inner)
 
 
-def _path(path: Any) -> str:
-    return jax.tree_util.keystr(path) or "<root>"
-
-
 def _check_grads(grads: Any, params: Any, fn: str) -> None:
     """Gradients must match the params leaf for leaf, shapes included (no broadcasting)."""
     if params is None:
@@ -123,8 +126,8 @@ def _check_grads(grads: Any, params: Any, fn: str) -> None:
         g_shape, p_shape = jnp.shape(g), jnp.shape(p)
         if g_shape != p_shape:
             raise ValueError(
-                f"{fn}: the gradient at {_path(path)} has shape {g_shape} but the param has "
-                f"shape {p_shape}; gradients must have their params' shapes exactly."
+                f"{fn}: the gradient at `{render_path(path)}` has shape {g_shape} but the "
+                f"param has shape {p_shape}; gradients must have their params' shapes exactly."
             )
 
 
@@ -159,17 +162,9 @@ class _GuardedUpdate:
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, Any]:
-        return self.run(updates, state, params, extra_args, None, to_params=False)
+        return self.run(updates, state, params, Call(extra_args, None, to_params=False))
 
-    def run(
-        self,
-        grads: Any,
-        state: Any,
-        params: Any,
-        extra_args: dict[str, Any],
-        finite: Any,
-        to_params: bool,
-    ) -> tuple[Any, Any]:
+    def run(self, grads: Any, state: Any, params: Any, call: Call) -> tuple[Any, Any]:
         raise NotImplementedError
 
 
@@ -182,15 +177,9 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
     every_k: int
 
     def run(
-        self,
-        grads: Any,
-        state: SkipNonfiniteState,
-        params: Any,
-        extra_args: dict[str, Any],
-        finite: Any,
-        to_params: bool,
+        self, grads: Any, state: SkipNonfiniteState, params: Any, call: Call
     ) -> tuple[Any, SkipNonfiniteState]:
-        fn = "jaxamp.step" if to_params else "skip_nonfinite.update"
+        fn = "jaxamp.step" if call.to_params else "skip_nonfinite.update"
         _check_state_type(state, SkipNonfiniteState, fn)
         _check_grads(grads, params, fn)
         _check_inner_state(
@@ -205,24 +194,17 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
             grads: Any, state: SkipNonfiniteState, prepare: Any = None
         ) -> tuple[Any, SkipNonfiniteState]:
             part = Part(self.inner, state.inner_state, grads, params, prepare)
-            (out,), (inner_state,), ls = guarded(
-                state.loss_scale,
-                [part],
-                finite=finite,
-                axis_name=self.axis_name,
-                extra_args=extra_args,
-                to_params=to_params,
-            )
+            (out,), (inner_state,), ls = guarded(state.loss_scale, [part], call, self.axis_name)
             return out, state._replace(inner_state=inner_state, loss_scale=ls)
 
         if self.every_k == 1:
             return window_step(grads, state)
-        if finite is not None:
+        if call.verdict is not None:
             raise ValueError(
                 "jaxamp.step: finite= cannot be combined with every_k > 1: the window's "
                 "gradients are accumulated inside the optimizer state and checked at its end."
             )
-        return self._accumulate(grads, state, params, window_step, to_params)
+        return self._accumulate(grads, state, params, window_step, call.to_params)
 
     def _accumulate(
         self,
@@ -397,15 +379,9 @@ class _MultiTransformUpdate(_GuardedUpdate):
     axis_name: Any
 
     def run(
-        self,
-        grads: Any,
-        state: MultiTransformState,
-        params: Any,
-        extra_args: dict[str, Any],
-        finite: Any,
-        to_params: bool,
+        self, grads: Any, state: MultiTransformState, params: Any, call: Call
     ) -> tuple[Any, MultiTransformState]:
-        fn = "jaxamp.step" if to_params else "multi_transform.update"
+        fn = "jaxamp.step" if call.to_params else "multi_transform.update"
         _check_state_type(state, MultiTransformState, fn)
         _check_grads(grads, params, fn)
         labels = _full_labels(self.param_labels, grads, self.transforms, fn)
@@ -421,14 +397,7 @@ class _MultiTransformUpdate(_GuardedUpdate):
                 f"opt_state.inner_states[{label!r}]",
             )
             parts.append(Part(tx, state.inner_states[label], masked, masked_params))
-        outs, inner_states, ls = guarded(
-            state.loss_scale,
-            parts,
-            finite=finite,
-            axis_name=self.axis_name,
-            extra_args=extra_args,
-            to_params=to_params,
-        )
+        outs, inner_states, ls = guarded(state.loss_scale, parts, call, self.axis_name)
         out = _merge(dict(zip(self.transforms, outs, strict=True)), labels, grads)
         return out, MultiTransformState(dict(zip(self.transforms, inner_states, strict=True)), ls)
 
@@ -546,7 +515,7 @@ def step(
         )
     update = getattr(tx, "update", None)
     if isinstance(update, _GuardedUpdate):
-        return update.run(grads, opt_state, params, extra_args, finite, to_params=True)
+        return update.run(grads, opt_state, params, Call(extra_args, finite, to_params=True))
     if finite is not None:
         raise TypeError(
             "jaxamp.step: finite= needs a transformation from jaxamp.skip_nonfinite or "

@@ -7,7 +7,8 @@ returns for integer inputs) and ``None`` pass through unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -16,6 +17,16 @@ import numpy as np
 from jax import lax
 
 __all__ = ["all_finite", "select_tree"]
+
+
+@functools.cache
+def is_float_dtype(dtype: Any) -> bool:
+    """True for a real floating dtype (float8 to float64); False for complex, ints,
+    bools and extended dtypes (PRNG keys). What autocast and policies cast."""
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:  # extended dtypes
+        return False
 
 
 def is_float_leaf(x: Any) -> bool:
@@ -158,3 +169,27 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.unflatten(
         true_def, [select(a, b) for a, b in zip(true_leaves, false_leaves, strict=True)]
     )
+
+
+def like(old: Any, new_shapes: Any) -> Any:
+    """``old`` with each leaf in the dtype of ``new_shapes`` (a no-op when they agree)."""
+
+    def cast(o: Any, n: Any) -> Any:
+        if o is None or getattr(o, "dtype", None) == n.dtype:
+            return o
+        return jnp.asarray(o).astype(n.dtype)
+
+    return jax.tree.map(cast, old, new_shapes)
+
+
+def path_key(entry: Any) -> Any:
+    """The plain str / int that one jax key-path entry stands for."""
+    for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return str(entry)
+
+
+def render_path(path: Sequence[Any]) -> str:
+    """A key path as orbax names it, and every jaxamp message: ``opt_state.loss_scale.scale``."""
+    return ".".join(str(path_key(e)) for e in path) or "<root>"

@@ -38,13 +38,14 @@ the constructors), e.g. ``ls.replace(growth_interval=500)``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxamp._loss_scale import LossScaleState, validate
+from jaxamp._tree import path_key, render_path
 
 __all__ = ["check_restorable", "restore"]
 
@@ -52,25 +53,12 @@ _MISSING = object()
 _MAX_LISTED = 8
 
 
-def _key(entry: Any) -> Any:
-    """The plain str / int that one jax key-path entry stands for."""
-    for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
-        if hasattr(entry, attr):
-            return getattr(entry, attr)
-    return str(entry)
-
-
-def _render(path: Sequence[Any]) -> str:
-    """A key path as orbax names it: ``opt_state.loss_scale.scale``."""
-    return ".".join(str(_key(e)) for e in path) or "<root>"
-
-
 def _is_subtree(node: Any) -> bool:
     return isinstance(node, Mapping | list | tuple)
 
 
 def _child(node: Any, entry: Any) -> Any:
-    k = _key(entry)
+    k = path_key(entry)
     if isinstance(node, Mapping):
         if k in node:
             return node[k]
@@ -162,11 +150,11 @@ def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") 
         if not fields:
             continue
         covered.update(fields)
-        names = ", ".join(sorted(_render(p[len(sp) :]) for p in fields))
-        parts.append(f"{where} has no loss-scale state at `{_render(sp)}` (missing: {names})")
+        names = ", ".join(sorted(render_path(p[len(sp) :]) for p in fields))
+        parts.append(f"{where} has no loss-scale state at `{render_path(sp)}` (missing: {names})")
     others = [p for p in missing if p not in covered]
     if others:
-        listed = ", ".join(f"`{_render(p)}`" for p in others[:_MAX_LISTED])
+        listed = ", ".join(f"`{render_path(p)}`" for p in others[:_MAX_LISTED])
         more = f" and {len(others) - _MAX_LISTED} more" if len(others) > _MAX_LISTED else ""
         parts.append(f"{where} lacks {len(others)} leaves the target needs: {listed}{more}")
     message = "; ".join(parts) + "."
@@ -242,7 +230,7 @@ def _validate_restored(tree: Any, where: str) -> None:
     # One transfer, of the loss-scale scalars only.
     host = jax.device_get([jax.tree.map(_host_view, state) for _, state in found])
     for (path, state), values in zip(found, host, strict=True):
-        label = f"{where} at `{_render(path)}`"
+        label = f"{where} at `{render_path(path)}`"
         shapes = {np.shape(x) for x in jax.tree.leaves(values)}
         # A replicated state (a leading device axis, as with pmap) is checked per replica.
         lead = shapes.pop() if len(shapes) == 1 else ()

@@ -85,3 +85,32 @@ def test_gpu_benchmark_flags_variants_and_hlo_scan_on_cpu() -> None:
         {"op": "%c", "computation": "main", "in_command_buffer": "False"}
     ]
     assert gpu.hlo_stats(hlo)["conditional"] == 1
+
+
+def test_reduction_kernels_counts_fused_and_unfused_reductions() -> None:
+    hlo = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%fused_computation (p: f32[8]) -> f32[] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %r = f32[] reduce(f32[8]{0} %p, f32[] %c), dimensions={0}, to_apply=%add
+}
+
+%fused_computation.1 (p: f32[8]) -> f32[8] {
+  ROOT %n = f32[8]{0} negate(f32[8]{0} %p)
+}
+
+ENTRY %main (x: f32[8]) -> f32[] {
+  %f = f32[] fusion(f32[8]{0} %x), kind=kInput, calls=%fused_computation
+  %g = f32[8]{0} fusion(f32[8]{0} %x), kind=kLoop, calls=%fused_computation.1
+  ROOT %r2 = f32[] reduce(f32[8]{0} %g, f32[] %c), dimensions={0}, to_apply=%add
+}
+"""
+    assert bench_run.reduction_kernels(hlo) == 2
+    # On a real program: one reduction per separate sum, at least.
+    f = jax.jit(lambda x, y: (jnp.sum(x), jnp.max(y * 2.0)))
+    text = f.lower(jnp.ones(8), jnp.ones(16)).compile().as_text()
+    assert bench_run.reduction_kernels(text) >= 2

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp._tree import is_float_dtype
+
 LOWER = "lower"
 FLOAT32 = "float32"
 ELEMENTWISE = "elementwise"
@@ -131,12 +133,7 @@ REDUCTIONS: frozenset[str] = frozenset({"reduce_sum", "reduce_max", "reduce_prod
 FLOAT32_DTYPE = np.dtype(np.float32)
 
 
-@functools.cache
-def is_float(dtype: Any) -> bool:
-    try:
-        return bool(jnp.issubdtype(dtype, jnp.floating))
-    except TypeError:  # extended dtypes (PRNG keys)
-        return False
+is_float = is_float_dtype  # autocast casts real floating values only
 
 
 @functools.cache

@@ -143,19 +143,25 @@ def _compile(f: Any, *args: Any) -> Any:
     return jax.jit(f).lower(*args).compile(compiler_options=_FAST)
 
 
+def _batches(built: models.Built) -> tuple[dict[str, Any], ...]:
+    return (built.batch, *built.more_batches)
+
+
 def _probe(apply: Any, built: models.Built) -> Any:
-    """Compiled ``(params, scale) -> ((loss, logits), grads of loss*scale / scale)``."""
+    """Compiled ``(params, scale, batch) -> ((loss, logits), grads of loss*scale / scale)``."""
     loss = _loss_fn(apply)
 
-    def scaled(p: Any, scale: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        value, (_, logits) = loss(p, built.state, built.batch)
+    def scaled(
+        p: Any, scale: jax.Array, batch: dict[str, Any]
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        value, (_, logits) = loss(p, built.state, batch)
         return value * scale, (value, logits)
 
-    def probe(p: Any, scale: jax.Array) -> Any:
-        (_, aux), g = jax.value_and_grad(scaled, has_aux=True)(p, scale)
+    def probe(p: Any, scale: jax.Array, batch: dict[str, Any]) -> Any:
+        (_, aux), g = jax.value_and_grad(scaled, has_aux=True)(p, scale, batch)
         return aux, jax.tree.map(lambda x: x / scale, g)
 
-    return _compile(probe, built.params, jnp.float32(1.0))
+    return _compile(probe, built.params, jnp.float32(1.0), built.batch)
 
 
 def _train(apply: Any, built: models.Built, loss_scale: Any, steps: int) -> dict[str, Any]:
@@ -169,7 +175,7 @@ def _train(apply: Any, built: models.Built, loss_scale: Any, steps: int) -> dict
         )
         params, opt_state = jaxamp.step(tx, grads, opt_state, params)
         m = jaxamp.metrics(opt_state)
-        state = jaxamp.select_tree(m["skipped"], state, new_state)  # a skip keeps BatchNorm stats
+        state = jaxamp.where_stepped(opt_state, new_state, state)  # a skip keeps BatchNorm stats
         return params, state, opt_state, value, m["skipped"]
 
     run = _run_steps(built, tx, step, steps)
@@ -181,7 +187,7 @@ def _final_loss(ref: dict[str, Any], built: models.Built, train: dict[str, Any])
     """The outcome of training, judged by the float32 model on the final params."""
     # (BatchNorm in training mode normalises by batch statistics: the running
     # averages in the state are outputs, not inputs, of the loss.)
-    return float(ref["probe"](train["params"], jnp.float32(1.0))[0][0])
+    return float(ref["probe"](train["params"], jnp.float32(1.0), built.batch)[0][0])
 
 
 _REFERENCES: dict[tuple[str, int], dict[str, Any]] = {}
@@ -196,9 +202,12 @@ def _reference(name: str, built: models.Built, steps: int) -> dict[str, Any]:
 
 def _reference_uncached(built: models.Built, steps: int) -> dict[str, Any]:
     probe = _probe(built.apply, built)
-    (loss, logits), grad = probe(built.params, jnp.float32(1.0))
-    ref = {"probe": probe, "logits": np.asarray(logits), "loss": float(loss), "grad": _flat(grad)}
-    ref["grad_max"] = float(np.max(np.abs(ref["grad"])))
+    each = []
+    for batch in _batches(built):
+        (loss, logits), grad = probe(built.params, jnp.float32(1.0), batch)
+        each.append({"logits": np.asarray(logits), "loss": float(loss), "grad": _flat(grad)})
+    ref = {"probe": probe, "each": each, **each[0]}
+    ref["grad_max"] = max(float(np.max(np.abs(e["grad"]))) for e in each)
     train = _train_float32(built, steps)
     train["final"] = _final_loss(ref, built, train)
     ref["train"] = {k: v for k, v in train.items() if k not in ("params", "state")}
@@ -255,14 +264,33 @@ def _error_text(e: BaseException) -> str:
 
 
 def _probe_figures(apply: Any, built: models.Built, ref: dict[str, Any], scale: float) -> dict:
-    """Forward error, loss error, non-finite outputs and gradient cosine of one variant."""
-    (loss, logits), grad = _probe(apply, built)(built.params, jnp.float32(scale))
-    return {
-        "out_err": _rel_err(logits, ref["logits"]),
-        "nonfinite": _nonfinite_where_f32_finite(logits, ref["logits"]),
-        "loss_err": abs(float(loss) - ref["loss"]) / abs(ref["loss"]),
-        "grad_cos": _cosine(_flat(grad), ref["grad"]),
+    """Forward error, loss error, non-finite outputs and gradient cosine of one variant.
+
+    With several probe batches (``Built.more_batches``), the output error and the
+    gradient cosine are means over the batches (``grad_cos_each`` lists the
+    cosines), the loss error and the non-finite count their worst / total.
+    """
+    probe = _probe(apply, built)
+    rows = []
+    for batch, r in zip(_batches(built), ref["each"], strict=True):
+        (loss, logits), grad = probe(built.params, jnp.float32(scale), batch)
+        rows.append(
+            {
+                "out_err": _rel_err(logits, r["logits"]),
+                "nonfinite": _nonfinite_where_f32_finite(logits, r["logits"]),
+                "loss_err": abs(float(loss) - r["loss"]) / abs(r["loss"]),
+                "grad_cos": _cosine(_flat(grad), r["grad"]),
+            }
+        )
+    out = {
+        "out_err": float(np.mean([r["out_err"] for r in rows])),
+        "nonfinite": sum(r["nonfinite"] for r in rows),
+        "loss_err": max(r["loss_err"] for r in rows),
+        "grad_cos": float(np.mean([r["grad_cos"] for r in rows])),
     }
+    if len(rows) > 1:
+        out["grad_cos_each"] = [r["grad_cos"] for r in rows]
+    return out
 
 
 def _measure(built: models.Built, amp_apply: Any) -> dict[str, Any]:
