@@ -20,6 +20,7 @@ from jaxamp._loss_scale import (
     unscale_and_check,
     update,
 )
+from jaxamp._model_state import stepped, where_stepped
 from jaxamp._policy import Policy
 from jaxamp._train_state import TrainState
 from jaxamp._transform import (
@@ -28,11 +29,9 @@ from jaxamp._transform import (
     multi_transform,
     skip_nonfinite,
     step,
-    stepped,
-    value_and_grad,
-    where_stepped,
 )
 from jaxamp._tree import all_finite, select_tree
+from jaxamp._value_and_grad import value_and_grad
 
 __version__ = "0.2.0"
 

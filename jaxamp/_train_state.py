@@ -9,7 +9,8 @@ from flax.core import FrozenDict
 from flax.training import train_state
 
 from jaxamp._loss_scale import LossScaleState, get_loss_scale
-from jaxamp._transform import step, where_stepped
+from jaxamp._model_state import where_stepped
+from jaxamp._transform import step
 
 __all__ = ["TrainState"]
 

@@ -10,25 +10,17 @@ parameter update fused in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jaxamp import _loss_scale as ls_lib
 from jaxamp._guard import Call, Part, cond_traced_once, guarded
 from jaxamp._loss_scale import LossScaleState
-from jaxamp._tree import (
-    all_finite,
-    check_axis_name,
-    is_float_leaf,
-    like,
-    render_path,
-    select_tree,
-)
+from jaxamp._tree import check_axis_name, is_float_leaf, like, render_path
 
 __all__ = [
     "MultiTransformState",
@@ -36,9 +28,6 @@ __all__ = [
     "multi_transform",
     "skip_nonfinite",
     "step",
-    "stepped",
-    "value_and_grad",
-    "where_stepped",
 ]
 
 
@@ -523,141 +512,3 @@ def step(
         )
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
-
-
-def _window(opt_state: Any) -> SkipNonfiniteState | None:
-    """The accumulating ``skip_nonfinite`` state inside ``opt_state``, if any."""
-    found = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SkipNonfiniteState))
-        if isinstance(x, SkipNonfiniteState) and x.mini_step is not None
-    ]
-    return found[0] if len(found) == 1 else None
-
-
-def stepped(opt_state: Any) -> jax.Array:
-    """Whether the last call's step was taken: a bool scalar, no host sync.
-
-    False after a skipped step. With ``every_k > 1``, a call that ends a window
-    says whether the window was applied; a call inside a window says whether its
-    gradients so far are all finite (one read of the accumulator): once one
-    micro-batch overflows, the window will be skipped, and so is what its later
-    micro-batches would write. A loss-scale state that checks nothing
-    (``jaxamp.no_scale()``) never skips.
-    """
-    ls = ls_lib.find_state(opt_state, "stepped")
-    taken = ~ls.nonfinite_streak.astype(jnp.bool_)
-    window = _window(opt_state)
-    if window is None or not ls.mode.checks:
-        return taken
-    return lax.cond(window.mini_step == 0, lambda: taken, lambda: all_finite(window.acc))
-
-
-def where_stepped(opt_state: Any, new: Any, old: Any) -> Any:
-    """``new`` if the last step was taken, ``old`` if it was skipped: model state.
-
-    What a train step writes besides params and optimizer state (BatchNorm
-    statistics, Flax mutable collections, nnx ``BatchStat`` and other non-``Param``
-    Variables, fp8 amax histories) must not be written by a skipped step: a batch
-    whose gradients overflowed has statistics that overflowed too, and writing them
-    would poison every later evaluation. Call this after :func:`jaxamp.step` (or
-    ``tx.update``) with the new optimizer state. :class:`jaxamp.TrainState` does it
-    for the keyword arguments of ``apply_gradients``. See :func:`stepped` for what
-    "taken" means under ``every_k`` and ``multi_transform`` (any partition skipped:
-    the model state is kept).
-
-    Args:
-      opt_state: the optimizer state *after* the step (or a ``TrainState``).
-      new: the model state the step computed.
-      old: the model state before the step; the same tree structure, shapes and dtypes.
-
-    Returns:
-      ``new`` or ``old``, selected on the device (no host sync).
-
-    Example:
-      >>> import jax.numpy as jnp, optax, jaxamp
-      >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
-      >>> params, stats = {"w": jnp.ones(2)}, {"mean": jnp.zeros(2)}
-      >>> grads, new_stats = {"w": jnp.array([jnp.inf, 1.0])}, {"mean": jnp.full(2, jnp.nan)}
-      >>> params, opt_state = jaxamp.step(tx, grads, tx.init(params), params)
-      >>> jaxamp.where_stepped(opt_state, new_stats, stats)
-      {'mean': Array([0., 0.], dtype=float32)}
-    """
-    try:
-        return select_tree(stepped(opt_state), new, old)
-    except ValueError as e:
-        raise ValueError(
-            "where_stepped: `new` and `old` must be the same model state before and after "
-            f"the step (one tree structure, shapes and dtypes): {e}"
-        ) from None
-
-
-_LOSS_SCALE_KWARG = "__jaxamp_loss_scale_state__"
-
-
-def value_and_grad(
-    fun: Callable[..., Any],
-    argnums: int | Sequence[int] = 0,
-    has_aux: bool = False,
-) -> Callable[..., Any]:
-    """``jax.value_and_grad`` of the *scaled* loss, returning the *unscaled* loss.
-
-    Flax ``DynamicScale.value_and_grad`` users' habit, without a ``jaxamp.scale``
-    lambda in every train step: the returned function takes the loss-scale state
-    (or an optimizer state / ``TrainState`` holding one) first, then ``fun``'s
-    arguments. ``argnums`` counts ``fun``'s arguments, as in JAX.
-
-    Args:
-      fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
-      argnums: which of ``fun``'s positional arguments to differentiate: an int
-        or a sequence of ints, negative ones counted from the end, exactly as
-        ``jax.value_and_grad`` reads them (the leading state is not counted).
-      has_aux: whether ``fun`` returns ``(loss, aux)``.
-
-    Returns:
-      A function ``(state, *args, **kwargs) -> (value, grads)`` (``((value, aux),
-      grads)`` with ``has_aux``): the loss as ``fun`` computed it and the gradients
-      of the scaled loss, ready for :func:`jaxamp.step` or ``tx.update``.
-
-    Example:
-      >>> import jax.numpy as jnp, jaxamp
-      >>> loss_fn = lambda w, x: jnp.sum(w * x)
-      >>> value, grads = jaxamp.value_and_grad(loss_fn)(jaxamp.static_scale(8.0), jnp.ones(2), 3.0)
-      >>> value, grads
-      (Array(6., dtype=float32), Array([24., 24.], dtype=float32))
-    """
-    if not callable(fun):
-        raise TypeError(f"value_and_grad: `fun` must be callable, got {type(fun).__name__}.")
-
-    def scaled_fun(*args: Any, **kwargs: Any) -> Any:
-        ls = kwargs.pop(_LOSS_SCALE_KWARG)
-        out = fun(*args, **kwargs)
-        if has_aux:
-            if not (isinstance(out, tuple | list) and len(out) == 2):
-                raise TypeError(
-                    "value_and_grad: with has_aux=True, `fun` must return a pair (loss, aux), "
-                    f"got {type(out).__name__}."
-                )
-            loss, aux = out
-        else:
-            loss, aux = out, None
-        if jnp.shape(loss) != () or not is_float_leaf(jnp.asarray(loss)):
-            raise TypeError(
-                "value_and_grad: `fun` must return a scalar floating loss"
-                + (" as the first element of its pair" if has_aux else "")
-                + f", got {jnp.asarray(loss).dtype}{list(jnp.shape(loss))}. Use has_aux=True "
-                "to return (loss, aux)."
-            )
-        return ls_lib.scale(ls, loss), (loss, aux)
-
-    # jax.value_and_grad itself reads argnums (negative, tuple, list) against
-    # `fun`'s own arguments; the loss-scale state reaches `scaled_fun` as a keyword
-    # no user function has, so it is neither counted nor differentiated.
-    grad_fn = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
-
-    def wrapped(state: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        ls = ls_lib.find_state(state, "value_and_grad")
-        (_, (loss, aux)), grads = grad_fn(*args, **kwargs, **{_LOSS_SCALE_KWARG: ls})
-        return ((loss, aux) if has_aux else loss), grads
-
-    return wrapped
