@@ -1,10 +1,10 @@
 """jaxamp: automatic mixed precision for JAX, Flax and optax.
 
 The modules are private; everything public is re-exported here (and in the
-``jaxamp.compat`` and ``jaxamp.checkpoint`` namespaces).
+``jaxamp.compat``, ``jaxamp.checkpoint`` and ``jaxamp.nnx`` namespaces).
 """
 
-from jaxamp import checkpoint, compat
+from jaxamp import checkpoint, compat, nnx
 from jaxamp._autocast import DEFAULT_RULES, autocast, full_precision, keep_float32
 from jaxamp._distributed import check_in_sync
 from jaxamp._loss_scale import (
@@ -55,6 +55,7 @@ __all__ = [
     "keep_float32",
     "metrics",
     "multi_transform",
+    "nnx",
     "no_scale",
     "scale",
     "select_tree",

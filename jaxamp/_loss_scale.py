@@ -135,6 +135,7 @@ _FIELDS: dict[str, _Field] = {
     ),
     "raise_at_min_scale": _Field(jnp.bool_, lambda v: True, "a bool"),
 }
+FIELD_NAMES: tuple[str, ...] = tuple(_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -719,7 +720,7 @@ def get_loss_scale(opt_state: Any) -> LossScaleState:
       32768.0
     """
     if isinstance(opt_state, LossScaleState):
-        return opt_state
+        return _plain(opt_state)
     found = [
         x
         for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
@@ -736,7 +737,21 @@ def get_loss_scale(opt_state: Any) -> LossScaleState:
             "optimizer in one jaxamp.skip_nonfinite (or use jaxamp.multi_transform), or "
             "pass the sub-state you mean."
         )
-    return found[0]
+    return _plain(found[0])
+
+
+def _plain(state: LossScaleState) -> LossScaleState:
+    """The state with array fields: a Flax nnx optimizer wraps each in a Variable
+    (``nnx.OptArray``), a pytree of one leaf; logged or JSON-encoded, that fails."""
+    fields = {f: getattr(state, f) for f in _FIELDS}
+    wrapped = {f: v for f, v in fields.items() if not isinstance(v, jax.Array | np.ndarray)}
+    if not wrapped:
+        return state
+    plain = {}
+    for f, v in wrapped.items():
+        leaves = jax.tree.leaves(v)
+        plain[f] = leaves[0] if len(leaves) == 1 else v
+    return dataclasses.replace(state, **plain)
 
 
 def find_state(obj: Any, fn: str) -> LossScaleState:

@@ -44,7 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp._loss_scale import LossScaleState, validate
+from jaxamp._loss_scale import FIELD_NAMES, LossScaleState, Mode, validate
 from jaxamp._tree import path_key, render_path
 
 __all__ = ["check_restorable", "restore"]
@@ -216,14 +216,26 @@ def _host_view(x: Any) -> Any:
     return x
 
 
+def _is_loss_scale(node: Any) -> bool:
+    """A LossScaleState, or one flattened into a mapping of its fields (``nnx.state``)."""
+    if isinstance(node, LossScaleState):
+        return True
+    return isinstance(node, Mapping) and all(f in node for f in FIELD_NAMES)
+
+
+def _from_fields(node: Mapping[str, Any]) -> LossScaleState:
+    # nnx keeps the static mode in the graph, not in the state: the field ranges
+    # are checked under the scaling mode that has no mode-specific rule.
+    values = {f: jax.tree.leaves(node[f])[0] for f in FIELD_NAMES}  # unwrap nnx Variables
+    return LossScaleState(**values, mode=Mode.STATIC)
+
+
 def _validate_restored(tree: Any, where: str) -> None:
     """Checks every LossScaleState in a restored tree; reads only their scalars."""
     found = [
-        (path, leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(
-            tree, is_leaf=lambda x: isinstance(x, LossScaleState)
-        )[0]
-        if isinstance(leaf, LossScaleState)
+        (path, leaf if isinstance(leaf, LossScaleState) else _from_fields(leaf))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_loss_scale)[0]
+        if _is_loss_scale(leaf)
     ]
     if not found:
         return

@@ -1,0 +1,196 @@
+"""Flax NNX: an ``nnx.Optimizer`` that skips a non-finite step as a whole.
+
+``jaxamp.nnx.Optimizer`` is ``flax.nnx.Optimizer`` with :func:`jaxamp.step` inside
+``update``: one ``lax.cond`` around the inner update and the parameter write, so
+a skipped step leaves the ``wrt`` Variables and the optimizer state as they were,
+and ``optimizer.step`` counts only the steps taken. The model state the forward
+pass wrote (``BatchStat`` and every other Variable outside ``wrt``) is put back
+on a skipped step too: :func:`value_and_grad` records it before the forward, and
+``update`` restores it where the step was skipped. The loss scale is
+``optimizer.loss_scale``.
+
+Requires the Flax NNX optimizer interface of flax >= 0.11
+(``Optimizer(model, tx, wrt=...)``, ``update(model, grads)``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxamp import _loss_scale as ls_lib
+from jaxamp._guard import Call
+from jaxamp._loss_scale import LossScaleState
+from jaxamp._model_state import stepped
+from jaxamp._transform import _GuardedUpdate
+from jaxamp._tree import select_tree
+from jaxamp._value_and_grad import scaled_loss
+
+__all__ = ["Optimizer", "value_and_grad"]
+
+
+def _flax_version() -> tuple[int, ...]:
+    import flax
+
+    return tuple(int(p) for p in flax.__version__.split(".")[:2] if p.isdigit())
+
+
+def _pure(tree: Any) -> Any:
+    return nnx.as_pure(tree) if hasattr(nnx, "as_pure") else nnx.to_pure_dict(tree)
+
+
+class Optimizer(nnx.Optimizer):
+    """``nnx.Optimizer`` whose ``update`` skips a non-finite step as a whole.
+
+    Build it as Flax's, with a :func:`jaxamp.skip_nonfinite` (or
+    :func:`jaxamp.multi_transform`) transformation; get loss and gradients with
+    :func:`jaxamp.nnx.value_and_grad` (which takes this optimizer first and
+    scales the loss); then ``optimizer.update(model, grads)``.
+
+    On a skipped step the ``wrt`` Variables, the optimizer state (but for its
+    loss-scale counters), ``optimizer.step`` and the model state the forward wrote
+    (``BatchStat``, RNG counters, every Variable outside ``wrt`` but
+    ``nnx.Intermediate``) keep their values; the last is restored only when the
+    gradients came from :func:`jaxamp.nnx.value_and_grad`, which records it.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> from flax import nnx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+      >>> optimizer = jaxamp.nnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
+      >>> loss, grads = jaxamp.nnx.value_and_grad(loss_fn)(optimizer, model, jnp.ones((4, 2)))
+      >>> optimizer.update(model, grads)
+      >>> int(optimizer.step), float(optimizer.loss_scale.scale)
+      (1, 32768.0)
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        tx: optax.GradientTransformation,
+        *,
+        wrt: Any = nnx.Param,
+        graph: bool | None = None,
+    ) -> None:
+        if _flax_version() < (0, 11):
+            import flax
+
+            raise RuntimeError(
+                "jaxamp.nnx.Optimizer needs flax >= 0.11 (nnx.Optimizer(model, tx, wrt=...) "
+                f"and update(model, grads)); this is flax {flax.__version__}. The rest of "
+                "jaxamp works with it: use jaxamp.step on nnx.split states."
+            )
+        if not isinstance(getattr(tx, "update", None), _GuardedUpdate):
+            raise TypeError(
+                "jaxamp.nnx.Optimizer: `tx` must come from jaxamp.skip_nonfinite(...) or "
+                f"jaxamp.multi_transform(...), got {type(tx).__name__}. For a plain optax "
+                "optimizer wrap it: jaxamp.skip_nonfinite(optax.adamw(1e-3), "
+                "jaxamp.dynamic_scale())."
+            )
+        kwargs = {} if graph is None else {"graph": graph}
+        super().__init__(model, tx, wrt=wrt, **kwargs)
+        # The model state a skipped step restores: recorded by value_and_grad
+        # before the forward (`armed`), put back by update where the step skipped.
+        kept = _pure(nnx.state(model, self._kept_filter()))
+        self.kept = nnx.data(jax.tree.map(lambda x: nnx.OptArray(jnp.array(x, copy=True)), kept))
+        self.armed = nnx.OptState(jnp.array(False))
+
+    def _kept_filter(self) -> Any:
+        return nnx.All(nnx.Not(self.wrt), nnx.Not(nnx.Intermediate))
+
+    def _state_kwargs(self) -> dict[str, Any]:
+        graph = getattr(self, "graph", None)
+        return {} if graph is None else {"graph": graph}
+
+    @property
+    def loss_scale(self) -> LossScaleState:
+        """The loss-scale state inside the optimizer state (plain arrays)."""
+        return ls_lib.get_loss_scale(_pure(self.opt_state))
+
+    def keep(self, model: nnx.Module) -> None:
+        """Records ``model``'s state outside ``wrt``, to restore if the next step skips.
+
+        :func:`value_and_grad` calls it before the forward pass; call it yourself
+        before a forward whose gradients you get another way.
+        """
+        now = _pure(nnx.state(model, self._kept_filter(), **self._state_kwargs()))
+        if jax.tree.structure(now) != jax.tree.structure(_pure(self.kept)):
+            raise ValueError(
+                "jaxamp.nnx.Optimizer.keep: this model's Variables outside `wrt` do not "
+                "match the model the optimizer was built for."
+            )
+        nnx.update(self.kept, nnx.state(jax.tree.map(nnx.OptArray, now)))
+        self.armed[...] = jnp.array(True)
+
+    def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
+        """One fused, guarded step (:func:`jaxamp.step`); a skip changes nothing but counters.
+
+        Args:
+          model: the model; its ``wrt`` Variables are updated in place.
+          grads: gradients of the *scaled* loss, e.g. from :func:`value_and_grad`.
+          **kwargs: extra arguments for the inner optimizer (``value=``, ...).
+
+        Returns:
+          The change applied to the ``wrt`` Variables (new minus old; zeros on a
+          skipped step). Unused under ``jit``, it costs nothing.
+        """
+        kw = self._state_kwargs()
+        params = _pure(nnx.state(model, self.wrt, **kw))
+        grads = _pure(nnx.state(grads, self.wrt, **kw))
+        opt_state = _pure(self.opt_state)
+        new_params, new_opt_state = self.tx.update.run(
+            grads, opt_state, params, Call(_pure(kwargs), None, to_params=True)
+        )
+        took = stepped(new_opt_state)
+        nnx.update(model, new_params)
+        nnx.update(self.opt_state, nnx.state(new_opt_state, **kw))
+        self.step[...] += took.astype(self.step.dtype)
+        restore = self.armed[...] & ~took
+        now = _pure(nnx.state(model, self._kept_filter(), **kw))
+        nnx.update(model, select_tree(restore, _pure(self.kept), now))
+        self.armed[...] = jnp.array(False)
+        return jax.tree.map(lambda n, o: n - o, new_params, params)
+
+
+def value_and_grad(
+    f: Callable[..., Any], argnums: Any = 0, has_aux: bool = False
+) -> Callable[..., Any]:
+    """``nnx.value_and_grad`` of the *scaled* loss, returning the loss as ``f`` computed it.
+
+    The returned function takes the :class:`Optimizer` (or an optimizer state /
+    ``LossScaleState``) first, then ``f``'s arguments; ``argnums`` (ints or
+    ``nnx.DiffState``) and ``has_aux`` mean what they mean to ``nnx.value_and_grad``.
+    With an :class:`Optimizer`, it also records the model state that a skipped
+    step restores (:meth:`Optimizer.keep`), from the first argument that is a
+    Module of the optimizer's structure.
+
+    Returns:
+      ``(optimizer, *args, **kwargs) -> (loss, grads)`` (``((loss, aux), grads)``
+      with ``has_aux``), the gradients of the scaled loss, for ``optimizer.update``.
+    """
+    if not callable(f):
+        raise TypeError(f"jaxamp.nnx.value_and_grad: `f` must be callable, got {type(f)}.")
+
+    def wrapped(optimizer: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(optimizer, Optimizer):
+            ls = optimizer.loss_scale
+            for a in args:
+                if isinstance(a, nnx.Module):
+                    optimizer.keep(a)
+                    break
+        else:
+            ls = ls_lib.find_state(_pure(optimizer), "nnx.value_and_grad")
+        scaled = functools.wraps(f)(scaled_loss(f, has_aux, ls, "jaxamp.nnx.value_and_grad"))
+        grad_fn = nnx.value_and_grad(scaled, argnums=argnums, has_aux=True)
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped
