@@ -112,8 +112,8 @@ def test_a_taken_step_writes_model_state_as_plain_nnx_does() -> None:
 
 def test_metrics_are_plain_arrays_that_log_as_json() -> None:
     model, optimizer = _setup()
-    _, m = _train_step(model, optimizer, X)
-    for m in (m, jaxamp.metrics(optimizer.opt_state), jaxamp.metrics(optimizer.loss_scale)):
+    _, first = _train_step(model, optimizer, X)
+    for m in (first, jaxamp.metrics(optimizer.opt_state), jaxamp.metrics(optimizer.loss_scale)):
         assert all(type(v) is type(jnp.zeros(())) for v in m.values()), m
         json.dumps({k: v.item() for k, v in m.items()})
     assert isinstance(optimizer.loss_scale, jaxamp.LossScaleState)
