@@ -66,6 +66,25 @@ def aval_of(x: Any) -> Any:
     return typeof(x)
 
 
+def typed_spec(x: Any) -> Any:
+    """The PartitionSpec in ``x``'s type (Explicit mesh axes), or None if it has none."""
+    spec = getattr(getattr(aval_of(x), "sharding", None), "spec", None)
+    return spec if spec is not None and any(p is not None for p in spec) else None
+
+
+def like_sharded(x: Any, other: Any) -> Any:
+    """``x`` resharded to ``other``'s typed sharding where the two types differ.
+
+    Only values sharded in their type (an Explicit mesh) can differ; there
+    ``lax.select`` needs its cases in one sharding. ``jax.sharding.reshard``
+    exists in every JAX that has Explicit axes.
+    """
+    want, have = typed_spec(other), typed_spec(x)
+    if want == have:
+        return x
+    return jax.sharding.reshard(x, want if want is not None else jax.sharding.PartitionSpec())
+
+
 def name_stack(eqn: Any) -> str:
     """The ``jax.named_scope`` stack an equation was traced under, as ``a/b/c``.
 

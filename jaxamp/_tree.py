@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp import _jax_compat
+
 __all__ = ["all_finite", "select_tree"]
 
 
@@ -164,7 +166,9 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
                 "select_tree: leaves must match in shape and dtype, got "
                 f"{a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}."
             )
-        return lax.select(jnp.broadcast_to(pred, a.shape), a, b)
+        # On an Explicit mesh both cases must have one sharding: ``on_false``'s.
+        a = _jax_compat.like_sharded(a, b)
+        return lax.select(pred, a, b)  # a scalar predicate: no sharding of its own
 
     return jax.tree.unflatten(
         true_def, [select(a, b) for a, b in zip(true_leaves, false_leaves, strict=True)]
