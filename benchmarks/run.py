@@ -135,7 +135,7 @@ def time_variants(
 
 
 def _skipped(entry: dict[str, Any]) -> int | None:
-    opt_state = entry["state"][1]
+    opt_state = entry["variant"].opt_state_of(entry["state"])
     try:
         import jaxamp
 
@@ -226,6 +226,20 @@ def check_targets(rows: list[dict[str, Any]], platform_name: str) -> list[str]:
                 f"{verdict} every_k {what} {got / ref:.3f}x of optax.MultiSteps "
                 f"({got / 1e6:.2f} MB vs {ref / 1e6:.2f} MB; target <= 1x)"
             )
+    if "jaxamp_nnx" in by and "jaxamp_step" in by:
+        n, s = by["jaxamp_nnx"], by["jaxamp_step"]
+        for what, key in (("temp", "temp_bytes"), ("bytes", "bytes_accessed")):
+            verdict = "PASS" if n[key] <= s[key] else "MISS"
+            out.append(
+                f"{verdict} jaxamp.nnx.Optimizer {what} {n[key] / s[key]:.3f}x of jaxamp.step "
+                "(target <= 1x)"
+            )
+    if "jaxamp_step" in by:
+        s = by["jaxamp_step"]
+        out.append(
+            f"INFO reduction kernels in the compiled step: plain {by['plain']['hlo']['reductions']}"
+            f", jaxamp.step {s['hlo']['reductions']}"
+        )
     for r in rows:
         if r["jaxamp"] and r["hlo"]["host_traffic"]:
             out.append(f"MISS {r['name']} has host traffic: {r['hlo']}")

@@ -55,6 +55,8 @@ class Variant:
     init: Callable[[Any], tuple[Any, Any, Any]]
     step: StepFn
     is_jaxamp: bool = False
+    # The optax-style optimizer state inside a step's state (for jaxamp.metrics).
+    opt_state_of: Callable[[tuple[Any, Any, Any]], Any] = lambda state: state[1]
 
 
 def _plain(loss: Callable[[Any, Any], jax.Array]) -> Variant:
@@ -156,6 +158,53 @@ def _jaxamp_every_k(loss: Callable[[Any, Any], jax.Array]) -> Variant:
     )
 
 
+def _jaxamp_nnx(loss: Callable[[Any, Any], jax.Array]) -> Variant:
+    """The same step through Flax NNX: params held by a module, jaxamp.nnx.Optimizer.
+
+    The step's state is the two nnx States (the module's Params, the optimizer's
+    state), split and merged inside the jitted step as NNX's functional API does.
+    """
+    from flax import nnx
+
+    tx = jaxamp.skip_nonfinite(adamw(), jaxamp.dynamic_scale(INIT_SCALE))
+
+    class Holder(nnx.Module):
+        def __init__(self, params: Any) -> None:
+            self.params = nnx.data(jax.tree.map(nnx.Param, params))
+
+    graphdefs: list[Any] = []
+
+    def init(p: Any) -> Any:
+        holder = Holder(p)
+        optimizer = jaxamp.nnx.Optimizer(holder, tx, wrt=nnx.Param)
+        graphdef, params, rest = nnx.split((holder, optimizer), nnx.Param, ...)
+        graphdefs[:] = [graphdef]
+        return params, rest, None
+
+    def step(params: Any, rest: Any, aux: Any, batch: Any) -> Any:
+        holder, optimizer = nnx.merge(graphdefs[0], params, rest)
+
+        def loss_of(h: Holder) -> jax.Array:
+            return loss(nnx.to_pure_dict(nnx.state(h, nnx.Param))["params"], batch)
+
+        value, grads = jaxamp.nnx.value_and_grad(loss_of)(optimizer, holder)
+        optimizer.update(holder, grads)
+        _, params, rest = nnx.split((holder, optimizer), nnx.Param, ...)
+        return params, rest, aux, value
+
+    def opt_state_of(state: Any) -> Any:
+        return nnx.merge(graphdefs[0], state[0], state[1])[1].opt_state
+
+    return Variant(
+        "jaxamp_nnx",
+        "jaxamp.nnx.Optimizer.update (nnx split / merge in the step)",
+        init,
+        step,
+        is_jaxamp=True,
+        opt_state_of=opt_state_of,
+    )
+
+
 def _jmp(loss: Callable[[Any, Any], jax.Array]) -> Variant:
     tx = adamw()
 
@@ -226,6 +275,7 @@ VARIANT_NAMES = (
     "jaxamp_optax",
     "jaxamp_step",
     "jaxamp_step_select",
+    "jaxamp_nnx",
     "jmp",
     "flax_dynamic_scale",
     "optax_apply_if_finite",
@@ -243,6 +293,7 @@ def build_variants(
         _jaxamp_optax(loss),
         _jaxamp_step(loss, use_cond=True),
         _jaxamp_step(loss, use_cond=False),
+        _jaxamp_nnx(loss),
         _jmp(loss),
         _flax(loss),
         _apply_if_finite(loss),
