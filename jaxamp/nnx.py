@@ -67,7 +67,7 @@ class Optimizer(nnx.Optimizer):
       >>> optimizer = jaxamp.nnx.Optimizer(model, tx, wrt=nnx.Param)
       >>> loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
       >>> loss, grads = jaxamp.nnx.value_and_grad(loss_fn)(optimizer, model, jnp.ones((4, 2)))
-      >>> optimizer.update(model, grads)
+      >>> _ = optimizer.update(model, grads)
       >>> int(optimizer.step), float(optimizer.loss_scale.scale)
       (1, 32768.0)
     """
