@@ -11,6 +11,8 @@ floor or ceiling, the scale still stays in [2**-126, 2**126] (see each docstring
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -142,6 +144,58 @@ def torch_grad_scaler(
     return _unbounded(init_scale, growth_factor, backoff_factor, growth_interval)
 
 
+# Paddle 3's GradScaler also takes PyTorch's names for its settings.
+_PADDLE_ALIASES = {
+    "init_scale": "init_loss_scaling",
+    "growth_factor": "incr_ratio",
+    "backoff_factor": "decr_ratio",
+    "growth_interval": "incr_every_n_steps",
+    "enabled": "enable",
+}
+# Paddle 3's GradScaler defaults; its AmpScaler (and Paddle 2's GradScaler) keep the
+# signature's (2**15, 1000, 2).
+_PADDLE3_DEFAULTS = {
+    "init_loss_scaling": 2.0**16,
+    "incr_every_n_steps": 2000,
+    "decr_every_n_nan_or_inf": 1,
+}
+
+
+def _paddle_spellings(f: Any) -> Any:
+    """Reads which names the caller gave (the signature's defaults stay Paddle 2's):
+    a setting given under both spellings is refused, PyTorch's spelling maps to
+    Paddle's, and ``defaults="paddle3"`` fills what was not given."""
+    signature = inspect.signature(f)
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> LossScaleState:
+        try:
+            given = signature.bind(*args, **kwargs).arguments
+        except TypeError as e:
+            raise TypeError(f"paddle_grad_scaler() {e}") from None
+        defaults = given.pop("defaults", "paddle2")
+        if defaults not in ("paddle2", "paddle3"):
+            raise ValueError(
+                f"paddle_grad_scaler: defaults must be 'paddle2' (the signature's, Paddle's "
+                f"AmpScaler) or 'paddle3' (Paddle 3's GradScaler), got {defaults!r}."
+            )
+        for torch_name, paddle_name in _PADDLE_ALIASES.items():
+            if torch_name not in given:
+                continue
+            if paddle_name in given:
+                raise ValueError(
+                    f"paddle_grad_scaler: {torch_name} and {paddle_name} name the same "
+                    "setting; pass one of them."
+                )
+            given[paddle_name] = given.pop(torch_name)
+        if defaults == "paddle3":
+            given = {**_PADDLE3_DEFAULTS, **given}
+        return f(**given)
+
+    return wrapper
+
+
+@_paddle_spellings
 def paddle_grad_scaler(
     enable: bool = True,
     init_loss_scaling: float = 32768.0,
@@ -150,14 +204,31 @@ def paddle_grad_scaler(
     incr_every_n_steps: int = 1000,
     decr_every_n_nan_or_inf: int = 2,
     use_dynamic_loss_scaling: bool = True,
+    *,
+    init_scale: float | None = None,
+    growth_factor: float | None = None,
+    backoff_factor: float | None = None,
+    growth_interval: int | None = None,
+    enabled: bool | None = None,
+    defaults: str = "paddle2",
 ) -> LossScaleState:
     """``paddle.amp.GradScaler``: back off after ``decr_every_n_nan_or_inf`` bad steps, floor 1.
 
     Paddle's bad-step counter restarts on a clean step, which is jaxamp's hysteresis.
+    As Paddle 3's ``GradScaler``, it also takes PyTorch's names (``init_scale``,
+    ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``enabled``) and
+    refuses a setting given under both spellings.
 
     Args:
       enable, init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps,
       decr_every_n_nan_or_inf, use_dynamic_loss_scaling: as in Paddle.
+      init_scale, growth_factor, backoff_factor, growth_interval, enabled:
+        PyTorch's names for the first five, as Paddle 3 takes them.
+      defaults: ``"paddle2"`` (the signature's defaults: Paddle 2's ``GradScaler``
+        and every version's ``AmpScaler``, 2**15 / 1000 / 2) or ``"paddle3"``
+        (Paddle 3's ``GradScaler``: ``init_loss_scaling=2**16``,
+        ``incr_every_n_steps=2000``, ``decr_every_n_nan_or_inf=1``). Values you
+        pass always win.
 
     Returns:
       A :class:`LossScaleState`: dynamic, static (``use_dynamic_loss_scaling=False``)
@@ -167,6 +238,9 @@ def paddle_grad_scaler(
       >>> import jaxamp
       >>> int(jaxamp.compat.paddle_grad_scaler().hysteresis)
       2
+      >>> s = jaxamp.compat.paddle_grad_scaler(init_scale=1024.0, defaults="paddle3")
+      >>> float(s.scale), int(s.growth_interval), int(s.hysteresis)
+      (1024.0, 2000, 1)
     """
     _flags("Paddle", enable=enable, use_dynamic_loss_scaling=use_dynamic_loss_scaling)
     _numbers(

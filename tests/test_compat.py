@@ -8,6 +8,7 @@ step on random overflow sequences.
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -277,3 +278,55 @@ def test_compat_validation(ctor, kwargs, name):
 def test_mindspore_scale_factor_one_is_fixed():
     s = compat.mindspore_dynamic(init_loss_scale=8.0, scale_factor=1, scale_window=1)
     np.testing.assert_array_equal(_run(s, [False, True, False])["scale"], [8.0] * 3)
+
+
+# Paddle 3: PyTorch's spellings, the conflict rule, Paddle 3's defaults.
+_PADDLE_SETTINGS = {  # Paddle name: (PyTorch name, a valid non-default value)
+    "init_loss_scaling": ("init_scale", 1024.0),
+    "incr_ratio": ("growth_factor", 4.0),
+    "decr_ratio": ("backoff_factor", 0.25),
+    "incr_every_n_steps": ("growth_interval", 7),
+    "enable": ("enabled", True),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    chosen=st.dictionaries(
+        st.sampled_from(sorted(_PADDLE_SETTINGS)), st.sampled_from(["paddle", "torch"])
+    ),
+    defaults=st.sampled_from(["paddle2", "paddle3"]),
+)
+def test_paddle_takes_either_spelling(chosen, defaults):
+    paddle_kw = {name: _PADDLE_SETTINGS[name][1] for name in chosen}
+    mixed = {
+        (name if how == "paddle" else _PADDLE_SETTINGS[name][0]): _PADDLE_SETTINGS[name][1]
+        for name, how in chosen.items()
+    }
+    want = compat.paddle_grad_scaler(**paddle_kw, defaults=defaults)
+    got = compat.paddle_grad_scaler(**mixed, defaults=defaults)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("paddle_name", sorted(_PADDLE_SETTINGS))
+def test_paddle_refuses_a_setting_under_both_spellings(paddle_name):
+    torch_name, value = _PADDLE_SETTINGS[paddle_name]
+    with pytest.raises(ValueError, match=f"{torch_name} and {paddle_name}"):
+        compat.paddle_grad_scaler(**{paddle_name: value, torch_name: value})
+
+
+def test_paddle3_defaults_and_given_values_win():
+    p3 = compat.paddle_grad_scaler(defaults="paddle3")
+    assert (float(p3.scale), int(p3.growth_interval), int(p3.hysteresis)) == (2.0**16, 2000, 1)
+    p2 = compat.paddle_grad_scaler()
+    assert (float(p2.scale), int(p2.growth_interval), int(p2.hysteresis)) == (2.0**15, 1000, 2)
+    mine = compat.paddle_grad_scaler(
+        growth_interval=10, decr_every_n_nan_or_inf=3, defaults="paddle3"
+    )
+    assert (float(mine.scale), int(mine.growth_interval), int(mine.hysteresis)) == (2.0**16, 10, 3)
+    with pytest.raises(ValueError, match="defaults"):
+        compat.paddle_grad_scaler(defaults="paddle4")
+    with pytest.raises(TypeError, match="paddle_grad_scaler.*bogus"):
+        compat.paddle_grad_scaler(bogus=1)
