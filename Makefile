@@ -4,18 +4,36 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MULTIDEVICE := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: test demo bench bench-gpu lint clean test-oldest conformance
+.PHONY: test demo bench bench-gpu lint clean test-oldest conformance dist wheel-smoke docs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev,examples,bench,conformance]"
+	$(PY) -m pip install --quiet -e ".[dev,examples,bench,conformance,docs]"
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 jaxamp tests --ignore=tests/multidevice --ignore=tests/multiprocess
 	$(MULTIDEVICE) $(PY) -m pytest -q tests/multidevice
 	$(PY) -m pytest -q tests/multiprocess
+	$(MAKE) --no-print-directory wheel-smoke docs
+
+# An sdist and a wheel of the distribution `jax-mixed-precision` (import name `jaxamp`).
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --quiet --outdir dist .
+
+# The built wheel, not an editable install, in a fresh virtual environment, run from
+# outside the repository: import, the README quick start, one example.
+SMOKE := build/wheel-smoke
+wheel-smoke: dist
+	rm -rf $(SMOKE) && $(PYTHON) -m venv $(SMOKE)
+	$(SMOKE)/bin/python -m pip install --quiet dist/*.whl
+	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/tests/smoke/wheel_smoke.py $(CURDIR)
+
+# The documentation site (docs/ and every public docstring) into site/; warnings are errors.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # jaxamp.autocast + loss scaling on third-party models (tests/conformance; CI runs a
 # 10-step subset of the same tests in `make test`): all models, both dtypes, 30 steps,

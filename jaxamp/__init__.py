@@ -33,7 +33,7 @@ from jaxamp._transform import (
 from jaxamp._tree import all_finite, select_tree
 from jaxamp._value_and_grad import value_and_grad
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "DEFAULT_RULES",

@@ -29,7 +29,11 @@ def torch_grad_scaler(
     """``torch.amp.GradScaler``: unbounded scale, back off on every overflow.
 
     Args:
-      init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in PyTorch.
+      init_scale: as in PyTorch.
+      growth_factor: as in PyTorch.
+      backoff_factor: as in PyTorch.
+      growth_interval: as in PyTorch.
+      enabled: as in PyTorch.
 
     Returns:
       A :class:`LossScaleState` (``no_scale()`` when ``enabled=False``).
@@ -131,10 +135,18 @@ def paddle_grad_scaler(
     refuses a setting given under both spellings.
 
     Args:
-      enable, init_loss_scaling, incr_ratio, decr_ratio, incr_every_n_steps,
-      decr_every_n_nan_or_inf, use_dynamic_loss_scaling: as in Paddle.
-      init_scale, growth_factor, backoff_factor, growth_interval, enabled:
-        PyTorch's names for the first five, as Paddle 3 takes them.
+      enable: as in Paddle.
+      init_loss_scaling: as in Paddle.
+      incr_ratio: as in Paddle.
+      decr_ratio: as in Paddle.
+      incr_every_n_steps: as in Paddle.
+      decr_every_n_nan_or_inf: as in Paddle.
+      use_dynamic_loss_scaling: as in Paddle.
+      init_scale: PyTorch's name for ``init_loss_scaling`` (Paddle 3 takes it).
+      growth_factor: PyTorch's name for ``incr_ratio``.
+      backoff_factor: PyTorch's name for ``decr_ratio``.
+      growth_interval: PyTorch's name for ``incr_every_n_steps``.
+      enabled: PyTorch's name for ``enable``.
       defaults: ``"paddle2"`` (the signature's defaults: Paddle 2's ``GradScaler``
         and every version's ``AmpScaler``, 2**15 / 1000 / 2) or ``"paddle3"``
         (Paddle 3's ``GradScaler``: ``init_loss_scaling=2**16``,
@@ -185,7 +197,10 @@ def megengine_grad_scaler(
     the scale fixed and never checks, so no step is ever skipped.
 
     Args:
-      init_scale, growth_factor, backoff_factor, growth_interval: as in MegEngine.
+      init_scale: as in MegEngine.
+      growth_factor: as in MegEngine.
+      backoff_factor: as in MegEngine.
+      growth_interval: as in MegEngine.
 
     Returns:
       A :class:`LossScaleState`.
@@ -316,7 +331,11 @@ def flax_dynamic_scale(
     minimum_scale`` raise.
 
     Args:
-      growth_factor, backoff_factor, growth_interval, fin_steps, scale,
+      growth_factor: as in Flax.
+      backoff_factor: as in Flax.
+      growth_interval: as in Flax.
+      fin_steps: as in Flax.
+      scale: as in Flax.
       minimum_scale: as in Flax.
 
     Returns:
@@ -325,8 +344,8 @@ def flax_dynamic_scale(
     Example:
       >>> import jaxamp
       >>> s = jaxamp.compat.flax_dynamic_scale(growth_interval=1, scale=2.0)
-      >>> [float((s := jaxamp.update(s, True)).scale) for _ in range(4)]
-      [2.0, 4.0, 4.0, 8.0]
+      >>> tuple(float((s := jaxamp.update(s, True)).scale) for _ in range(4))
+      (2.0, 4.0, 4.0, 8.0)
     """
     _whole("Flax", "growth_interval", growth_interval, 0)
     _whole("Flax", "fin_steps", fin_steps, 0)
@@ -373,7 +392,11 @@ def jmp_dynamic_loss_scale(
     ``factor < 1`` and ``loss_scale < min_loss_scale`` raise.
 
     Args:
-      loss_scale, counter, period, factor, min_loss_scale: as in jmp.
+      loss_scale: as in jmp.
+      counter: as in jmp.
+      period: as in jmp.
+      factor: as in jmp.
+      min_loss_scale: as in jmp.
 
     Returns:
       A :class:`LossScaleState`.
@@ -425,7 +448,8 @@ def keras_loss_scale_optimizer(
     ``dynamic_growth_steps < 1`` (Keras would then never grow) raises.
 
     Args:
-      initial_scale, dynamic_growth_steps: as in Keras.
+      initial_scale: as in Keras.
+      dynamic_growth_steps: as in Keras.
 
     Returns:
       A dynamic :class:`LossScaleState`.

@@ -52,8 +52,13 @@ def deepspeed_loss_scaler(
     taken.
 
     Args:
-      init_scale, scale_factor, scale_window, min_scale, delayed_shift,
-      consecutive_hysteresis, raise_error_at_min_scale: as in DeepSpeed.
+      init_scale: as in DeepSpeed.
+      scale_factor: as in DeepSpeed.
+      scale_window: as in DeepSpeed.
+      min_scale: as in DeepSpeed.
+      delayed_shift: as in DeepSpeed.
+      consecutive_hysteresis: as in DeepSpeed.
+      raise_error_at_min_scale: as in DeepSpeed.
 
     Returns:
       A dynamic :class:`LossScaleState`.
@@ -207,7 +212,11 @@ def megatron_grad_scaler(
     raises.
 
     Args:
-      initial_scale, min_scale, growth_factor, backoff_factor, growth_interval,
+      initial_scale: as in Megatron-LM; its asserts raise ``ValueError`` here.
+      min_scale: as in Megatron-LM; its asserts raise ``ValueError`` here.
+      growth_factor: as in Megatron-LM; its asserts raise ``ValueError`` here.
+      backoff_factor: as in Megatron-LM; its asserts raise ``ValueError`` here.
+      growth_interval: as in Megatron-LM; its asserts raise ``ValueError`` here.
       hysteresis: as in Megatron-LM; its asserts raise ``ValueError`` here.
 
     Returns:
@@ -277,7 +286,11 @@ def apex_loss_scaler(
 
     Args:
       loss_scale: ``"dynamic"`` or a fixed scale.
-      init_scale, scale_factor, scale_window, min_loss_scale, max_loss_scale: as in Apex.
+      init_scale: as in Apex.
+      scale_factor: as in Apex.
+      scale_window: as in Apex.
+      min_loss_scale: as in Apex.
+      max_loss_scale: as in Apex.
 
     Returns:
       A :class:`LossScaleState`, dynamic or static.

@@ -1,16 +1,18 @@
-"""The README's Python snippets run as written, in order, in one namespace."""
+"""The README's Python snippets, then docs/guide.md's, run as written, in order, in one
+namespace (the guide is the README's long form and builds on its quick start)."""
 
 import pathlib
 import re
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_readme_python_blocks_run():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) >= 3
+def test_readme_and_guide_python_blocks_run():
     namespace: dict = {}
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"README.md[python block {i}]", "exec"), namespace)
-    # The quick start trained three finite steps with nothing skipped.
-    assert int(namespace["m"]["skipped_steps"]) == 0
+    for doc, at_least in (("README.md", 1), ("docs/guide.md", 5)):
+        blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
+        assert len(blocks) >= at_least, doc
+        for i, code in enumerate(blocks):
+            exec(compile(code, f"{doc}[python block {i}]", "exec"), namespace)
+        if doc == "README.md":  # the quick start trained three finite steps, none skipped
+            assert int(namespace["m"]["skipped_steps"]) == 0
