@@ -29,7 +29,7 @@ SMOKE := build/wheel-smoke
 wheel-smoke: dist
 	rm -rf $(SMOKE) && $(PYTHON) -m venv $(SMOKE)
 	$(SMOKE)/bin/python -m pip install --quiet dist/*.whl
-	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/tests/smoke/wheel_smoke.py $(CURDIR)
+	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/.ci/wheel_smoke.py $(CURDIR)
 
 # The documentation site (docs/ and every public docstring) into site/; warnings are errors.
 docs: $(STAMP)
