@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 jaxamp tests --ignore=tests/multidevice --ignore=tests/multiprocess
-	$(MULTIDEVICE) $(PY) -m pytest -q tests/multidevice
+	$(MULTIDEVICE) $(PY) -m pytest -q -n 2 tests/multidevice
 	$(PY) -m pytest -q tests/multiprocess
 	$(MAKE) --no-print-directory wheel-smoke docs
 

@@ -103,7 +103,7 @@ class _Model:
 
 
 @settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(run=_runs())
 # The reported case: a window of 3 saved under every_k=4, restored under every_k=2.
