@@ -375,8 +375,9 @@ def eval_eqn(
         residual_free=residual_free(eqn),
         reduction=name in _rules.REDUCTIONS,
     )
+    remat = _stores_upcast(rule, eqn, floats, dtypes, target)
     args = list(invals)
-    for i in floats:
+    for i in [] if remat else floats:
         if dtypes[i] != target:
             literal = isinstance(eqn.invars[i], Literal)
             args[i] = host_cast(invals[i], target) if literal else ctx.cast(invals[i], target)
@@ -392,10 +393,40 @@ def eval_eqn(
             params = dict(params, preferred_element_type=target)
         elif np.dtype(pref).itemsize >= 4:
             out_mark = F32
-    outs = bind(eqn, args, params)
+    if remat:
+        outs = _from_low_precision(eqn, invals[floats[0]], target, params)
+    else:
+        outs = bind(eqn, args, params)
     if hand_on is not None:
         outs = [ctx.cast(o, hand_on) if is_float(o.dtype) else o for o in outs]
     return outs, [out_mark] * nout
+
+
+def _stores_upcast(rule: str, eqn: Any, floats: list[int], dtypes: Any, target: Any) -> bool:
+    """A float32-list op of one lower-precision input (gelu's ``x ** 3``, a norm's
+    ``square``): its derivative would keep the float32 copy of the input."""
+    return (
+        rule == FLOAT32
+        and len(eqn.invars) == 1
+        and floats == [0]
+        and not isinstance(eqn.invars[0], Literal)
+        and np.dtype(dtypes[0]).itemsize < np.dtype(target).itemsize
+    )
+
+
+def _from_low_precision(eqn: Any, x: Any, target: Any, params: Any) -> list[Any]:
+    """The op on ``x`` cast up, rematerialised from ``x`` in the backward pass.
+
+    The result is the same float32 value; the residual is ``x`` in its lower
+    precision (usually kept anyway, as the matmul output it is) instead of a
+    float32 copy: an exact cast up costs nothing to redo. torch.autocast keeps
+    the float32 input of ``pow``; a fused GELU kernel keeps none.
+    """
+
+    def op(low: Any) -> list[Any]:
+        return bind(eqn, [lax.convert_element_type(low, target)], params)
+
+    return jax.checkpoint(op)(x)
 
 
 def _unknown_higher_order(name: str, ctx: Context) -> None:
