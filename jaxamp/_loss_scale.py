@@ -74,6 +74,11 @@ class Mode(enum.StrEnum):
     """How a :class:`LossScaleState` acts; each mode is one meaningful combination.
 
     A ``StrEnum``, so ``state.mode == "dynamic"`` works.
+
+    Example:
+      >>> import jaxamp
+      >>> jaxamp.static_scale(8.0).mode == "static", jaxamp.no_scale().mode.value
+      (True, 'disabled')
     """
 
     DYNAMIC = "dynamic"  # scaled; the scale moves; non-finite steps are skipped
@@ -162,6 +167,12 @@ class LossScaleState:
       raise_at_min_scale: bool; :func:`check_health` raises once a backoff found the
         scale at its floor (DeepSpeed's ``raise_error_at_min_scale``).
       mode: static, a :class:`Mode`.
+
+    Example:
+      >>> import jaxamp
+      >>> s = jaxamp.dynamic_scale(init_scale=2.0**10).replace(growth_interval=500)
+      >>> float(s.scale), int(s.growth_interval), s.mode
+      (1024.0, 500, <Mode.DYNAMIC: 'dynamic'>)
     """
 
     scale: jax.Array

@@ -40,6 +40,20 @@ def stepped(opt_state: Any) -> jax.Array:
     micro-batch overflows, the window will be skipped, and so is what its later
     micro-batches would write. A loss-scale state that checks nothing
     (``jaxamp.no_scale()``) never skips.
+
+    Args:
+      opt_state: the optimizer state after the step (or a ``TrainState``).
+
+    Returns:
+      A bool scalar array: True if the step was taken.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+      >>> params = {"w": jnp.ones(2)}
+      >>> _, state = jaxamp.step(tx, {"w": jnp.array([jnp.inf, 0.0])}, tx.init(params), params)
+      >>> bool(jaxamp.stepped(state))
+      False
     """
     ls = ls_lib.find_state(opt_state, "stepped")
     taken = ~ls.nonfinite_streak.astype(jnp.bool_)

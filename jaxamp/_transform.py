@@ -41,6 +41,13 @@ class SkipNonfiniteState(NamedTuple):
         (``None`` otherwise).
       mini_step: with ``every_k > 1``, an int32 count of the calls in this window
         so far (``None`` otherwise).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale(), every_k=2)
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> type(state).__name__, int(state.mini_step), float(state.loss_scale.scale)
+      ('SkipNonfiniteState', 0, 32768.0)
     """
 
     inner_state: optax.OptState
@@ -61,7 +68,19 @@ class Window(NamedTuple):
 
 
 class MultiTransformState(NamedTuple):
-    """State of :func:`multi_transform`: one inner state per label, one shared loss scale."""
+    """State of :func:`multi_transform`: one inner state per label, one shared loss scale.
+
+    Attributes:
+      inner_states: label -> that label's optimizer state.
+      loss_scale: the shared :class:`jaxamp.LossScaleState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> opts = {"a": optax.sgd(0.1), "b": optax.adam(0.1)}
+      >>> tx = jaxamp.multi_transform(opts, {"x": "a", "y": "b"})
+      >>> sorted(tx.init({"x": jnp.ones(2), "y": jnp.ones(2)}).inner_states)
+      ['a', 'b']
+    """
 
     inner_states: dict[Any, optax.OptState]
     loss_scale: LossScaleState

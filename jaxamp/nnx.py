@@ -172,9 +172,26 @@ def value_and_grad(
     step restores (:meth:`Optimizer.keep`), from the first argument that is a
     Module of the optimizer's structure.
 
+    Args:
+      f: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
+      argnums: which of ``f``'s arguments to differentiate: an int, a sequence of
+        ints or an ``nnx.DiffState`` (as in ``nnx.value_and_grad``).
+      has_aux: whether ``f`` returns ``(loss, aux)``.
+
     Returns:
       ``(optimizer, *args, **kwargs) -> (loss, grads)`` (``((loss, aux), grads)``
       with ``has_aux``), the gradients of the scaled loss, for ``optimizer.update``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> from flax import nnx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.static_scale(4.0))
+      >>> optimizer = jaxamp.nnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> loss, grads = jaxamp.nnx.value_and_grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(
+      ...     optimizer, model)
+      >>> float(grads["bias"][...][0])  # the gradient of 4 * loss
+      4.0
     """
     if not callable(f):
         raise TypeError(f"jaxamp.nnx.value_and_grad: `f` must be callable, got {type(f)}.")
