@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxamp._compat_table import _SYSTEMS, _checked, _flags, _numbers, _state, _whole  # noqa: F401
+from jaxamp._compat_table import _SYSTEMS, _checked, _state, _whole
 from jaxamp._loss_scale import (
     LossScaleState,
     Mode,

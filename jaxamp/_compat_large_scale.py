@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from jaxamp._compat_table import _SYSTEMS, _checked, _flags, _numbers, _state, _whole  # noqa: F401
+from jaxamp._compat_table import _checked, _flags, _numbers, _state, _whole
 from jaxamp._loss_scale import (
     LossScaleState,
     Mode,
