@@ -423,10 +423,30 @@ def _from_low_precision(eqn: Any, x: Any, target: Any, params: Any) -> list[Any]
     the float32 input of ``pow``; a fused GELU kernel keeps none.
     """
 
-    def op(low: Any) -> list[Any]:
-        return bind(eqn, [lax.convert_element_type(low, target)], params)
+    try:
+        key = (eqn.primitive, tuple(sorted(params.items())), np.dtype(target))
+        hash(key)
+    except TypeError:  # unhashable params: traced afresh
 
-    return jax.checkpoint(op)(x)
+        def op(low: Any) -> list[Any]:
+            return bind(eqn, [lax.convert_element_type(low, target)], params)
+
+        return jax.checkpoint(op)(x)
+    with _jax_compat.eqn_context(eqn):
+        return _upcast_op(*key)(x)
+
+
+@functools.lru_cache(maxsize=512)
+def _upcast_op(primitive: Any, params: tuple[Any, ...], target: np.dtype) -> Any:
+    """One checkpointed function per (primitive, params, dtype): everything that
+    changes its answer. JAX caches the trace of a function object, so a model's
+    48 layers of gelu trace it once, not 48 times (trace + compile time)."""
+
+    def op(low: Any) -> Any:
+        out = primitive.bind(lax.convert_element_type(low, target), **dict(params))
+        return list(out) if primitive.multiple_results else [out]
+
+    return jax.checkpoint(op)
 
 
 def _unknown_higher_order(name: str, ctx: Context) -> None:
