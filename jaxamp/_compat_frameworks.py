@@ -66,8 +66,8 @@ _PADDLE_ALIASES = {
     "growth_interval": "incr_every_n_steps",
     "enabled": "enable",
 }
-# Paddle 3's GradScaler defaults; its AmpScaler (and Paddle 2's GradScaler) keep the
-# signature's (2**15, 1000, 2).
+# Paddle 3's GradScaler defaults; Paddle 2's GradScaler has the signature's (2**15,
+# 1000, 2), the contract's.
 _PADDLE3_DEFAULTS = {
     "init_loss_scaling": 2.0**16,
     "incr_every_n_steps": 2000,
@@ -90,8 +90,8 @@ def _paddle_spellings(f: Any) -> Any:
         defaults = given.pop("defaults", "paddle2")
         if defaults not in ("paddle2", "paddle3"):
             raise ValueError(
-                f"paddle_grad_scaler: defaults must be 'paddle2' (the signature's, Paddle's "
-                f"AmpScaler) or 'paddle3' (Paddle 3's GradScaler), got {defaults!r}."
+                f"paddle_grad_scaler: defaults must be 'paddle2' (the signature's, Paddle 2's "
+                f"GradScaler) or 'paddle3' (Paddle 3's GradScaler), got {defaults!r}."
             )
         for torch_name, paddle_name in _PADDLE_ALIASES.items():
             if torch_name not in given:
@@ -147,8 +147,8 @@ def paddle_grad_scaler(
       backoff_factor: PyTorch's name for ``decr_ratio``.
       growth_interval: PyTorch's name for ``incr_every_n_steps``.
       enabled: PyTorch's name for ``enable``.
-      defaults: ``"paddle2"`` (the signature's defaults: Paddle 2's ``GradScaler``
-        and every version's ``AmpScaler``, 2**15 / 1000 / 2) or ``"paddle3"``
+      defaults: ``"paddle2"`` (the signature's defaults, Paddle 2's ``GradScaler``
+        ones: 2**15 / 1000 / 2) or ``"paddle3"``
         (Paddle 3's ``GradScaler``: ``init_loss_scaling=2**16``,
         ``incr_every_n_steps=2000``, ``decr_every_n_nan_or_inf=1``). Values you
         pass always win.
