@@ -234,6 +234,24 @@ def check_targets(rows: list[dict[str, Any]], platform_name: str) -> list[str]:
                 f"{verdict} jaxamp.nnx.Optimizer {what} {n[key] / s[key]:.3f}x of jaxamp.step "
                 "(target <= 1x)"
             )
+    if "jaxamp_step" in by and "jaxamp_step_no_record" in by:
+        s, n = by["jaxamp_step"], by["jaxamp_step_no_record"]
+        for what, key, limit in (("bytes", "bytes_accessed", 1.01), ("time", "step_ms", 1.01)):
+            got = s[key] / n[key]
+            verdict = "PASS" if got <= limit else "MISS"
+            note = " (CPU wall time: noisy)" if what == "time" else ""
+            out.append(
+                f"{verdict} per-leaf non-finite record {what} {got:.3f}x of the step without "
+                f"it (target <= {limit}x){note}"
+            )
+    if "jaxamp_spikes" in by and "jaxamp_step" in by:
+        p, s = by["jaxamp_spikes"], by["jaxamp_step"]
+        out.append(
+            f"INFO spike skipping: time {p['step_ms'] / s['step_ms']:.3f}x, bytes "
+            f"{p['bytes_accessed'] / s['bytes_accessed']:.3f}x, temp "
+            f"{p['temp_bytes'] / s['temp_bytes']:.3f}x of jaxamp.step; reduction kernels "
+            f"{p['hlo']['reductions']} vs {s['hlo']['reductions']}"
+        )
     if "jaxamp_step" in by:
         s = by["jaxamp_step"]
         out.append(
@@ -260,6 +278,17 @@ def run_autocast(quick: bool) -> dict[str, Any] | None:
     result = mod.run(quick=quick)
     report = getattr(mod, "format_report", None)
     print(report(result) if report else json.dumps(result, indent=2, default=str))
+    return result
+
+
+def run_low_precision(quick: bool) -> dict[str, Any] | None:
+    """Calls ``benchmarks/bench_low_precision.py``'s ``run``: bfloat16 params without
+    a float32 master copy (memory, step time, convergence)."""
+    import bench_low_precision as mod  # benchmarks/ is on sys.path
+
+    print("\n[bf16 params] bytes/param, step time and final loss vs a float32 master copy")
+    result = mod.run(quick=quick)
+    print(mod.format_report(result))
     return result
 
 
@@ -308,6 +337,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=str(HERE / "results.json"))
     ap.add_argument("--no-finite-check", action="store_true", help="skip the finite-check study")
     ap.add_argument("--no-autocast", action="store_true", help="skip bench_autocast.py")
+    ap.add_argument("--no-low-precision", action="store_true", help="skip bench_low_precision.py")
+    ap.add_argument(
+        "--low-precision-quick", action="store_true", help="bench_low_precision at smoke size"
+    )
     ap.add_argument(
         "--autocast-full",
         action="store_true",
@@ -362,6 +395,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(finite_check.format_table(fc))
 
     autocast = None if args.no_autocast else run_autocast(quick=not args.autocast_full)
+    low_precision = (
+        None if args.no_low_precision else run_low_precision(quick=args.low_precision_quick)
+    )
     total_s = time.perf_counter() - t_start
     cpu_s = time.process_time()
     print(
@@ -378,6 +414,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "targets": targets,
         "finite_check": fc,
         "autocast": autocast,
+        "low_precision": low_precision,
         "table": table,
         "total_s": total_s,
         "process_cpu_s": cpu_s,

@@ -122,6 +122,41 @@ def _jaxamp_step(loss: Callable[[Any, Any], jax.Array], use_cond: bool) -> Varia
     return Variant(name, desc, lambda p: (p, tx.init(p), None), step, is_jaxamp=True)
 
 
+def _jaxamp_step_no_record(loss: Callable[[Any, Any], jax.Array]) -> Variant:
+    """``jaxamp_step`` with the per-leaf record left out: what the record costs."""
+    base = _jaxamp_step(loss, use_cond=True)
+
+    def init(p: Any) -> Any:
+        params, opt_state, aux = base.init(p)
+        return params, opt_state._replace(nonfinite_leaves=None), aux
+
+    return Variant(
+        "jaxamp_step_no_record",
+        "jaxamp.step without the per-leaf non-finite record (what jaxamp.explain reads)",
+        init,
+        base.step,
+        is_jaxamp=True,
+    )
+
+
+def _jaxamp_spikes(loss: Callable[[Any, Any], jax.Array]) -> Variant:
+    rule = jaxamp.spike_rule()  # OLMo-core's defaults: 128 steps, 6 sigmas
+    tx = jaxamp.skip_nonfinite(adamw(), jaxamp.dynamic_scale(INIT_SCALE), spikes=rule)
+
+    def step(params: Any, opt_state: Any, aux: Any, batch: Any) -> Any:
+        value, grads = _jaxamp_loss_grad(loss, params, opt_state, batch)
+        params, opt_state = jaxamp.step(tx, grads, opt_state, params, value=value)
+        return params, opt_state, aux, value
+
+    return Variant(
+        "jaxamp_spikes",
+        "jaxamp.step with spike skipping (spike_rule(): loss and gradient norm)",
+        lambda p: (p, tx.init(p), None),
+        step,
+        is_jaxamp=True,
+    )
+
+
 EVERY_K = 4
 
 
@@ -275,6 +310,8 @@ VARIANT_NAMES = (
     "jaxamp_optax",
     "jaxamp_step",
     "jaxamp_step_select",
+    "jaxamp_step_no_record",
+    "jaxamp_spikes",
     "jaxamp_nnx",
     "jmp",
     "flax_dynamic_scale",
@@ -293,6 +330,8 @@ def build_variants(
         _jaxamp_optax(loss),
         _jaxamp_step(loss, use_cond=True),
         _jaxamp_step(loss, use_cond=False),
+        _jaxamp_step_no_record(loss),
+        _jaxamp_spikes(loss),
         _jaxamp_nnx(loss),
         _jmp(loss),
         _flax(loss),

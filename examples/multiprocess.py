@@ -54,7 +54,11 @@ def worker(coordinator: str | None, num_processes: int | None, process_id: int |
     me, n_dev = jax.process_index(), jax.device_count()
     # Every device of every process; Auto axes: XLA propagates the shardings.
     mesh = jax.make_mesh((n_dev,), ("data",), axis_types=(AxisType.Auto,))
-    fsdp = lambda a: NamedSharding(mesh, P("data") if a.ndim else P())  # noqa: E731
+    # FSDP: split first dimensions that divide over the devices, replicate the rest
+    # (scalars, and jaxamp's small per-leaf record in the optimizer state).
+    fsdp = lambda a: NamedSharding(  # noqa: E731
+        mesh, P("data") if a.ndim and a.shape[0] % n_dev == 0 else P()
+    )
     batch_sharding = NamedSharding(mesh, P("data"))
 
     def loss_fn(params, x, y):

@@ -190,6 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
         "model's float16 backward overflows, so the run shows backoffs)",
     )
     p.add_argument(
+        "--spike-step",
+        type=_int_at_least(0),
+        default=150,
+        help="the batch of this step is random bytes (a corrupted shard): a loss spike. The "
+        "runs with skip_nonfinite also skip spikes (jaxamp.spike_rule()); 0: no bad batch",
+    )
+    p.add_argument(
+        "--spike-window",
+        type=_int_at_least(2),
+        default=128,
+        help="steps of loss / gradient-norm history the spike rule keeps (warm-up: half)",
+    )
+    p.add_argument(
         "--corpus-bytes",
         type=_int_at_least(10_000),
         default=2_000_000,
@@ -234,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for init and data order")
     p.add_argument("--out", default="runs/demo", help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--no-find-overflow",
+        action="store_true",
+        help="skip the jaxamp.find_overflow reports after the fp16-amp run",
+    )
     return p
 
 
@@ -354,6 +372,9 @@ def make_optimizer(args: argparse.Namespace, spec: RunSpec) -> optax.GradientTra
     )
     if not spec.skip_nonfinite:
         return inner
+    # Also skip a step whose loss or gradient norm spikes far above the last 128
+    # steps' (OLMo-core's rule: 6 standard deviations, after 64 steps of history).
+    spikes = jaxamp.spike_rule(window=args.spike_window)
     loss_scale = (
         jaxamp.dynamic_scale(
             init_scale=args.init_scale,
@@ -363,7 +384,7 @@ def make_optimizer(args: argparse.Namespace, spec: RunSpec) -> optax.GradientTra
         if spec.loss_scaling
         else None
     )
-    return jaxamp.skip_nonfinite(inner, loss_scale)
+    return jaxamp.skip_nonfinite(inner, loss_scale, spikes=spikes)
 
 
 def zero_grad_fraction(grads: Any) -> jax.Array:
@@ -378,17 +399,8 @@ def zero_grad_fraction(grads: Any) -> jax.Array:
     return (zeros / sum(g.size for g in leaves)).astype(jnp.float32)
 
 
-def make_fns(
-    args: argparse.Namespace,
-    spec: RunSpec,
-    model: ByteLM,
-    tx: optax.GradientTransformation,
-    train_data: jax.Array,
-    eval_data: jax.Array,
-) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """Builds the jitted ``train_step(state, step) -> (state, metrics)`` and ``evaluate``."""
-    data_key = jax.random.fold_in(jax.random.key(args.seed), 1)
-    eval_key = jax.random.fold_in(jax.random.key(args.seed), 2)
+def make_loss_fn(args: argparse.Namespace, model: ByteLM) -> tuple[Callable[..., Any], float]:
+    """``loss_fn(params, batch)`` and the factor that turns its value into a per-token mean."""
 
     def loss_fn(params: Any, batch: jax.Array) -> jax.Array:
         # Mean next-byte cross-entropy over batch * seq: the usual reduction, and the
@@ -401,7 +413,22 @@ def make_fns(
     # large global batch of which this step's batch is one micro-batch (see --loss-tokens).
     # `to_mean` turns it back into the per-token mean for logging.
     loss_tokens = float(args.loss_tokens or args.batch_size * args.seq_len)
-    to_mean = loss_tokens / (args.batch_size * args.seq_len)
+    return loss_fn, loss_tokens / (args.batch_size * args.seq_len)
+
+
+def make_fns(
+    args: argparse.Namespace,
+    spec: RunSpec,
+    model: ByteLM,
+    tx: optax.GradientTransformation,
+    train_data: jax.Array,
+    eval_data: jax.Array,
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Builds the jitted ``train_step(state, step) -> (state, metrics)`` and ``evaluate``."""
+    data_key = jax.random.fold_in(jax.random.key(args.seed), 1)
+    eval_key = jax.random.fold_in(jax.random.key(args.seed), 2)
+
+    loss_fn, to_mean = make_loss_fn(args, model)
 
     # autocast runs matmuls in float16/bfloat16 and softmax, norms and the loss in float32;
     # the parameters stay float32 (the master weights AdamW updates).
@@ -413,9 +440,11 @@ def make_fns(
 
     def train_step(state: RunState, step: jax.Array) -> tuple[RunState, dict[str, jax.Array]]:
         # The batch of step i depends only on (seed, i): a resumed run sees the same data.
-        batch = get_batch(
-            train_data, jax.random.fold_in(data_key, step), args.batch_size, args.seq_len
-        )
+        key = jax.random.fold_in(data_key, step)
+        batch = get_batch(train_data, key, args.batch_size, args.seq_len)
+        # --spike-step: that step's batch is random bytes, as from a corrupted shard.
+        noise = jax.random.randint(key, batch.shape, 0, 256, jnp.int32)
+        batch = jnp.where(step + 1 == args.spike_step, noise, batch)
         if spec.loss_scaling:
             # The unscaled loss and the gradients of the scaled loss, in one call.
             loss, grads = jaxamp.value_and_grad(amp_loss)(state.opt_state, state.params, batch)
@@ -425,16 +454,20 @@ def make_fns(
             loss = loss * to_mean
         # Underflow meter: the share of gradient entries that are exactly zero.
         zero_frac = zero_grad_fraction(grads)
-        params, opt_state = jaxamp.step(tx, grads, state.opt_state, state.params)
-        if spec.skip_nonfinite:
+        if spec.skip_nonfinite:  # the spike rule judges the per-token mean loss
+            params, opt_state = jaxamp.step(
+                tx, grads, state.opt_state, state.params, value=loss.astype(jnp.float32)
+            )
             m = jaxamp.metrics(opt_state)
-            scale, skipped = m["loss_scale"], m["skipped_steps"]
+            scale, skipped, spikes = m["loss_scale"], m["skipped_steps"], m["spike_skipped_steps"]
         else:
-            scale, skipped = jnp.float32(1.0), jnp.int32(0)
+            params, opt_state = jaxamp.step(tx, grads, state.opt_state, state.params)
+            scale, skipped, spikes = jnp.float32(1.0), jnp.int32(0), jnp.int32(0)
         metrics = {
             "loss": loss.astype(jnp.float32),
             "loss_scale": scale,
             "skipped": skipped,
+            "spike_skipped": spikes,
             "zero_grad_frac": zero_frac,
         }
         return RunState(params, opt_state), metrics
@@ -512,6 +545,8 @@ def _config_key(args: argparse.Namespace) -> dict[str, Any]:
         "init_scale",
         "growth_interval",
         "max_scale",
+        "spike_step",
+        "spike_window",
         "corpus_bytes",
         "seed",
     )
@@ -539,6 +574,7 @@ def train_run(
         "loss": [],
         "loss_scale": [],
         "skipped": [],
+        "spike_skipped": [],
         "zero_grad_frac": [],
         "eval_step": [],
         "eval_loss": [],
@@ -592,6 +628,7 @@ def train_run(
             for k in ("loss", "loss_scale", "zero_grad_frac"):
                 history[k].append(float(m[k]))
             history["skipped"].append(int(m["skipped"]))
+            history["spike_skipped"].append(int(m["spike_skipped"]))
         if bar is not None:
             bar.set_postfix(
                 loss=f"{history['loss'][-1]:.3f}",
@@ -655,7 +692,69 @@ def train_run(
             f"\ninterrupted at step {i} of run {spec.name}; checkpoint saved. "
             "Run again with --resume (and the same flags) to continue."
         )
+    if spec.skip_nonfinite and i == args.steps:
+        # Which gradient leaves overflowed, and how often: read from the optimizer state.
+        why = jaxamp.explain(state.opt_state, state.params)
+        history["explain"] = {"text": str(why), "last": list(why.last), "counts": why.counts}
+        if spec.loss_scaling and not args.no_find_overflow:
+            history["find_overflow"] = find_overflows(
+                args, model, state.params, train_data, history
+            )
     return history
+
+
+def _report_dict(report: jaxamp.OverflowReport) -> dict[str, Any]:
+    keys = ("found", "primitive", "pass_", "dtype", "module_path", "line", "magnitude")
+    return {**{k: getattr(report, k) for k in keys}, "text": str(report)}
+
+
+def find_overflows(
+    args: argparse.Namespace,
+    model: ByteLM,
+    params: Any,
+    train_data: jax.Array,
+    history: dict[str, Any],
+) -> dict[str, Any]:
+    """``jaxamp.find_overflow`` on the final float16 model, outside the train step.
+
+    1. A planted overflow: the last block's MLP up-projection kernel times 10**5, at
+       loss scale 1: its float16 matmul leaves float16's range in the forward pass.
+    2. The run's own overflows: the batch of the last skipped step (if any), at the
+       largest scale the run reached, or the first power of two above it (up to 2^3
+       times) where the final params overflow on that batch.
+    """
+    loss_fn, _ = make_loss_fn(args, model)
+    data_key = jax.random.fold_in(jax.random.key(args.seed), 1)
+    batch_of = lambda i: get_batch(
+        train_data, jax.random.fold_in(data_key, i), args.batch_size, args.seq_len
+    )
+    up = f"Block_{args.layers - 1}"
+    planted = jax.tree.map(lambda x: x, params)
+    kernel = planted["params"][up]["Dense_2"]["kernel"]
+    planted["params"][up]["Dense_2"]["kernel"] = kernel * 1e5
+    out = {
+        "planted": _report_dict(
+            jaxamp.find_overflow(loss_fn, planted, batch_of(0), loss_scale=1.0, dtype=jnp.float16)
+        )
+    }
+    skipped = np.flatnonzero(np.diff([0, *history["skipped"]]))
+    if len(skipped):
+        # The params that overflowed are gone (the run went on); the final ones, on the
+        # batch of the last skipped step, from the largest scale the run reached upwards.
+        step = int(history["step"][skipped[-1]]) - 1
+        top = int(math.log2(max(history["loss_scale"])))
+        for exponent in range(top, top + 4):
+            report = jaxamp.find_overflow(
+                loss_fn, params, batch_of(step), loss_scale=2.0**exponent, dtype=jnp.float16
+            )
+            if report.found:
+                break
+        out["last_skipped_step"] = {
+            "step": step + 1,
+            "loss_scale": 2.0**exponent,
+            **_report_dict(report),
+        }
+    return out
 
 
 # --------------------------------------------------------------------------- report
@@ -675,6 +774,9 @@ def summarize(args: argparse.Namespace, histories: dict[str, dict[str, Any]]) ->
             "final_train_loss": float(np.mean(h["loss"][-tail:])),
             "final_eval_loss": h["eval_loss"][-1],
             "steps_skipped": h["skipped"][-1],
+            "spikes_skipped": h["spike_skipped"][-1] if RUN_SPECS[name].skip_nonfinite else None,
+            "explain": h.get("explain"),
+            "find_overflow": h.get("find_overflow"),
             "final_loss_scale": h["loss_scale"][-1],
             "zero_grad_frac_mean": float(np.mean(h["zero_grad_frac"])),
             "zero_grad_frac_final": float(np.mean(h["zero_grad_frac"][-tail:])),
@@ -687,6 +789,7 @@ def summarize(args: argparse.Namespace, histories: dict[str, dict[str, Any]]) ->
                     "loss",
                     "loss_scale",
                     "skipped",
+                    "spike_skipped",
                     "zero_grad_frac",
                     "eval_step",
                     "eval_loss",
@@ -708,7 +811,16 @@ def _mean_step_time(h: dict[str, Any]) -> float | None:
 
 def format_table(summary: dict[str, Any]) -> str:
     """The terminal table, with its footnotes."""
-    head = ("run", "train loss", "eval loss", "skipped", "final scale", "zero grads", "step time")
+    head = (
+        "run",
+        "train loss",
+        "eval loss",
+        "skipped",
+        "spikes",
+        "final scale",
+        "zero grads",
+        "step time",
+    )
     rows = [head]
     for name, r in summary["runs"].items():
         rel = r["step_time_vs_fp32"]
@@ -718,6 +830,7 @@ def format_table(summary: dict[str, Any]) -> str:
                 f"{r['final_train_loss']:.4f}",
                 f"{r['final_eval_loss']:.4f}",
                 str(r["steps_skipped"]),
+                "-" if r["spikes_skipped"] is None else str(r["spikes_skipped"]),
                 _format_scale(r["final_loss_scale"]) if RUN_SPECS[name].loss_scaling else "-",
                 f"{100 * r['zero_grad_frac_mean']:.2f}%",
                 f"{rel:.2f}x" if rel is not None else "-",
@@ -733,6 +846,8 @@ def format_table(summary: dict[str, Any]) -> str:
     out += [
         f"train loss: mean of the last {summary['train_loss_is_mean_of_last_steps']} steps; "
         "zero grads: share of gradient entries that are exactly 0 (mean over steps).",
+        "skipped: steps skipped for non-finite gradients; spikes: steps skipped as loss / "
+        "gradient-norm spikes (jaxamp.spike_rule; - : no spike rule in this run).",
         "step time: relative to fp32 on this machine (" + summary["platform"] + "). On a CPU "
         "this is no mixed-precision speedup:",
         "  XLA's CPU backend runs float16/bfloat16 matmuls in float32 plus casts. The speedup "
@@ -762,6 +877,7 @@ def plot(summary: dict[str, Any], path: str) -> None:
         "bf16": {"lw": 1.2, "ls": ":"},
     }
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    spikes: list[tuple[str, np.ndarray, np.ndarray]] = []
     ax_loss, ax_scale, ax_zero = axes
     for name, r in summary["runs"].items():
         h = r["history"]
@@ -772,6 +888,9 @@ def plot(summary: dict[str, Any], path: str) -> None:
         ax_loss.plot(steps[k - 1 :], smooth, label=f"{name} (train)", **style)
         ax_loss.plot(h["eval_step"], h["eval_loss"], "o", color=colors[name], ms=4)
         ax_zero.plot(steps, 100 * np.asarray(h["zero_grad_frac"]), label=name, **style)
+        spiked = np.diff(np.concatenate([[0], h["spike_skipped"]])) > 0
+        if spiked.any():  # drawn once the y range is known: a spike's loss is off the top
+            spikes.append((name, steps[spiked], loss[spiked]))
         if RUN_SPECS[name].loss_scaling:
             ax_scale.step(steps, h["loss_scale"], where="post", color=colors[name], label=name)
             skipped = np.diff(np.concatenate([[0], h["skipped"]])) > 0
@@ -789,8 +908,16 @@ def plot(summary: dict[str, Any], path: str) -> None:
     lo = min(
         min(r["history"]["eval_loss"] + r["history"]["loss"]) for r in summary["runs"].values()
     )
-    ax_loss.set_ylim(max(0.0, lo - 0.1), min(6.0, lo + 3.0))
-    ax_loss.legend()
+    top = lo + 4.0
+    ax_loss.set_ylim(max(0.0, lo - 0.1), top)
+    for i, (name, at, value) in enumerate(spikes):
+        y = np.minimum(value, top - 0.25 - 0.3 * i)
+        ax_loss.plot(at, y, "v", color=colors[name], ms=9, mfc="none", mew=1.6,
+                     label=f"{name}: skipped as a spike")  # fmt: skip
+        for x, v, yy in zip(at, value, y, strict=True):
+            ax_loss.annotate(f"loss {v:.1f}", (x, yy), xytext=(-52, -3), textcoords="offset points",
+                             fontsize=8, color=colors[name])  # fmt: skip
+    ax_loss.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1.0, 0.8))
     ax_scale.set(
         title="fp16-amp dynamic loss scale",
         xlabel="step",
@@ -798,6 +925,20 @@ def plot(summary: dict[str, Any], path: str) -> None:
         yscale="log",
     )
     ax_scale.set_yscale("log", base=2)
+    for r in summary["runs"].values():
+        found = (r.get("find_overflow") or {}).get("last_skipped_step")
+        if found and found["found"]:  # what find_overflow named for the first overflow
+            where = found["module_path"] or "?"
+            ax_scale.text(
+                0.02,
+                0.98,
+                f"find_overflow, step {found['step']} at 2^{int(math.log2(found['loss_scale']))}:\n"
+                f"{found['primitive']} ({found['pass_']}) in {where}, line {found['line']}",
+                transform=ax_scale.transAxes,
+                fontsize=8,
+                va="top",
+                bbox={"boxstyle": "round", "fc": "white", "alpha": 0.8},
+            )
     if ax_scale.get_legend_handles_labels()[0]:
         ax_scale.legend()
     ax_zero.set(title="Gradient entries exactly zero", xlabel="step", ylabel="% of entries")
@@ -845,6 +986,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     summary = summarize(args, histories)
     table = format_table(summary)
     print(table)
+    for name, r in summary["runs"].items():
+        if r["explain"]:
+            print(f"\n{name}: jaxamp.explain(opt_state, params)\n{r['explain']['text']}")
+        for case, found in (r["find_overflow"] or {}).items():
+            print(f"\n{name}: jaxamp.find_overflow, {case.replace('_', ' ')}\n{found['text']}")
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(args.out, "table.txt"), "w") as f:

@@ -7,6 +7,9 @@ The modules are private; everything public is re-exported here (and in the
 from jaxamp import checkpoint, compat, nnx
 from jaxamp._autocast import DEFAULT_RULES, autocast, full_precision, keep_float32
 from jaxamp._distributed import check_in_sync
+from jaxamp._explain import Explanation, explain
+from jaxamp._find_overflow import OverflowReport, find_overflow
+from jaxamp._leaf_stats import NonfiniteLeaves
 from jaxamp._loss_scale import (
     LossScaleState,
     Mode,
@@ -20,16 +23,19 @@ from jaxamp._loss_scale import (
     unscale_and_check,
     update,
 )
-from jaxamp._model_state import stepped, where_stepped
-from jaxamp._policy import Policy
-from jaxamp._train_state import TrainState
-from jaxamp._transform import (
-    MultiTransformState,
-    SkipNonfiniteState,
-    multi_transform,
-    skip_nonfinite,
-    step,
+from jaxamp._low_precision_params import (
+    KahanSummationState,
+    StochasticRoundingState,
+    kahan_summation,
+    stochastic_round,
+    stochastic_rounding,
 )
+from jaxamp._model_state import stepped, where_stepped
+from jaxamp._multi_transform import MultiTransformState, multi_transform
+from jaxamp._policy import Policy
+from jaxamp._spikes import SpikeRule, SpikeState, spike_rule
+from jaxamp._train_state import TrainState
+from jaxamp._transform import SkipNonfiniteState, skip_nonfinite, step
 from jaxamp._tree import all_finite, select_tree
 from jaxamp._value_and_grad import value_and_grad
 
@@ -37,11 +43,18 @@ __version__ = "0.3.0"
 
 __all__ = [
     "DEFAULT_RULES",
+    "Explanation",
+    "KahanSummationState",
     "LossScaleState",
     "Mode",
     "MultiTransformState",
+    "NonfiniteLeaves",
+    "OverflowReport",
     "Policy",
     "SkipNonfiniteState",
+    "SpikeRule",
+    "SpikeState",
+    "StochasticRoundingState",
     "TrainState",
     "all_finite",
     "autocast",
@@ -50,8 +63,11 @@ __all__ = [
     "checkpoint",
     "compat",
     "dynamic_scale",
+    "explain",
+    "find_overflow",
     "full_precision",
     "get_loss_scale",
+    "kahan_summation",
     "keep_float32",
     "metrics",
     "multi_transform",
@@ -60,9 +76,12 @@ __all__ = [
     "scale",
     "select_tree",
     "skip_nonfinite",
+    "spike_rule",
     "static_scale",
     "step",
     "stepped",
+    "stochastic_round",
+    "stochastic_rounding",
     "unscale_and_check",
     "update",
     "value_and_grad",

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxamp import _leaf_stats, _spikes
 from jaxamp import _loss_scale as ls_lib
 from jaxamp._loss_scale import LossScaleState
 from jaxamp._tree import agree, is_float_leaf, like
@@ -102,36 +103,80 @@ def cond_traced_once(pred: jax.Array, taken: Any, other: Any, *operands: Any) ->
     return lax.cond(pred, first, second, *operands)
 
 
-def _run_part(part: Part, take: jax.Array | None, unscale: Any, call: Call) -> tuple[Any, Any]:
-    """One part's update under ``lax.cond(take, ...)``; ``take=None``: unchecked, no cond."""
+def _run_part(
+    part: Part, take: jax.Array | None, unscale: Any, call: Call, axis_name: Any
+) -> tuple[Any, Any, jax.Array | None]:
+    """One part's update under ``lax.cond(take, ...)``; ``take=None``: unchecked, no cond.
+
+    Also returns which of the part's gradient leaves were non-finite: computed in
+    the skip branch only (all False where the step is taken), so finite steps pay
+    nothing for it.
+    """
     prepare = part.prepare or (lambda g: g)
 
-    def apply(state: Any, grads: Any, params: Any, nonfinite: Any) -> tuple[Any, Any]:
+    def apply(state: Any, grads: Any, params: Any, nonfinite: Any) -> tuple[Any, Any, Any]:
         grads = unscale(prepare(grads))
         updates, state = part.inner.update(grads, state, params, **call.extra_args)
+        # False everywhere, typed like the skip branch's (``nonfinite`` is agreed).
+        none_bad = jnp.broadcast_to(nonfinite < 0, (len(jax.tree.leaves(grads)),))
         if not call.to_params:
-            return updates, state
-        if nonfinite is not None:
-            updates = _opaque(updates, nonfinite)
-        return optax.apply_updates(params, updates), state
+            return updates, state, none_bad
+        updates = _opaque(updates, nonfinite)
+        return optax.apply_updates(params, updates), state, none_bad
 
     if take is None:  # nothing is checked: no cond, and so nothing to round either
-        return apply(part.state, part.grads, part.params, None)
+        grads = unscale(prepare(part.grads))
+        updates, state = part.inner.update(grads, part.state, part.params, **call.extra_args)
+        out = optax.apply_updates(part.params, updates) if call.to_params else updates
+        return out, state, None
 
-    def skip(shapes: Any, state: Any, grads: Any, params: Any, nonfinite: Any) -> tuple[Any, Any]:
+    def skip(shapes: Any, state: Any, grads: Any, params: Any, nonfinite: Any) -> Any:
         if call.to_params:
             out = params
         else:
             out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
-        return like(out, shapes[0]), like(state, shapes[1])
+        bad = _leaf_stats.bad_leaves(unscale(prepare(grads)), axis_name) | (nonfinite < 0)
+        return like(out, shapes[0]), like(state, shapes[1]), bad
 
     operands = (part.state, part.grads, part.params, (~take).astype(jnp.int32))
     return cond_traced_once(take, apply, skip, *operands)
 
 
+class Spikes(NamedTuple):
+    """A spike rule for one guarded call: the rule, its state, and the step's loss."""
+
+    rule: _spikes.SpikeRule
+    state: _spikes.SpikeState
+    loss: jax.Array
+
+
+class Outcome(NamedTuple):
+    """What :func:`guarded` returns.
+
+    Attributes:
+      outs: per part, its updates (or new params with ``to_params``).
+      inner_states: per part, its new inner state.
+      loss_scale: the next loss-scale state (advanced with ``finite``).
+      bad: per part, bool[its leaves]: non-finite leaves (None if unchecked).
+      finite: bool[]: every part's gradients finite.
+      spikes: the next spike state (None without a rule).
+    """
+
+    outs: list[Any]
+    inner_states: list[Any]
+    loss_scale: LossScaleState
+    bad: list[Any]
+    finite: jax.Array
+    spikes: Any
+
+
 def guarded(
-    ls: LossScaleState, parts: list[Part], call: Call, axis_name: Any
-) -> tuple[list[Any], list[Any], LossScaleState]:
+    ls: LossScaleState,
+    parts: list[Part],
+    call: Call,
+    axis_name: Any,
+    spikes: Spikes | None = None,
+) -> Outcome:
     """Runs each part's inner update if its gradients are finite; updates the scale once.
 
     Args:
@@ -139,10 +184,11 @@ def guarded(
       parts: the groups; each is checked and skipped on its own.
       call: the call's extra args, the user's verdict (if any) and the output kind.
       axis_name: mapped axis over which the finiteness is agreed.
+      spikes: a spike rule: a finite step it calls a spike is skipped in every
+        part (in the same cond), and the scale does not move for it.
 
     Returns:
-      ``(outs, inner_states, next_loss_scale_state)``, one out and state per part;
-      the scale advances with "every part finite".
+      An :class:`Outcome`; the scale advances with "every part finite".
     """
     if call.verdict is not None:
         verdict = ls_lib.as_finite(call.verdict, "jaxamp.step")
@@ -156,11 +202,21 @@ def guarded(
             takes = [agreed[i] for i in range(len(parts))]
         else:
             takes = [None] * len(parts)
-    outs, states = [], []
-    for part, take in zip(parts, takes, strict=True):
-        out, state = _run_part(part, take, unscale, call)
-        outs.append(out)
-        states.append(state)
     checked = [t for t in takes if t is not None]
     every = jnp.all(jnp.stack(checked)) if checked else jnp.array(True)
-    return outs, states, ls_lib.update(ls, every)
+    new_spikes = None
+    if spikes is not None:
+        squares = sum(
+            _spikes.sum_of_squares(unscale((p.prepare or (lambda g: g))(p.grads))) for p in parts
+        )
+        values = _spikes.agree_values(jnp.stack([spikes.loss, jnp.sqrt(squares)]), axis_name)
+        spike = _spikes.decide(spikes.rule, spikes.state, values[0], values[1], every)
+        takes = [~spike if t is None else t & ~spike for t in takes]
+        new_spikes = _spikes.record(spikes.rule, spikes.state, values[0], values[1], every, spike)
+    outs, states, bad = [], [], []
+    for part, take in zip(parts, takes, strict=True):
+        out, state, part_bad = _run_part(part, take, unscale, call, axis_name)
+        outs.append(out)
+        states.append(state)
+        bad.append(part_bad)
+    return Outcome(outs, states, ls_lib.update(ls, every), bad, every, new_spikes)

@@ -30,8 +30,11 @@ __all__ = [
     "inlinable_call",
     "is_unspecified",
     "name_stack",
+    "name_stack_items",
     "outputs_as_list",
     "shard_map_call",
+    "source_info_context",
+    "traceback_frames",
 ]
 
 #: ``jax.shard_map`` (public since JAX 0.7; before, jax.experimental.shard_map
@@ -95,6 +98,66 @@ def name_stack(eqn: Any) -> str:
     source_info = getattr(eqn, "source_info", None)
     stack = getattr(source_info, "name_stack", None)
     return "" if stack is None else str(stack)
+
+
+def name_stack_items(eqn: Any) -> tuple[tuple[str, str], ...]:
+    """An equation's name stack as ``(kind, name)`` pairs, outermost first.
+
+    `kind` is ``"transform"`` (``jvp``, ``transpose``, ``vmap``: the
+    transformations the equation was traced under) or ``"scope"`` (a
+    ``jax.named_scope``, e.g. a Flax module's name). ``NameStack.stack`` holds
+    ``Scope`` and ``Transform`` objects with a ``name`` in JAX 0.5 to 0.10;
+    without it, the string form is read: ``transpose(jvp(a))/b``.
+    """
+    stack = getattr(getattr(eqn, "source_info", None), "name_stack", None)
+    if stack is None:
+        return ()
+    items = getattr(stack, "stack", None)
+    if items is not None:
+        return tuple(
+            ("transform" if type(e).__name__ == "Transform" else "scope", str(e.name))
+            for e in items
+        )
+    out: list[tuple[str, str]] = []  # pragma: no cover - a future NameStack
+    for part in str(stack).split("/"):
+        while "(" in part:
+            name, _, part = part.partition("(")
+            out.append(("transform", name))
+        part = part.rstrip(")")
+        if part:
+            out.append(("scope", part))
+    return tuple(out)
+
+
+def traceback_frames(eqn: Any) -> list[tuple[str, int, str]]:
+    """``(file, line, function)`` of the frames an equation was traced at, innermost first.
+
+    ``eqn.source_info.traceback`` is a ``jaxlib`` ``Traceback`` whose
+    ``frames`` (``file_name``, ``line_num``, ``function_name``) are innermost
+    first, JAX 0.5 to 0.10. An equation evaluated again by autocast keeps its
+    traceback only under ``source_info_context``.
+    """
+    traceback = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    frames = getattr(traceback, "frames", None) or []
+    return [(str(f.file_name), int(f.line_num), str(f.function_name)) for f in frames]
+
+
+def source_info_context(eqn: Any) -> Any:
+    """A context that makes the equations traced in it carry `eqn`'s source info.
+
+    ``jax.core.eval_jaxpr`` binds each equation under
+    ``source_info_util.user_context(eqn.source_info.traceback, name_stack=...)``
+    (the current name stack plus the equation's own), so that a jaxpr evaluated
+    again keeps the user's tracebacks and ``jax.named_scope`` stacks. Private
+    (``jax._src.source_info_util``), unchanged from JAX 0.5 to 0.10.
+    """
+    from jax._src import source_info_util
+
+    source_info = getattr(eqn, "source_info", None)
+    if source_info is None:
+        return contextlib.nullcontext()
+    stack = source_info_util.current_name_stack() + source_info.name_stack
+    return source_info_util.user_context(source_info.traceback, name_stack=stack)
 
 
 def bind(prim: Primitive, args: list[Any], params: dict[str, Any]) -> Any:

@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp import _jax_compat
+from jaxamp._spikes import SpikeState
 from jaxamp._tree import agree, is_float_leaf, leaf_finite, map_float_leaves, wide_dtype
 
 __all__ = [
@@ -783,8 +784,11 @@ def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
 
     Returns:
       A dict of scalar arrays: ``loss_scale``, ``growth_tracker``,
-      ``nonfinite_streak``, ``skipped_steps`` and ``skipped`` (bool: the last step
-      was skipped, i.e. ``nonfinite_streak > 0``).
+      ``nonfinite_streak``, ``skipped_steps`` (steps skipped for non-finite
+      gradients) and ``skipped`` (bool: the last step was skipped). With a
+      :func:`jaxamp.spike_rule`, also ``spike_skipped_steps`` (steps skipped as
+      spikes, counted apart) and ``spike_skipped`` (the last step was one);
+      ``skipped`` is then True for either reason.
 
     Example:
       >>> import jaxamp
@@ -792,7 +796,7 @@ def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
       ['growth_tracker', 'loss_scale', 'nonfinite_streak', 'skipped', 'skipped_steps']
     """
     s = find_state(opt_state_or_loss_scale_state, "metrics")
-    return {
+    out = {
         "loss_scale": s.scale,
         "growth_tracker": s.growth_tracker,
         "nonfinite_streak": s.nonfinite_streak,
@@ -800,6 +804,24 @@ def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
         # streak != 0 without a Python constant: eagerly, that would be a host transfer.
         "skipped": s.nonfinite_streak.astype(jnp.bool_),
     }
+    spikes = find_spike_state(opt_state_or_loss_scale_state)
+    if spikes is not None:
+        out["spike_skipped_steps"] = jnp.asarray(spikes.skips)
+        out["spike_skipped"] = jnp.asarray(spikes.skipped)
+        out["skipped"] = out["skipped"] | out["spike_skipped"]
+    return out
+
+
+def find_spike_state(opt_state: Any) -> SpikeState | None:
+    """The one :class:`jaxamp.SpikeState` inside an optimizer state, or None."""
+    if isinstance(opt_state, LossScaleState):
+        return None
+    found = [
+        x
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SpikeState))
+        if isinstance(x, SpikeState)
+    ]
+    return found[0] if len(found) == 1 else None
 
 
 def check_health(opt_state_or_loss_scale_state: Any) -> None:

@@ -57,6 +57,9 @@ def stepped(opt_state: Any) -> jax.Array:
     """
     ls = ls_lib.find_state(opt_state, "stepped")
     taken = ~ls.nonfinite_streak.astype(jnp.bool_)
+    spikes = ls_lib.find_spike_state(opt_state)
+    if spikes is not None:
+        taken = taken & ~jnp.asarray(spikes.skipped)
     window = _window(opt_state)
     if window is None or not ls.mode.checks:
         return taken

@@ -1,4 +1,4 @@
-"""The optax side: ``skip_nonfinite``, ``multi_transform`` and the fused ``step``.
+"""The optax side: ``skip_nonfinite`` and the fused ``step`` (``multi_transform`` is beside it).
 
 Each transformation is a plain ``optax.GradientTransformationExtraArgs`` whose
 ``update`` is a small object holding the transformation's parts as fields (equinox
@@ -10,25 +10,19 @@ parameter update fused in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp import _leaf_stats, _spikes
 from jaxamp import _loss_scale as ls_lib
-from jaxamp._guard import Call, Part, cond_traced_once, guarded
+from jaxamp._guard import Call, Outcome, Part, Spikes, cond_traced_once, guarded
 from jaxamp._loss_scale import LossScaleState
 from jaxamp._tree import check_axis_name, is_float_leaf, like, render_path
 
-__all__ = [
-    "MultiTransformState",
-    "SkipNonfiniteState",
-    "multi_transform",
-    "skip_nonfinite",
-    "step",
-]
+__all__ = ["SkipNonfiniteState", "skip_nonfinite", "step"]
 
 
 class SkipNonfiniteState(NamedTuple):
@@ -41,6 +35,10 @@ class SkipNonfiniteState(NamedTuple):
         (``None`` otherwise).
       mini_step: with ``every_k > 1``, an int32 count of the calls in this window
         so far (``None`` otherwise).
+      nonfinite_leaves: a :class:`jaxamp.NonfiniteLeaves`: which gradient leaves
+        were non-finite on the last skipped step, and how often each has been
+        (read it with :func:`jaxamp.explain`).
+      spikes: with ``spikes=``, the :class:`jaxamp.SpikeState` (``None`` otherwise).
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -54,6 +52,8 @@ class SkipNonfiniteState(NamedTuple):
     loss_scale: LossScaleState
     acc: Any = None
     mini_step: Any = None
+    nonfinite_leaves: Any = None
+    spikes: Any = None
 
 
 class Window(NamedTuple):
@@ -65,25 +65,6 @@ class Window(NamedTuple):
 
     acc: Any
     grads: Any
-
-
-class MultiTransformState(NamedTuple):
-    """State of :func:`multi_transform`: one inner state per label, one shared loss scale.
-
-    Attributes:
-      inner_states: label -> that label's optimizer state.
-      loss_scale: the shared :class:`jaxamp.LossScaleState`.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, jaxamp
-      >>> opts = {"a": optax.sgd(0.1), "b": optax.adam(0.1)}
-      >>> tx = jaxamp.multi_transform(opts, {"x": "a", "y": "b"})
-      >>> sorted(tx.init({"x": jnp.ones(2), "y": jnp.ones(2)}).inner_states)
-      ['a', 'b']
-    """
-
-    inner_states: dict[Any, optax.OptState]
-    loss_scale: LossScaleState
 
 
 def _loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> LossScaleState:
@@ -160,6 +141,26 @@ def _check_state_type(state: Any, cls: type, fn: str) -> None:
         )
 
 
+def _recorded(state: Any, got: Outcome, bad: Any) -> Any:
+    """``state`` with the guarded step's loss scale, non-finite leaves and spike history."""
+    new = state._replace(loss_scale=got.loss_scale)
+    if state.nonfinite_leaves is not None and bad is not None:
+        leaves = _leaf_stats.record(state.nonfinite_leaves, bad, got.finite)
+        new = new._replace(nonfinite_leaves=leaves)
+    if got.spikes is not None:
+        new = new._replace(spikes=got.spikes)
+    return new
+
+
+def _check_spike_state(rule: Any, state: Any, fn: str) -> None:
+    if rule is not None and not isinstance(state.spikes, _spikes.SpikeState):
+        raise TypeError(
+            f"{fn}: this transformation skips spikes but opt_state.spikes is "
+            f"{type(state.spikes).__name__}: pass the opt_state that tx.init(params) returned "
+            "for this same tx."
+        )
+
+
 class _GuardedUpdate:
     """An update function that :func:`step` can also run with the param update fused in."""
 
@@ -183,12 +184,14 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
     inner: optax.GradientTransformationExtraArgs
     axis_name: Any
     every_k: int
+    spikes: _spikes.SpikeRule | None = None
 
     def run(
         self, grads: Any, state: SkipNonfiniteState, params: Any, call: Call
     ) -> tuple[Any, SkipNonfiniteState]:
         fn = "jaxamp.step" if call.to_params else "skip_nonfinite.update"
         _check_state_type(state, SkipNonfiniteState, fn)
+        _check_spike_state(self.spikes, state, fn)
         _check_grads(grads, params, fn)
         _check_inner_state(
             self.inner,
@@ -198,12 +201,16 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
             "opt_state.inner_state",
         )
 
+        loss = None if self.spikes is None else _spikes.loss_value(self.spikes, call.extra_args, fn)
+
         def window_step(
-            grads: Any, state: SkipNonfiniteState, prepare: Any = None
+            grads: Any, state: SkipNonfiniteState, prepare: Any = None, loss: Any = loss
         ) -> tuple[Any, SkipNonfiniteState]:
             part = Part(self.inner, state.inner_state, grads, params, prepare)
-            (out,), (inner_state,), ls = guarded(state.loss_scale, [part], call, self.axis_name)
-            return out, state._replace(inner_state=inner_state, loss_scale=ls)
+            spikes = None if self.spikes is None else Spikes(self.spikes, state.spikes, loss)
+            got = guarded(state.loss_scale, [part], call, self.axis_name, spikes)
+            new = _recorded(state, got, got.bad[0])
+            return got.outs[0], new._replace(inner_state=got.inner_states[0])
 
         if self.every_k == 1:
             return window_step(grads, state)
@@ -212,7 +219,7 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
                 "jaxamp.step: finite= cannot be combined with every_k > 1: the window's "
                 "gradients are accumulated inside the optimizer state and checked at its end."
             )
-        return self._accumulate(grads, state, params, window_step, call.to_params)
+        return self._accumulate(grads, state, params, window_step, call.to_params, loss)
 
     def _accumulate(
         self,
@@ -221,6 +228,7 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
         params: Any,
         window_step: Any,
         to_params: bool,
+        loss: Any,
     ) -> tuple[Any, SkipNonfiniteState]:
         k = self.every_k
 
@@ -245,7 +253,11 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
                 )
 
             # One guarded step on the mean, computed where it is read.
-            out, state = window_step(Window(state.acc, grads), state, mean)
+            window_loss = None
+            if self.spikes is not None:
+                window_loss = (state.spikes.pending + loss) / count.astype(jnp.float32)
+                state = state._replace(spikes=state.spikes._replace(pending=jnp.zeros_like(loss)))
+            out, state = window_step(Window(state.acc, grads), state, mean, window_loss)
             # Reset by replacement: `acc * 0` would keep an overflowed micro-batch's NaN.
             zeros = jax.tree.map(jnp.zeros_like, state.acc)
             return out, state._replace(acc=zeros, mini_step=jnp.zeros((), jnp.int32))
@@ -258,7 +270,12 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
             else:
                 out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
             acc = jax.tree.map(add, state.acc, grads)
-            return like((out, state._replace(acc=acc, mini_step=state.mini_step + 1)), shapes)
+            state = state._replace(acc=acc, mini_step=state.mini_step + 1)
+            if self.spikes is not None:
+                state = state._replace(
+                    spikes=state.spikes._replace(pending=state.spikes.pending + loss)
+                )
+            return like((out, state), shapes)
 
         return cond_traced_once(state.mini_step >= k - 1, finish, accumulate, grads, state)
 
@@ -270,6 +287,7 @@ def skip_nonfinite(
     every_k: int = 1,
     max_consecutive_nonfinite: int | None = None,
     axis_name: Any = None,
+    spikes: _spikes.SpikeRule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Unscales gradients, skips non-finite steps and updates the loss scale.
 
@@ -299,10 +317,14 @@ def skip_nonfinite(
       axis_name: mapped axis name(s) (``pmap`` / ``shard_map``) over which the
         finiteness check is agreed, so every device skips together. Not needed
         under ``jax.jit`` with sharded arrays, where the check is a global reduction.
+      spikes: a :func:`jaxamp.spike_rule`: also skip a finite step whose loss
+        (``value=``) or gradient norm spikes, in the same ``lax.cond``; the scale
+        does not move for it. With ``every_k``, a window's mean loss is judged.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra arguments (``value=``,
-      ...) are forwarded to ``inner``. Its state is a :class:`SkipNonfiniteState`.
+      ...) are forwarded to ``inner``. Its state is a :class:`SkipNonfiniteState`;
+      after a skipped step :func:`jaxamp.explain` names the non-finite leaves.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -322,154 +344,21 @@ def skip_nonfinite(
     if every_k < 1:
         raise ValueError(f"{fn}: every_k must be >= 1, got {every_k}.")
     axis_name = check_axis_name(axis_name, fn)
+    spikes = _spikes.check_rule(spikes, fn)
 
     def init_fn(params: optax.Params) -> SkipNonfiniteState:
         # Fresh arrays throughout, so a donated opt state never frees these leaves.
         ls = jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale)
-        if every_k == 1:
-            return SkipNonfiniteState(inner.init(params), ls)
-        acc = jax.tree.map(jnp.zeros_like, params)
-        return SkipNonfiniteState(inner.init(params), ls, acc, jnp.zeros((), jnp.int32))
+        acc = mini_step = None
+        if every_k > 1:
+            acc = jax.tree.map(jnp.zeros_like, params)
+            mini_step = jnp.zeros((), jnp.int32)
+        spike_state = None if spikes is None else _spikes.init(spikes, every_k)
+        leaves = _leaf_stats.init(params)
+        return SkipNonfiniteState(inner.init(params), ls, acc, mini_step, leaves, spike_state)
 
     return optax.GradientTransformationExtraArgs(
-        init_fn, _SkipNonfiniteUpdate(inner, axis_name, every_k)
-    )
-
-
-def _full_labels(labels: Any, tree: Any, transforms: Mapping[Any, Any], fn: str) -> Any:
-    """``labels`` (a tree, a prefix of one, or a callable) spread over every leaf of ``tree``."""
-    if callable(labels):
-        labels = labels(tree)
-    try:
-        full = jax.tree.map(lambda lab, sub: jax.tree.map(lambda _: lab, sub), labels, tree)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"{fn}: param_labels must have the params' tree structure (or a prefix of it), "
-            f"with one label per leaf: {e}"
-        ) from None
-    missing = []
-    for label in jax.tree.leaves(full):
-        try:
-            known = label in transforms
-        except TypeError:  # unhashable: no mapping key can equal it
-            known = False
-        if not known and label not in missing:
-            missing.append(label)
-    if missing:
-        # Compared as keys, not as text: the label 1 is not the key "1".
-        raise ValueError(
-            f"{fn}: param_labels name label(s) {missing} that are not keys of `transforms`; "
-            f"its keys are {list(transforms)}."
-        )
-    return full
-
-
-def _mask(tree: Any, full_labels: Any, label: Any) -> Any:
-    if tree is None:
-        return None
-    return jax.tree.map(lambda x, lab: x if lab == label else optax.MaskedNode(), tree, full_labels)
-
-
-def _merge(trees: Mapping[Any, Any], full_labels: Any, like_tree: Any) -> Any:
-    """One tree from the per-label trees, each leaf taken from its label's tree."""
-    treedef = jax.tree.structure(like_tree)
-    labels = treedef.flatten_up_to(full_labels)
-    flat = {label: treedef.flatten_up_to(t) for label, t in trees.items()}
-    return treedef.unflatten([flat[label][i] for i, label in enumerate(labels)])
-
-
-@dataclasses.dataclass(frozen=True)
-class _MultiTransformUpdate(_GuardedUpdate):
-    """``multi_transform``'s update function; its parts are its fields."""
-
-    transforms: dict[Any, optax.GradientTransformationExtraArgs]
-    param_labels: Any
-    axis_name: Any
-
-    def run(
-        self, grads: Any, state: MultiTransformState, params: Any, call: Call
-    ) -> tuple[Any, MultiTransformState]:
-        fn = "jaxamp.step" if call.to_params else "multi_transform.update"
-        _check_state_type(state, MultiTransformState, fn)
-        _check_grads(grads, params, fn)
-        labels = _full_labels(self.param_labels, grads, self.transforms, fn)
-        parts = []
-        for label, tx in self.transforms.items():
-            masked = _mask(grads, labels, label)
-            masked_params = _mask(params, labels, label)
-            _check_inner_state(
-                tx,
-                state.inner_states[label],
-                masked if params is None else masked_params,
-                fn,
-                f"opt_state.inner_states[{label!r}]",
-            )
-            parts.append(Part(tx, state.inner_states[label], masked, masked_params))
-        outs, inner_states, ls = guarded(state.loss_scale, parts, call, self.axis_name)
-        out = _merge(dict(zip(self.transforms, outs, strict=True)), labels, grads)
-        return out, MultiTransformState(dict(zip(self.transforms, inner_states, strict=True)), ls)
-
-
-def multi_transform(
-    transforms: Mapping[Any, optax.GradientTransformation],
-    param_labels: Any,
-    loss_scale: LossScaleState | None = None,
-    *,
-    max_consecutive_nonfinite: int | None = None,
-    axis_name: Any = None,
-) -> optax.GradientTransformationExtraArgs:
-    """Several optimizers sharing one loss scale, each skipped on its own.
-
-    PyTorch's "multiple optimizers, one scaler". Like ``optax.multi_transform``,
-    each label's transformation sees only its own parameters' gradients, all
-    unscaled with the one shared scale. A non-finite gradient in one partition
-    skips that partition's update (its params and inner state unchanged bit for
-    bit) while the others step; the shared scale updates once per step with
-    "every partition finite" (PyTorch's combined ``found_inf``), so
-    ``metrics(...)["skipped"]`` is True when any partition was skipped.
-
-    Args:
-      transforms: a mapping from label to optax transformation.
-      param_labels: a tree of labels with the params' structure (or a prefix of
-        it), or a function of the params returning one.
-      loss_scale: the shared :class:`LossScaleState`; ``None`` only skips.
-      max_consecutive_nonfinite: as in :func:`skip_nonfinite`.
-      axis_name: as in :func:`skip_nonfinite`.
-
-    Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`MultiTransformState`; extra arguments are forwarded to every
-      transformation.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, jaxamp
-      >>> tx = jaxamp.multi_transform(
-      ...     {"body": optax.sgd(1.0), "head": optax.sgd(1.0)},
-      ...     {"w": "body", "b": "head"}, jaxamp.static_scale(2.0))
-      >>> params = {"w": jnp.ones(2), "b": jnp.ones(2)}
-      >>> grads = {"w": jnp.array([2.0, 2.0]), "b": jnp.array([jnp.inf, 2.0])}
-      >>> params, state = jaxamp.step(tx, grads, tx.init(params), params)
-      >>> params["w"], params["b"]
-      (Array([0., 0.], dtype=float32), Array([1., 1.], dtype=float32))
-    """
-    fn = "multi_transform"
-    if not isinstance(transforms, Mapping) or not transforms:
-        raise TypeError(
-            f"{fn}: `transforms` must be a non-empty mapping from label to optax "
-            f"transformation, got {transforms!r}."
-        )
-    checked = {k: _check_inner(v, fn, f"transforms[{k!r}]") for k, v in transforms.items()}
-    loss_scale = _loss_scale_arg(loss_scale, max_consecutive_nonfinite, fn)
-    axis_name = check_axis_name(axis_name, fn)
-
-    def init_fn(params: optax.Params) -> MultiTransformState:
-        labels = _full_labels(param_labels, params, checked, fn)
-        states = {k: tx.init(_mask(params, labels, k)) for k, tx in checked.items()}
-        ls = jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale)
-        return MultiTransformState(states, ls)
-
-    return optax.GradientTransformationExtraArgs(
-        init_fn, _MultiTransformUpdate(checked, param_labels, axis_name)
+        init_fn, _SkipNonfiniteUpdate(inner, axis_name, every_k, spikes)
     )
 
 

@@ -45,6 +45,8 @@ import jax
 import numpy as np
 
 from jaxamp._loss_scale import FIELD_NAMES, LossScaleState, Mode, validate
+from jaxamp._spikes import SpikeState
+from jaxamp._spikes import validate as validate_spikes
 from jaxamp._tree import path_key, render_path
 
 __all__ = ["check_restorable", "restore"]
@@ -158,12 +160,21 @@ def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") 
         more = f" and {len(others) - _MAX_LISTED} more" if len(others) > _MAX_LISTED else ""
         parts.append(f"{where} lacks {len(others)} leaves the target needs: {listed}{more}")
     message = "; ".join(parts) + "."
+    if others and all("nonfinite_leaves" in map(str, map(path_key, p)) for p in others):
+        message += (
+            " It was written by jaxamp < 0.3, whose states kept no per-leaf record of "
+            "non-finite gradients. Restore into the target with that record left out, "
+            "target._replace(nonfinite_leaves=None) for the skip_nonfinite state, then "
+            "put a fresh one in: restored._replace(nonfinite_leaves="
+            "tx.init(params).nonfinite_leaves)."
+        )
     if covered:
         message += (
             " It was probably written by an optimizer not wrapped in jaxamp.skip_nonfinite "
             "(plain optax). To resume it with jaxamp, restore the inner optimizer's state "
-            "(target: jax.eval_shape(inner.init, params)) and wrap it: "
-            "jaxamp.SkipNonfiniteState(inner_state, jaxamp.dynamic_scale(...))."
+            "(target: jax.eval_shape(inner.init, params)) and put it in a fresh state: "
+            "tx.init(params)._replace(inner_state=inner_state), where "
+            "tx = jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale(...))."
         )
     raise ValueError(message)
 
@@ -237,6 +248,12 @@ def _validate_restored(tree: Any, where: str) -> None:
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_loss_scale)[0]
         if _is_loss_scale(leaf)
     ]
+    for path, spikes in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, SpikeState)
+    )[0]:
+        if isinstance(spikes, SpikeState):
+            host = jax.tree.map(_host_view, spikes)
+            validate_spikes(host, f"{where} at `{render_path(path)}`")
     if not found:
         return
     # One transfer, of the loss-scale scalars only.

@@ -21,6 +21,7 @@ TINY = [
     "--steps", "30", "--batch-size", "8", "--seq-len", "32", "--model-dim", "32",
     "--layers", "1", "--heads", "2", "--eval-every", "15", "--ckpt-every", "10",
     "--log-every", "5", "--eval-batches", "2", "--corpus-bytes", "200000", "--no-progress",
+    "--spike-step", "24", "--spike-window", "16",
 ]  # fmt: skip
 
 
@@ -70,10 +71,34 @@ def test_demo_tiny_end_to_end_and_exact_resume(tmp_path: Path, jax_cache: Path) 
         assert r["step_time_vs_fp32"] > 0, name
         assert any((out / name / "ckpt").iterdir()), name
     assert "fp16-amp" in proc.stdout and "step time" in proc.stdout  # the table
+    # The batch of step 24 is random bytes: a loss spike every run sees. The runs with
+    # the spike rule skip it (and only it); the others take it.
+    for name in ("fp16-amp", "bf16"):
+        assert runs[name]["spikes_skipped"] == 1, name
+        spiked = np.flatnonzero(np.diff([0, *runs[name]["history"]["spike_skipped"]]))
+        assert list(spiked + 1) == [24], name
+        assert runs[name]["explain"]["text"].startswith(
+            ("No step", f"{runs[name]['steps_skipped']} step")
+        )
+    assert runs["fp32"]["spikes_skipped"] is None and runs["fp32"]["explain"] is None
+    # find_overflow names the planted overflow: the up-projection of the last block,
+    # its forward float16 matmul, at its line in train_lm.py.
+    planted = runs["fp16-amp"]["find_overflow"]["planted"]
+    source = (EXAMPLES / "train_lm.py").read_text().splitlines()
+    line = 1 + next(i for i, s in enumerate(source) if "h = nn.Dense(4 * self.dim)" in s)
+    assert (planted["found"], planted["primitive"], planted["pass_"]) == (
+        True,
+        "dot_general",
+        "forward",
+    )
+    assert (planted["module_path"], planted["line"]) == ("ByteLM/Block_0/Dense_2", line)
+    assert planted["magnitude"] > 65504
+    loss = runs["fp32"]["history"]["loss"]
+    assert loss[23] > max(loss[10:23]) + 1.0  # the bad batch's loss: a spike
 
     # Interrupt the fp16-amp run after 13 steps, resume it, compare with the straight run.
     resumed = tmp_path / "resumed"
-    amp_only = [*TINY, "--runs", "fp16-amp", "--out", str(resumed)]
+    amp_only = [*TINY, "--runs", "fp16-amp", "--out", str(resumed), "--no-find-overflow"]
     _run([str(EXAMPLES / "train_lm.py"), *amp_only, "--stop-after", "13"], jax_cache)
     assert not (resumed / "summary.json").exists()
     _run([str(EXAMPLES / "train_lm.py"), *amp_only, "--resume"], jax_cache)
@@ -138,6 +163,21 @@ def test_nnx_example_claims(jax_cache: Path) -> None:
     assert finite[-1] < finite[0] / 10, losses
     assert "resumed from step 30, bit for bit: True" in out
     assert "nan" not in out.lower()
+
+
+def test_bf16_params_example_claims(jax_cache: Path) -> None:
+    """examples/bf16_params.py: stochastic rounding and Kahan end near the float32 run
+    (within an ulp), plain bfloat16 falls behind, and an inf step keeps everything."""
+    proc = _run([str(EXAMPLES / "bf16_params.py")], jax_cache, timeout=180)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    losses, ulps = summary["losses"], summary["ulps_from_float32"]
+    for kind in ("stochastic rounding", "kahan"):
+        assert ulps[kind] < 0.75, ulps  # the nearest bfloat16 values are 0.25 ulp away on average
+        assert ulps["plain bfloat16"] > 2 * ulps[kind], ulps
+        assert losses["plain bfloat16"] > 1.3 * losses[kind], losses
+        assert losses[kind] < 1.25 * losses["float32"], losses
+        assert summary["skip_kept"][kind] is True
+    assert "bit for bit: True" in proc.stdout and "nan" not in proc.stdout.lower()
 
 
 # ----------------------------------------------------------------------------------------

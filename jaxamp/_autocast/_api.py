@@ -31,7 +31,7 @@ from jaxamp._autocast._interpret import (
 from jaxamp._autocast._rules import DEFAULT_RULES, is_float
 from jaxamp._policy import Policy
 
-__all__ = ["autocast", "full_precision", "keep_float32"]
+__all__ = ["autocast", "debugging_autocast", "full_precision", "keep_float32"]
 
 
 def _default_dtype() -> np.dtype:
@@ -79,6 +79,9 @@ class _Config:
     rules: Mapping[str, str]
     modules: tuple[tuple[str, Any], ...]
     unknown_higher_order: str
+    # find_overflow: name nnx module calls even without `modules=` rules, and
+    # keep each equation's traceback and name stack in the result.
+    debug: bool = False
 
 
 def _run(
@@ -100,7 +103,13 @@ def _run(
             return f(*a, **k)
 
     closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*dyn)
-    ctx = Context(cfg.compute_dtype, cfg.rules, cfg.unknown_higher_order, cfg.modules)
+    ctx = Context(
+        cfg.compute_dtype,
+        cfg.rules,
+        cfg.unknown_higher_order,
+        cfg.modules,
+        source_info=cfg.debug,
+    )
     # f's float32 outputs count as float32 uses: the elementwise ops right
     # before them run in float32 (the output is returned in float32 anyway).
     wide_out = cfg.output_dtype is None or cfg.output_dtype.itemsize >= 4
@@ -193,7 +202,8 @@ def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
             target = f
             if self_node is not None:
                 target = merged[-1] if method is None else functools.partial(method, merged[-1])
-            names = _flax.nnx_scopes(nnx, merged) if cfg.modules else contextlib.nullcontext()
+            named = cfg.modules or cfg.debug
+            names = _flax.nnx_scopes(nnx, merged) if named else contextlib.nullcontext()
             # The leaf objects now (a Variable in the state is the live one).
             before = {
                 path: jax.tree_util.tree_leaves(var)
@@ -351,6 +361,20 @@ def autocast(
         )  # fmt: skip
     if not callable(f):
         raise TypeError(f"autocast: f must be callable, got {type(f).__name__}")
+    cfg = _build_config(dtype, policy, rules, modules, unknown_higher_order)
+    if not enabled:
+        return f
+    return _make_wrapper(f, cfg)
+
+
+def _build_config(
+    dtype: Any,
+    policy: Policy | str | None,
+    rules: Mapping[Any, str] | None,
+    modules: Mapping[str, Any] | None,
+    unknown_higher_order: str,
+    debug: bool = False,
+) -> _Config:
     compute_dtype, output_dtype = _resolve_dtype(dtype, policy)
     resolved_rules = {**DEFAULT_RULES, **_rules.resolve_rules(rules)}
     resolved_modules = _rules.resolve_modules(modules)
@@ -359,16 +383,30 @@ def autocast(
             "autocast: unknown_higher_order must be 'warn', 'as_written' or 'error', "
             f"got {unknown_higher_order!r}"
         )
-    if not enabled:
-        return f
-    cfg = _Config(
+    return _Config(
         compute_dtype,
         output_dtype,
         MappingProxyType(resolved_rules),
         resolved_modules,
         unknown_higher_order,
+        debug,
     )
-    return _make_wrapper(f, cfg)
+
+
+def debugging_autocast(
+    f: Callable[..., Any],
+    dtype: Any,
+    rules: Mapping[Any, str] | None,
+    modules: Mapping[str, Any] | None,
+) -> Callable[..., Any]:
+    """``autocast(f, dtype=dtype, rules=rules, modules=modules)`` for ``find_overflow``.
+
+    The same casts; in addition every equation it evaluates keeps the
+    traceback and name stack it had in `f` (so a jaxpr of the result points at
+    the user's source lines and module scopes), and nnx module calls are named
+    by their path in the graph even without ``modules=``.
+    """
+    return _make_wrapper(f, _build_config(dtype, None, rules, modules, "warn", debug=True))
 
 
 def full_precision(g: Callable[..., Any]) -> Callable[..., Any]:

@@ -11,6 +11,7 @@ handled by the functions registered in ``HANDLERS`` (see ``_calls`` and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -80,6 +81,10 @@ class Context:
     # False inside a custom_jvp rule, whose tangent ops must stay linear
     # (JAX transposes them): its casts are plain casts.
     saturate: bool = True
+    # Re-bind every equation under its own traceback and name stack (what
+    # ``jax.core.eval_jaxpr`` does), so the result's equations point at the
+    # user's source lines and module scopes (``find_overflow``).
+    source_info: bool = False
     # Inner jaxprs already autocast during this trace (key -> (jaxpr, result)).
     cache: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     # Casts already made: (id(value), dtype) -> (value, cast).
@@ -201,10 +206,12 @@ def _op_jit(prim: Any, items: tuple[tuple[str, Any], ...]) -> Callable[..., Any]
     return jax.jit(lambda *args: prim.bind(*args, **params), inline=True)
 
 
-def bind(eqn: Any, args: list[Any], params: Any = None) -> list[Any]:
+def bind(eqn: Any, args: list[Any], params: Any = None, cached: bool = True) -> list[Any]:
+    """Binds `eqn`'s primitive on `args`; pure ops through one cached jit each,
+    unless not `cached` (a cached trace keeps the source info of its first use)."""
     prim = eqn.primitive
     params = eqn.params if params is None else params
-    if prim.name in _JITTED_OPS and not eqn.effects:
+    if cached and prim.name in _JITTED_OPS and not eqn.effects:
         try:
             fn = _op_jit(prim, tuple(sorted(params.items())))
         except TypeError:  # an unhashable param
@@ -252,7 +259,7 @@ def eval_jaxpr(
         inmarks = [NONE if isinstance(v, Literal) else mark.get(v, NONE) for v in eqn.invars]
         # Each equation binds under the context it was traced under (an
         # auto_axes body runs under another mesh than its caller).
-        with _jax_compat.eqn_context(eqn):
+        with _jax_compat.eqn_context(eqn), _source_info(eqn, ctx):
             outs, outmarks = eval_eqn(
                 eqn,
                 invals,
@@ -269,6 +276,10 @@ def eval_jaxpr(
     outvals = [read(v) for v in jaxpr.outvars]
     outmarks = [NONE if isinstance(v, Literal) else mark.get(v, NONE) for v in jaxpr.outvars]
     return outvals, outmarks
+
+
+def _source_info(eqn: Any, ctx: Context) -> Any:
+    return _jax_compat.source_info_context(eqn) if ctx.source_info else contextlib.nullcontext()
 
 
 def _dtype_of(x: Any, v: Any) -> Any:
@@ -344,6 +355,7 @@ def eval_eqn(
         as_written, rules = scope_rules(ctx, stack)
     nout = len(eqn.outvars)
     rule = AS_WRITTEN if as_written else rules.get(name, FOLLOW)
+    cached = not ctx.source_info
 
     if rule != AS_WRITTEN and has_subjaxprs(eqn.params):
         handler = HANDLERS.get(name)
@@ -353,13 +365,14 @@ def eval_eqn(
         rule = AS_WRITTEN
 
     if rule == AS_WRITTEN:
-        return bind(eqn, to_original(invals, dtypes, eqn.invars, ctx)), [NONE] * nout
+        outs = bind(eqn, to_original(invals, dtypes, eqn.invars, ctx), cached=cached)
+        return outs, [NONE] * nout
 
     floats = [i for i, d in enumerate(dtypes) if is_float(d)]
     if not floats:  # integer / bool / key ops are never touched
-        return bind(eqn, invals), [NONE] * nout
+        return bind(eqn, invals, cached=cached), [NONE] * nout
     if name == "convert_element_type":
-        return _eval_convert(eqn, invals, inmarks, dtypes, ctx, demanded)
+        return _eval_convert(eqn, invals, inmarks, dtypes, ctx, demanded, cached)
     if name == "reduce_precision" and KEEP_FLOAT32_SCOPE in stack:
         x = invals[0]  # the keep_float32 marker: an identity in float32
         return [x if dtypes[0] == FLOAT32_DTYPE else ctx.cast(x, FLOAT32_DTYPE)], [PIN]
@@ -394,9 +407,9 @@ def eval_eqn(
         elif np.dtype(pref).itemsize >= 4:
             out_mark = F32
     if remat:
-        outs = _from_low_precision(eqn, invals[floats[0]], target, params)
+        outs = _from_low_precision(eqn, invals[floats[0]], target, params, cached)
     else:
-        outs = bind(eqn, args, params)
+        outs = bind(eqn, args, params, cached)
     if hand_on is not None:
         outs = [ctx.cast(o, hand_on) if is_float(o.dtype) else o for o in outs]
     return outs, [out_mark] * nout
@@ -414,7 +427,9 @@ def _stores_upcast(rule: str, eqn: Any, floats: list[int], dtypes: Any, target: 
     )
 
 
-def _from_low_precision(eqn: Any, x: Any, target: Any, params: Any) -> list[Any]:
+def _from_low_precision(
+    eqn: Any, x: Any, target: Any, params: Any, cached: bool = True
+) -> list[Any]:
     """The op on ``x`` cast up, rematerialised from ``x`` in the backward pass.
 
     The result is the same float32 value; the residual is ``x`` in its lower
@@ -423,14 +438,15 @@ def _from_low_precision(eqn: Any, x: Any, target: Any, params: Any) -> list[Any]
     the float32 input of ``pow``; a fused GELU kernel keeps none.
     """
 
+    def op(low: Any) -> list[Any]:
+        return bind(eqn, [lax.convert_element_type(low, target)], params, cached)
+
+    if not cached:
+        return jax.checkpoint(op)(x)
     try:
         key = (eqn.primitive, tuple(sorted(params.items())), np.dtype(target))
         hash(key)
     except TypeError:  # unhashable params: traced afresh
-
-        def op(low: Any) -> list[Any]:
-            return bind(eqn, [lax.convert_element_type(low, target)], params)
-
         return jax.checkpoint(op)(x)
     with _jax_compat.eqn_context(eqn):
         return _upcast_op(*key)(x)
@@ -472,12 +488,18 @@ def _unknown_higher_order(name: str, ctx: Context) -> None:
 
 
 def _eval_convert(
-    eqn: Any, invals: list[Any], inmarks: list[int], dtypes: list[Any], ctx: Context, demanded: bool
+    eqn: Any,
+    invals: list[Any],
+    inmarks: list[int],
+    dtypes: list[Any],
+    ctx: Context,
+    demanded: bool,
+    cached: bool = True,
 ) -> Outs:
     new = eqn.params["new_dtype"]
     x = invals[0]
     if not is_float(new):  # float -> int / bool: from the value `f` had
-        return bind(eqn, to_original([x], dtypes, eqn.invars, ctx)), [NONE]
+        return bind(eqn, to_original([x], dtypes, eqn.invars, ctx), cached=cached), [NONE]
     new = np.dtype(new)
     # An explicit cast to float32 or wider (`x.astype(jnp.float32)` of a
     # lower-precision value) marks the value float32 for the ops after it. A

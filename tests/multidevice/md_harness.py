@@ -116,8 +116,18 @@ def resume_fault(i: int) -> dict[str, np.ndarray]:
 
 
 def fsdp_shardings(mesh: jax.sharding.Mesh, tree: Any) -> Any:
-    """FSDP layout: every array's first dimension split over "data"; scalars replicated."""
-    spec = lambda a: PartitionSpec("data") if np.ndim(a) else PartitionSpec()  # noqa: E731
+    """FSDP layout: every array's first dimension split over "data"; scalars replicated.
+
+    So are arrays whose first dimension does not divide over the mesh: jaxamp's own
+    bookkeeping vectors (one entry per gradient leaf, a spike history), as a user's
+    rule "shard what divides, replicate the rest" would place them.
+    """
+    size = mesh.shape["data"]
+
+    def spec(a: Any) -> PartitionSpec:
+        shape = np.shape(a)
+        return PartitionSpec("data") if shape and shape[0] % size == 0 else PartitionSpec()
+
     return jax.tree.map(lambda a: NamedSharding(mesh, spec(a)), tree)
 
 

@@ -214,10 +214,13 @@ def sharded(ctx: Ctx, value, spec) -> Any:
     return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
 
-def fsdp_spec(shape) -> Any:
+def fsdp_spec(shape, path=()) -> Any:
+    """First dimensions split over "data"; scalars and jaxamp's per-leaf record of
+    non-finite gradients (``nonfinite_leaves``: one entry per leaf) replicated."""
     from jax.sharding import PartitionSpec
 
-    return PartitionSpec("data") if len(shape) else PartitionSpec()
+    record = any(getattr(k, "name", None) == "nonfinite_leaves" for k in path)
+    return PartitionSpec("data") if len(shape) and not record else PartitionSpec()
 
 
 def local_rows(ctx: Ctx, n_rows: int) -> tuple[int, int]:
@@ -316,11 +319,11 @@ def _jit_run(ctx: Ctx, name: str, fsdp: bool, tx=None, faults=None, steps=STEPS)
     by_step = {f.step: f for f in faults}
     xs, ys = batches(steps)
     p0 = init_params()
-    spec = fsdp_spec if fsdp else (lambda shape: PartitionSpec())
+    spec = fsdp_spec if fsdp else (lambda shape, path=(): PartitionSpec())
     params = {k: sharded(ctx, v, spec(v.shape)) for k, v in p0.items()}
     abstract = jax.eval_shape(tx.init, p0)
-    out_shardings = jax.tree.map(
-        lambda s: jax.sharding.NamedSharding(ctx.mesh, spec(s.shape)), abstract
+    out_shardings = jax.tree_util.tree_map_with_path(
+        lambda path, s: jax.sharding.NamedSharding(ctx.mesh, spec(s.shape, path)), abstract
     )
     opt_state = jax.jit(tx.init, out_shardings=out_shardings)(params)
     step = jax.jit(functools.partial(jit_step, tx))
@@ -574,9 +577,9 @@ def _ck_target(ctx: Ctx, tx) -> Any:
 
     p0 = init_params()
     abstract = jax.eval_shape(lambda: {"params": p0, "opt_state": tx.init(p0)})
-    return jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(
-            s.shape, s.dtype, sharding=NamedSharding(ctx.mesh, fsdp_spec(s.shape))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: jax.ShapeDtypeStruct(
+            s.shape, s.dtype, sharding=NamedSharding(ctx.mesh, fsdp_spec(s.shape, path))
         ),
         abstract,
     )

@@ -1,0 +1,308 @@
+"""bfloat16 / float16 params without a float32 master copy: stochastic rounding and Kahan.
+
+Both are optax transformations placed *last* in a chain. Each computes, in
+float32, the low-precision value it wants a param to take (``new``) and returns
+the update ``new - p`` in float32. ``optax.apply_updates`` then computes
+``(p + (new - p)).astype(p.dtype)``: the difference of two bfloat16 values is
+exact in float32 unless one is more than 2**15 times the other (float16: 2**12),
+so the sum is ``new`` exactly and the cast changes nothing. Because the choice is
+carried by ordinary updates, ``optax.apply_updates``, :func:`jaxamp.step` (which
+fuses the add into its ``lax.cond``) and a skipped step (zero updates, or the
+params passed through, with the whole inner state kept) need no special case.
+
+The one exception to exactness is an update that shrinks a weight's magnitude by
+more than that factor in one step: the result is then within float32 rounding of
+the value chosen (an error of at most ``2**-24 * |p|``), never farther.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = [
+    "KahanSummationState",
+    "StochasticRoundingState",
+    "kahan_summation",
+    "stochastic_round",
+    "stochastic_rounding",
+]
+
+_LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def _is_low(x: Any) -> bool:
+    """A bfloat16 or float16 array: the leaves these transformations round."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and np.dtype(dtype) in _LOW
+
+
+def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+    """Rounds float32 ``x`` to ``dtype`` (bfloat16 or float16) stochastically, unbiased.
+
+    Each element goes to one of its two neighbours in ``dtype``, ``down <= x <
+    up``, and to ``up`` with probability ``(x - down) / (up - down)``; so the
+    expected result is ``x`` exactly (that probability is a multiple of 2**-16 for
+    bfloat16, 2**-13 for float16, and the uniform draw has 2**-23 resolution, so
+    it is not rounded). A value of ``dtype`` comes back unchanged; inf and NaN pass
+    through; a finite value beyond ``dtype``'s range saturates to its largest
+    finite value (never rounds up to inf). The draws are ``jax.random.uniform(key,
+    x.shape)``: a deterministic function of ``key`` and the shape only, so the same
+    under any sharding (``jax_threefry_partitionable``, the default).
+
+    Args:
+      x: a float32 array.
+      dtype: ``jnp.bfloat16`` or ``jnp.float16``.
+      key: a PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``).
+
+    Returns:
+      An array of ``dtype`` and ``x``'s shape.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxamp
+      >>> x = jnp.full(10_000, 1.0 + 2.0**-10)  # a quarter of the way to the next bfloat16
+      >>> r = jaxamp.stochastic_round(x, jnp.bfloat16, jax.random.key(0))
+      >>> sorted(set(r.tolist())), round(float(r.astype(jnp.float32).mean()) - 1.0, 4)
+      ([1.0, 1.0078125], 0.001)
+    """
+    x = jnp.asarray(x)
+    if x.dtype != jnp.float32:
+        raise TypeError(f"stochastic_round: `x` must be float32, got {x.dtype}.")
+    if np.dtype(dtype) not in _LOW:
+        raise TypeError(f"stochastic_round: `dtype` must be bfloat16 or float16, got {dtype}.")
+    # Work on magnitudes, so that "up" is away from zero for either sign, and clip
+    # to the finite range first, so that rounding to nearest cannot give inf.
+    big = jnp.finfo(dtype).max.astype(jnp.float32)
+    a = jnp.minimum(jnp.abs(x), big)
+    nearest = a.astype(dtype)
+    above = nearest.astype(jnp.float32) > a
+    other = jnp.nextafter(nearest, jnp.where(above, 0.0, jnp.inf).astype(dtype))
+    down = jnp.where(above, other, nearest)
+    up = jnp.where(above, nearest, other)
+    down32 = down.astype(jnp.float32)
+    # Both differences are exact in float32 and the gap is a power of two, so the
+    # probability is exact; above the largest finite value the gap is inf (p = 0).
+    p_up = (a - down32) / (up.astype(jnp.float32) - down32)
+    draw = jax.random.uniform(key, x.shape, jnp.float32)
+    rounded = jnp.copysign(jnp.where(draw < p_up, up, down), x.astype(dtype))
+    return jnp.where(jnp.isfinite(x), rounded, x.astype(dtype))  # inf and NaN as they are
+
+
+def _leaves(updates: Any, params: Any, fn: str) -> tuple[Any, list[Any], list[Any]]:
+    if params is None:
+        raise ValueError(
+            f"{fn}: `params` is required: the update is computed from the params' "
+            "low-precision values. Call tx.update(updates, opt_state, params)."
+        )
+    treedef = jax.tree.structure(updates)
+    try:
+        p_leaves = treedef.flatten_up_to(params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{fn}: `params` must have the updates' tree structure: {e}") from None
+    u_leaves = treedef.flatten_up_to(updates)
+    for u, p in zip(u_leaves, p_leaves, strict=True):
+        if _is_low(p) and jnp.shape(u) != jnp.shape(p):
+            raise ValueError(
+                f"{fn}: an update of shape {jnp.shape(u)} for a param of shape {jnp.shape(p)}."
+            )
+    return treedef, u_leaves, p_leaves
+
+
+def _exact_update(new: jax.Array, p: jax.Array) -> jax.Array:
+    """The float32 update that ``optax.apply_updates`` turns into ``new`` exactly."""
+    return new.astype(jnp.float32) - p.astype(jnp.float32)
+
+
+class StochasticRoundingState(NamedTuple):
+    """State of :func:`stochastic_rounding`.
+
+    Attributes:
+      key: the raw data (uint32) of the PRNG key the next step draws from; each
+        step splits it, so the run is a deterministic function of the initial key.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxamp
+      >>> tx = jaxamp.stochastic_rounding(jax.random.key(0))
+      >>> tx.init({"w": jnp.ones(2, jnp.bfloat16)}).key.dtype
+      dtype('uint32')
+    """
+
+    key: jax.Array
+
+
+def _key_parts(key: Any, fn: str) -> tuple[jax.Array, Any]:
+    """``key``'s raw data and its implementation; a clear error for anything else."""
+    try:
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            if jnp.shape(key) != ():
+                raise ValueError(f"{fn}: `key` must be a single key, got shape {key.shape}.")
+            return jax.random.key_data(key), jax.random.key_impl(key)
+        arr = jnp.asarray(key)
+    except (AttributeError, TypeError):
+        raise TypeError(
+            f"{fn}: `key` must be a PRNG key (jax.random.key(seed) or "
+            f"jax.random.PRNGKey(seed)), got {type(key).__name__}."
+        ) from None
+    if arr.dtype != jnp.uint32 or arr.ndim != 1:
+        raise TypeError(
+            f"{fn}: `key` must be a PRNG key (jax.random.key(seed) or "
+            f"jax.random.PRNGKey(seed)), got an array of {arr.dtype} and shape {arr.shape}."
+        )
+    return arr, None
+
+
+def stochastic_rounding(key: jax.Array) -> optax.GradientTransformation:
+    """Applies updates to bfloat16 / float16 params with stochastic rounding.
+
+    Place it last in the chain. For each bfloat16 or float16 param it computes
+    ``p + u`` in float32 and rounds it to the param's dtype with
+    :func:`stochastic_round`, so that an update smaller than half an ulp of the
+    weight moves it with the right probability instead of vanishing: unbiased,
+    with no extra buffer. The returned updates are float32 and make
+    ``optax.apply_updates`` (and :func:`jaxamp.step`) produce the rounded values
+    exactly. Params of other dtypes (float32 norms, integer counters) get their
+    updates unchanged.
+
+    Randomness: the state holds the key; every step splits it, and leaf ``i`` of
+    the params (in ``jax.tree.leaves`` order) draws from ``fold_in(step_key, i)``
+    for its whole global shape. Under ``pmap`` / ``shard_map`` with replicated
+    params every device holds the same key and so draws the same bits: replicas
+    stay identical with no communication (do not fold in the device index).
+    Under ``jit`` with params sharded over a mesh the bits depend only on the key
+    and the global shape, so the result is the same for any sharding. A skipped
+    step (:func:`jaxamp.skip_nonfinite`) keeps the key, so it repeats nothing.
+
+    Args:
+      key: a PRNG key (``jax.random.key(seed)`` or ``jax.random.PRNGKey(seed)``).
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a
+      :class:`StochasticRoundingState`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxamp
+      >>> tx = optax.chain(optax.sgd(1e-4), jaxamp.stochastic_rounding(jax.random.key(0)))
+      >>> params = {"w": jnp.ones(10_000, jnp.bfloat16)}
+      >>> state = tx.init(params)
+      >>> grads = {"w": -jnp.ones(10_000, jnp.bfloat16)}
+      >>> updates, state = tx.update(grads, state, params)
+      >>> new = optax.apply_updates(params, updates)["w"]
+      >>> new.dtype, float(new.astype(jnp.float32).mean()) > 1.00005  # plain bf16: 1.0
+      (dtype(bfloat16), True)
+    """
+    fn = "jaxamp.stochastic_rounding"
+    data, impl = _key_parts(key, fn)
+
+    def as_key(raw: jax.Array) -> jax.Array:
+        return raw if impl is None else jax.random.wrap_key_data(raw, impl=impl)
+
+    def as_data(k: jax.Array) -> jax.Array:
+        return k if impl is None else jax.random.key_data(k)
+
+    def init_fn(params: optax.Params) -> StochasticRoundingState:
+        del params
+        return StochasticRoundingState(jnp.array(data, copy=True))
+
+    def update_fn(
+        updates: optax.Updates, state: StochasticRoundingState, params: optax.Params = None
+    ) -> tuple[optax.Updates, StochasticRoundingState]:
+        treedef, u_leaves, p_leaves = _leaves(updates, params, fn)
+        next_key, step_key = jax.random.split(as_key(state.key))
+        out = []
+        for i, (u, p) in enumerate(zip(u_leaves, p_leaves, strict=True)):
+            if not _is_low(p):
+                out.append(u)
+                continue
+            x = p.astype(jnp.float32) + u.astype(jnp.float32)
+            new = stochastic_round(x, p.dtype, jax.random.fold_in(step_key, i))
+            out.append(_exact_update(new, p))
+        return treedef.unflatten(out), StochasticRoundingState(as_data(next_key))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class KahanSummationState(NamedTuple):
+    """State of :func:`kahan_summation`.
+
+    Attributes:
+      compensation: per bfloat16 / float16 param, an array of its shape and dtype
+        holding what rounding the param has lost so far (``None`` for other params).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> state = jaxamp.kahan_summation().init({"w": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2)})
+      >>> state.compensation["w"].dtype, state.compensation["b"]
+      (dtype(bfloat16), None)
+    """
+
+    compensation: Any
+
+
+def kahan_summation() -> optax.GradientTransformation:
+    """Applies updates to bfloat16 / float16 params with Kahan-compensated summation.
+
+    Place it last in the chain. The state holds a compensation buffer of each
+    low-precision param's shape and dtype (2 bytes per bfloat16 param). Each step
+    adds the update and the compensation to the param in float32, rounds to the
+    nearest low-precision value, and keeps what that rounding lost in the buffer
+    for the next step: small updates accumulate until they move the weight,
+    deterministically. The returned updates are float32 and make
+    ``optax.apply_updates`` (and :func:`jaxamp.step`) produce those values
+    exactly. Params of other dtypes get their updates unchanged.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a :class:`KahanSummationState`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = optax.chain(optax.sgd(1e-3), jaxamp.kahan_summation())
+      >>> params = {"w": jnp.ones(1, jnp.bfloat16)}
+      >>> state = tx.init(params)
+      >>> for _ in range(10):  # each update alone is far below bfloat16's half ulp at 1.0
+      ...     updates, state = tx.update({"w": -jnp.ones(1, jnp.bfloat16)}, state, params)
+      ...     params = optax.apply_updates(params, updates)
+      >>> float(params["w"][0])  # 1.01 rounded to bfloat16; plain bfloat16 stays at 1.0
+      1.0078125
+    """
+    fn = "jaxamp.kahan_summation"
+
+    def init_fn(params: optax.Params) -> KahanSummationState:
+        comp = jax.tree.map(lambda p: jnp.zeros_like(p) if _is_low(p) else None, params)
+        return KahanSummationState(comp)
+
+    def update_fn(
+        updates: optax.Updates, state: KahanSummationState, params: optax.Params = None
+    ) -> tuple[optax.Updates, KahanSummationState]:
+        treedef, u_leaves, p_leaves = _leaves(updates, params, fn)
+        try:
+            c_leaves = treedef.flatten_up_to(state.compensation)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"{fn}: the state does not match the params' tree (pass the state that "
+                f"tx.init(params) returned): {e}"
+            ) from None
+        out, comps = [], []
+        for u, p, c in zip(u_leaves, p_leaves, c_leaves, strict=True):
+            if not _is_low(p):
+                out.append(u)
+                comps.append(None)
+                continue
+            if c is None or c.dtype != p.dtype or c.shape != p.shape:
+                raise ValueError(
+                    f"{fn}: a {p.dtype}{list(p.shape)} param has no matching compensation "
+                    "buffer: the params changed dtype or shape since tx.init(params)."
+                )
+            y = u.astype(jnp.float32) + c.astype(jnp.float32)
+            new = (p.astype(jnp.float32) + y).astype(p.dtype)  # round to nearest
+            d = _exact_update(new, p)
+            out.append(d)
+            # What this step's rounding lost (y - d is exact in float32 up to y's
+            # own rounding), carried into the next step in the param's dtype.
+            comps.append((y - d).astype(p.dtype))
+        return treedef.unflatten(out), KahanSummationState(treedef.unflatten(comps))
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,430 @@
+"""jaxamp.find_overflow: the first op whose float16 result overflowed, where and why.
+
+Each test plants one overflow and checks what the report says about it: the
+primitive, forward or backward, the exact source line (found with a ``# HERE``
+marker in the function's source), the module path, the loop iteration, the
+magnitude, and that the advice, followed, makes the overflow go away.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxamp
+
+from .conformance import harness
+
+F16_MAX = 65504.0
+
+
+def marker_line(fn, marker: str = "# HERE") -> int:
+    """The line number of the (only) line of `fn`'s source holding `marker`."""
+    lines, start = inspect.getsourcelines(fn)
+    hits = [start + i for i, text in enumerate(lines) if marker in text]
+    assert len(hits) == 1, hits
+    return hits[0]
+
+
+def assert_here(report: jaxamp.OverflowReport, fn, marker: str = "# HERE") -> None:
+    assert report.file == __file__
+    assert report.line == marker_line(fn, marker)
+    assert report.function == fn.__qualname__
+
+
+# ---------------------------------------------------------------- plain functions
+
+
+def matmul_loss(w, x):
+    h = x @ w  # HERE
+    return jnp.mean(h)
+
+
+W_BIG, X_BIG = jnp.full((4, 4), 300.0), jnp.full((2, 4), 100.0)  # x @ w = 120000 > 65504
+
+
+def test_plain_matmul_forward_overflow():
+    report = jaxamp.find_overflow(matmul_loss, W_BIG, X_BIG, loss_scale=1.0)
+    assert report.found and report.low_precision
+    assert report.primitive == "dot_general"
+    assert report.pass_ == "forward"
+    assert report.dtype == "float16" and report.nonfinite == "inf"
+    assert_here(report, matmul_loss)
+    assert report.magnitude_source == "float32"
+    assert report.magnitude == pytest.approx(120000.0)
+    assert report.dtype_max == F16_MAX
+    assert report.ratio == pytest.approx(120000.0 / F16_MAX)
+    assert report.scan_iterations == () and report.scan_iteration is None
+    assert report.module_path is None
+    assert 'rules={"dot_general": "float32"}' in report.advice
+    text = str(report)
+    assert "dot_general" in text and "forward" in text and f":{report.line}" in text
+    # The advice works: matmuls in float32, or bfloat16's range.
+    assert not jaxamp.find_overflow(
+        matmul_loss, W_BIG, X_BIG, loss_scale=1.0, rules={"dot_general": "float32"}
+    ).found
+    assert not jaxamp.find_overflow(
+        matmul_loss, W_BIG, X_BIG, loss_scale=1.0, dtype=jnp.bfloat16
+    ).found
+
+
+def test_nothing_overflows():
+    report = jaxamp.find_overflow(matmul_loss, W_BIG / 100, X_BIG / 100, loss_scale=2.0**10)
+    assert report.found is False
+    assert report.primitive is None and report.advice == ""
+    assert "nothing overflowed" in str(report)
+
+
+def jit_loss(w, x):
+    @jax.jit
+    def inner(a):
+        return a @ w  # HERE
+
+    return jnp.mean(inner(x))
+
+
+def test_inside_jit_reports_the_inner_op():
+    report = jaxamp.find_overflow(jit_loss, W_BIG, X_BIG, loss_scale=1.0)
+    assert report.primitive == "dot_general" and report.pass_ == "forward"
+    assert report.file == __file__ and report.line == marker_line(jit_loss)
+    assert report.function == "jit_loss.<locals>.inner"
+
+
+def checkpoint_loss(w, x):
+    h = jax.checkpoint(lambda a: jnp.sin(a) @ w)(x)  # HERE
+    return jnp.mean(h)
+
+
+def test_inside_checkpoint():
+    x = jnp.full((2, 4), math.pi / 2)  # sin = 1: 4 * 30000 > 65504
+    report = jaxamp.find_overflow(checkpoint_loss, jnp.full((4, 4), 30000.0), x, loss_scale=1.0)
+    assert report.primitive == "dot_general" and report.pass_ == "forward"
+    assert report.file == __file__ and report.line == marker_line(checkpoint_loss)
+
+
+def scan_loss(w, xs):
+    def body(carry, x):
+        h = x @ w  # HERE
+        return carry + jnp.sum(h), None
+
+    total, _ = jax.lax.scan(body, 0.0, xs)
+    return total
+
+
+def test_inside_scan_reports_the_iteration():
+    # Iteration i computes 4 * 1000 * 10**i: 4000, 40000, 400000 (> 65504), ...
+    xs = jnp.stack([jnp.full((2, 4), 10.0**i) for i in range(4)])
+    w = jnp.full((4, 4), 1000.0)
+    report = jaxamp.find_overflow(scan_loss, w, xs, loss_scale=1.0)
+    assert report.primitive == "dot_general" and report.pass_ == "forward"
+    assert report.scan_iterations == (2,) and report.scan_iteration == 2
+    assert report.file == __file__ and report.line == marker_line(scan_loss)
+    assert "iteration 2" in str(report)
+    # Iteration 2 made harmless: the first overflow is iteration 3.
+    again = jaxamp.find_overflow(scan_loss, w, xs.at[2].set(1.0), loss_scale=1.0)
+    assert again.scan_iterations == (3,)
+
+
+def while_loss(w, x, m, n):
+    def body(i, h):
+        return h @ m  # HERE
+
+    # The loop runs on arguments that are not differentiated (reverse mode
+    # cannot go through a while loop of unknown length).
+    return jnp.mean(jax.lax.fori_loop(0, n, body, x)) * jnp.sum(w)
+
+
+def test_inside_while_loop():
+    # h grows 8x per iteration from 1: 8, 64, ..., 8**5 = 32768, 8**6 overflows.
+    args = (jnp.ones((2, 2)), jnp.ones((2, 4)), jnp.full((4, 4), 2.0), jnp.asarray(10))
+    report = jaxamp.find_overflow(while_loss, *args, loss_scale=1.0)
+    assert report.primitive == "dot_general" and report.pass_ == "forward"
+    assert report.scan_iterations == (5,)
+    assert report.line == marker_line(while_loss)
+
+
+@jax.custom_vjp
+def amplify(x):
+    return x
+
+
+def _amplify_fwd(x):
+    return x, None
+
+
+def _amplify_bwd(_, g):
+    g16 = g.astype(jnp.float16)
+    return (g16 * 300.0 * 300.0,)  # 90000: inf in float16
+
+
+amplify.defvjp(_amplify_fwd, _amplify_bwd)
+
+
+def custom_vjp_loss(w, x):
+    h = amplify(x @ w)  # HERE
+    return jnp.sum(h)
+
+
+def test_custom_vjp_bwd_overflow_is_backward():
+    report = jaxamp.find_overflow(custom_vjp_loss, jnp.ones((4, 4)), jnp.ones((2, 4)), loss_scale=1)
+    assert report.found and report.low_precision
+    assert report.pass_ == "backward"
+    assert report.primitive == "mul" and report.dtype == "float16"
+    # JAX records the custom rule's ops at the call of the custom_vjp function.
+    assert report.file == __file__ and report.line == marker_line(custom_vjp_loss)
+    # Not the loss scale (it is 1): the advice is about precision, not the scale.
+    assert report.suggested_loss_scale is None
+    assert "float32" in report.advice
+
+
+def test_loss_scale_too_large():
+    # Finite forward; with loss scale 2**24 the gradient of the mean (2**24 / 8)
+    # and then of the matmul overflow float16.
+    w, x = jnp.ones((4, 4)), jnp.full((2, 4), 10.0)
+    assert not jaxamp.find_overflow(matmul_loss, w, x, loss_scale=1.0).found
+    report = jaxamp.find_overflow(matmul_loss, w, x, loss_scale=2.0**24)
+    assert report.found and report.pass_ == "backward" and report.dtype == "float16"
+    assert report.magnitude > F16_MAX
+    suggested = report.suggested_loss_scale
+    assert suggested is not None and 1 <= suggested < 2.0**24
+    assert f"init_scale={suggested:g}" in report.advice
+    assert "loss scale is too large" in report.advice
+    assert not jaxamp.find_overflow(matmul_loss, w, x, loss_scale=suggested).found
+    # ... and it is not needlessly small: 4x larger overflows again.
+    assert jaxamp.find_overflow(matmul_loss, w, x, loss_scale=4 * suggested).found
+
+
+def test_float32_overflow_is_reported_when_no_float16_op_overflows():
+    def loss(w, x):
+        e = jnp.exp(x @ w)  # HERE
+        return jnp.sum(e / jnp.sum(e))
+
+    report = jaxamp.find_overflow(
+        loss, jnp.full((4, 4), 0.5), jnp.full((2, 4), 100.0), loss_scale=1
+    )
+    # autocast runs exp in float32 (and 200 fits float16): exp(200) overflows float32.
+    assert report.found and not report.low_precision
+    assert report.primitive == "exp" and report.dtype == "float32" and report.pass_ == "forward"
+    assert report.line == marker_line(loss)
+    assert "No float16 op overflowed" in report.advice
+
+
+# ---------------------------------------------------------------- Flax
+
+
+class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(x)  # HERE
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Mlp()(nn.Dense(4)(x))
+
+
+def test_linen_module_path():
+    model = Block()
+    x = jnp.ones((2, 4))
+    params = model.init(jax.random.key(0), x)
+    # Inner Dense's output ~1e5 (100 * 4000 * O(1)); every gradient stays below 1e4.
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, p: p * (4000.0 if "Mlp_0" in jax.tree_util.keystr(path) else 100.0), params
+    )
+
+    def loss(p, x):
+        return jnp.mean(model.apply(p, x))
+
+    report = jaxamp.find_overflow(loss, params, x, loss_scale=1.0)
+    assert report.primitive == "dot_general" and report.pass_ == "forward"
+    assert report.module_path == "Block/Mlp_0/Dense_0"
+    assert report.file == __file__ and report.line == marker_line(Mlp.__call__)
+    assert 'modules={"Block/Mlp_0/Dense_0": "float32"}' in report.advice
+    # The advice works: that module in float32 overflows nothing.
+    fixed = jaxamp.find_overflow(
+        loss, params, x, loss_scale=1.0, modules={"Block/Mlp_0/Dense_0": "float32"}
+    )
+    assert not fixed.found
+
+
+class NnxMlp(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.up(x)  # HERE
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.mlp = NnxMlp(rngs)
+
+    def __call__(self, x):
+        return self.mlp(x)
+
+
+class NnxLM(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([NnxBlock(rngs), NnxBlock(rngs)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_nnx_module_path():
+    model = NnxLM(nnx.Rngs(0))
+    kernel = model.blocks[1].mlp.up.kernel
+    kernel[...] = kernel[...] * 1e6
+
+    def loss(model, x):
+        return jnp.mean(model(x))
+
+    report = jaxamp.find_overflow(loss, model, jnp.full((2, 4), 3.0))
+    assert report.primitive == "dot_general" and report.pass_ == "forward"
+    assert report.module_path == "blocks/1/mlp/up"
+    assert report.module_class == "Linear"
+    assert report.line == marker_line(NnxMlp.__call__)
+    assert 'modules={"blocks/1/mlp/up": "float32"}' in report.advice
+
+
+# ---------------------------------------------------------------- third-party models
+
+
+def lm_loss(built):
+    def loss(params, batch):
+        logits, _ = built.apply(params, built.state, batch)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        return jnp.sum(losses * batch["weights"]) / jnp.sum(batch["weights"])
+
+    return loss
+
+
+def _scaled(params, path: tuple[str, ...], factor: float):
+    def visit(tree, rest):
+        if not rest:
+            return tree * factor
+        return {**tree, rest[0]: visit(tree[rest[0]], rest[1:])}
+
+    return visit(params, path)
+
+
+def test_hf_gpt2_activation_overflow():
+    built = harness.build("hf-gpt2")
+    loss = lm_loss(built)
+    params = _scaled(built.params, ("transformer", "h", "1", "mlp", "c_fc", "kernel"), 1e7)
+    # loss_scale=1: the planted factor also makes that layer's gradient large.
+    report = jaxamp.find_overflow(loss, params, built.batch, loss_scale=1.0)
+    assert report.found and report.low_precision
+    assert report.pass_ == "forward" and report.primitive == "dot_general"
+    assert report.module_path.endswith("transformer/h/1/mlp/c_fc"), report.module_path
+    assert os.path.basename(report.file) == "modeling_flax_gpt2.py"
+    assert os.sep + "transformers" + os.sep in report.file
+    assert report.function == "FlaxConv1D.__call__"
+    assert report.line == _package_line("gpt2", "FlaxConv1D", "lax.dot_general(")
+    assert report.magnitude > F16_MAX
+    # The advice works: that layer in float32, and nothing else overflows.
+    assert f'modules={{"{report.module_path}": "float32"}}' in report.advice
+    modules = {report.module_path: "float32"}
+    fixed = jaxamp.find_overflow(loss, params, built.batch, loss_scale=1.0, modules=modules)
+    assert not fixed.found
+
+
+def _package_line(model: str, cls: str, text: str) -> int:
+    """The line of `text` in transformers' Flax `model` module, class `cls`'s __call__."""
+    module = importlib.import_module(f"transformers.models.{model}.modeling_flax_{model}")
+    source, start = inspect.getsourcelines(getattr(module, cls).__call__)
+    return start + next(i for i, line in enumerate(source) if text in line)
+
+
+def test_hf_bert_activation_overflow():
+    built = harness.build("hf-bert-mlm")
+    path = ("bert", "encoder", "layer", "1", "intermediate", "dense", "kernel")
+    params = _scaled(built.params, path, 1e7)
+    report = jaxamp.find_overflow(lm_loss(built), params, built.batch, loss_scale=1.0)
+    assert report.found and report.low_precision
+    assert report.pass_ == "forward" and report.primitive == "dot_general"
+    # The Dense matmul runs in flax; the model's own frame is the call of that Dense.
+    assert report.module_path.endswith("encoder/layer/1/intermediate/dense"), report.module_path
+    assert os.path.basename(report.file) == "modeling_flax_bert.py"
+    assert report.function == "FlaxBertIntermediate.__call__"
+    assert report.line == _package_line("bert", "FlaxBertIntermediate", "self.dense(")
+
+
+def test_hf_bert_loss_scale_too_large():
+    built = harness.build("hf-bert-mlm")
+    loss = lm_loss(built)
+    report = jaxamp.find_overflow(loss, built.params, built.batch, loss_scale=2.0**40)
+    assert report.found and report.low_precision and report.pass_ == "backward"
+    suggested = report.suggested_loss_scale
+    assert suggested is not None and suggested < 2.0**40
+    assert f"dynamic_scale(init_scale={suggested:g})" in report.advice
+    assert not jaxamp.find_overflow(loss, built.params, built.batch, loss_scale=suggested).found
+
+
+def test_hf_vit_softmax_without_max_subtraction():
+    built = harness.build("hf-vit")
+
+    def naive_softmax_loss(params, batch):
+        logits, _ = built.apply(params, built.state, batch)
+        e = jnp.exp(logits * 1e5)  # HERE
+        probs = e / jnp.sum(e, axis=-1, keepdims=True)
+        picked = jnp.take_along_axis(probs, batch["labels"][:, None], axis=-1)
+        return -jnp.mean(jnp.log(picked))
+
+    # loss_scale=1: at 2**15 the 1e5 factor alone would overflow the float16 gradient.
+    report = jaxamp.find_overflow(naive_softmax_loss, built.params, built.batch, loss_scale=1.0)
+    # autocast keeps exp in float32, so no float16 op overflows: exp does, in float32.
+    assert report.found and not report.low_precision
+    assert report.primitive == "exp" and report.dtype == "float32"
+    assert report.pass_ == "forward"
+    assert report.file == __file__ and report.line == marker_line(naive_softmax_loss)
+
+
+def test_flax_linen_transformer_healthy():
+    built = harness.build("flax-linen-transformer")
+    report = jaxamp.find_overflow(lm_loss(built), built.params, built.batch)
+    assert report.found is False
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_input():
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        jaxamp.find_overflow("loss", w, x)
+    with pytest.raises(ValueError, match="dtype must be jnp.float16 or jnp.bfloat16, got float32"):
+        jaxamp.find_overflow(matmul_loss, w, x, dtype=jnp.float32)
+    with pytest.raises(TypeError, match=r"scalar floating loss, got float32\[2, 4\]"):
+        jaxamp.find_overflow(lambda w, x: x @ w, w, x)
+    with pytest.raises(ValueError, match="argnums=2 is out of range for 2 positional"):
+        jaxamp.find_overflow(matmul_loss, w, x, argnums=2)
+    with pytest.raises(TypeError, match="argnums must be an int"):
+        jaxamp.find_overflow(matmul_loss, w, x, argnums="w")
+    with pytest.raises(ValueError, match="loss_scale must be positive"):
+        jaxamp.find_overflow(matmul_loss, w, x, loss_scale=-1.0)
+    with pytest.raises(ValueError, match="unknown primitive"):
+        jaxamp.find_overflow(matmul_loss, w, x, rules={"dot_genral": "float32"})
+    with pytest.raises(TypeError, match="outside jax.jit"):
+        jax.jit(lambda w: jaxamp.find_overflow(matmul_loss, w, x))(w)
+
+
+def test_report_is_frozen_and_exported():
+    report = jaxamp.find_overflow(matmul_loss, W_BIG, X_BIG, loss_scale=1.0)
+    with pytest.raises(AttributeError):
+        report.found = False
+    assert "find_overflow" in jaxamp.__all__ and "OverflowReport" in jaxamp.__all__
+    assert np.isfinite(report.magnitude)
