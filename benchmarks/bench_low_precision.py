@@ -14,8 +14,8 @@ arrays, ``nbytes``, divided by the parameter count); the step time as a ratio to
 ``fp32-master`` (one process, every step compiled first, interleaved rounds with
 the order rotating); the final loss of a run with a cosine learning-rate schedule
 that decays to zero, so that late updates are small, on (a) the demo LM of
-``examples/train_lm.py`` (held-out loss) and (b) the flax linen transformer of
-``tests/conformance/models.py`` (as a byte LM: held-out loss).
+``examples/train_lm.py`` and (b) ``transformers``' Flax GPT-2 (random init from a
+small config), both as byte LMs on the standard library's source, held-out loss.
 
 Run: ``python benchmarks/bench_low_precision.py [--quick]`` (``make bench`` runs it).
 """
@@ -146,31 +146,33 @@ class DemoLM(Task):
         return float(np.mean([float(self._eval(p, b)) for b in self.eval_batches]))
 
 
-class Conformance(Task):
-    """``tests/conformance/models.py``'s flax linen transformer (Flax's own layers) as a
-    byte LM on the standard library's source: a fresh batch each step and a held-out
-    loss, so the comparison is about learning, not about memorising one batch."""
+class GPT2(Task):
+    """``transformers``' FlaxGPT2LMHeadModel (model code we did not write, the pinned
+    ``conformance`` extra), random init from a small config, as a byte LM on the
+    standard library's source: a fresh batch each step and a held-out loss."""
 
     def __init__(self, quick: bool) -> None:
         import train_lm
+        from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
-        from tests.conformance import models
-
-        built = models.flax_linen_transformer()
-        self.name = "flax linen transformer (tests/conformance)"
-        self.params, self.lr = built.params, built.lr
-        self.seq, self.bsz = (16, 8) if quick else (32, 16)
+        self.name = "GPT-2 (transformers FlaxGPT2LMHeadModel)"
+        self.seq, self.bsz = (32, 8) if quick else (64, 16)
+        dim, layers = (32, 1) if quick else (64, 2)
+        cfg = GPT2Config(
+            vocab_size=256, n_positions=self.seq, n_embd=dim, n_layer=layers, n_head=4
+        )
+        model = FlaxGPT2LMHeadModel(cfg, seed=0, _do_init=False)
+        self.params = jax.jit(model.init_weights, static_argnums=1)(
+            jax.random.key(0), (1, self.seq)
+        )
+        self.lr = 3e-3
         train, evals, _ = train_lm.load_corpus(300_000, self.seq)
         self.train, self.evals = jnp.asarray(train), jnp.asarray(evals)
         self.get_batch = train_lm.get_batch
 
-        def loss(p: Any, window: jax.Array) -> jax.Array:
-            # Bytes folded into the model's vocabulary (ids 1..VOCAB-1; 0 is padding).
-            ids = 1 + window % (models.VOCAB - 1)
-            batch = {"ids": ids[:, :-1], "mask": jnp.ones_like(ids[:, :-1])}
-            logits, _ = built.apply(p, None, batch)
-            logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-            return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).mean()
+        def loss(p: Any, batch: jax.Array) -> jax.Array:
+            logits = model(batch[:, :-1], params=p).logits.astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
         self.loss = loss
         key = jax.random.key(1)
@@ -237,7 +239,7 @@ def run(quick: bool = False, seeds: int = 2) -> dict[str, Any]:
     """All measurements; ``quick`` is a smoke-sized run (tiny model, few steps)."""
     steps_lm, steps_tp = (40, 40) if quick else (600, 600)
     rounds, per_round = (2, 2) if quick else (7, 10)
-    tasks = [(DemoLM(quick), steps_lm), (Conformance(quick), steps_tp)]
+    tasks = [(DemoLM(quick), steps_lm), (GPT2(quick), steps_tp)]
     out: dict[str, Any] = {"steps": {}, "convergence": {}, "memory": {}, "seeds": seeds}
     for task, steps in tasks:
         out["steps"][task.name] = steps

@@ -115,3 +115,17 @@ ENTRY %main (x: f32[8]) -> f32[] {
     f = jax.jit(lambda x, y: (jnp.sum(x), jnp.max(y * 2.0)))
     text = f.lower(jnp.ones(8), jnp.ones(16)).compile().as_text()
     assert bench_run.reduction_kernels(text) >= 2
+
+
+def test_low_precision_benchmark_trains_a_third_party_model_at_smoke_size() -> None:
+    # benchmarks/bench_low_precision.py: its GPT-2 task (transformers' Flax model) trains
+    # with bfloat16 params and stochastic rounding, and the memory figure counts what it
+    # says (bfloat16 params and two bfloat16 moments: 6 bytes a parameter, plus scalars).
+    import bench_low_precision as blp
+
+    task = blp.GPT2(quick=True)
+    first = task.final_loss(task.params)
+    got = blp.train(task, "bf16+sr", 30)
+    assert math.isfinite(got["final_loss"]) and got["final_loss"] < first, (first, got)
+    assert 6.0 <= got["bytes_per_param"] < 6.01, got
+    assert got["skipped"] == 0

@@ -116,6 +116,21 @@ def _load_demo():
     return module
 
 
+def test_demo_doc_points_at_the_lines_find_overflow_names() -> None:
+    # docs/demo.md quotes find_overflow's reports of `make demo`: a source line each.
+    # They must still be the lines of those layers when train_lm.py changes.
+    doc = (ROOT / "docs" / "demo.md").read_text()
+    source = (EXAMPLES / "train_lm.py").read_text().splitlines()
+    quoted = {
+        "line 350 of `train_lm.py`": "return nn.Dense(256)(",
+        "`ByteLM/Block_1/Dense_2`, line 331": "h = nn.Dense(4 * self.dim)(",
+    }
+    for where, code in quoted.items():
+        assert where in doc, where
+        line = int(where.split("line ")[1].split()[0].rstrip(","))
+        assert code in source[line - 1], (where, source[line - 1])
+
+
 @pytest.mark.parametrize(
     "argv, flag",
     [
