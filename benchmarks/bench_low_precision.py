@@ -158,9 +158,7 @@ class GPT2(Task):
         self.name = "GPT-2 (transformers FlaxGPT2LMHeadModel)"
         self.seq, self.bsz = (32, 8) if quick else (64, 16)
         dim, layers = (32, 1) if quick else (64, 2)
-        cfg = GPT2Config(
-            vocab_size=256, n_positions=self.seq, n_embd=dim, n_layer=layers, n_head=4
-        )
+        cfg = GPT2Config(vocab_size=256, n_positions=self.seq, n_embd=dim, n_layer=layers, n_head=4)
         model = FlaxGPT2LMHeadModel(cfg, seed=0, _do_init=False)
         self.params = jax.jit(model.init_weights, static_argnums=1)(
             jax.random.key(0), (1, self.seq)
