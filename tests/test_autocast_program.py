@@ -7,6 +7,7 @@ results cast back down, no float32 linear algebra).
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -16,6 +17,7 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax import lax
 
 import jaxamp
 
@@ -231,3 +233,42 @@ def test_a_float32_op_of_an_activation_keeps_a_low_precision_residual():
     g = jax.grad(amp)(w1, w2, x)
     ref = jax.grad(f)(w1, w2, x)
     np.testing.assert_allclose(g, ref, rtol=2e-2, atol=2e-2 * float(jnp.max(jnp.abs(ref))))
+
+
+def _checkpoints(jaxpr: Any, in_loop: bool = False) -> list[tuple[bool, Any]]:
+    """(inside a loop body?, equation) for every checkpoint (remat) in a jaxpr."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("checkpoint", "remat", "remat2"):  # by JAX version
+            found.append((in_loop, eqn))
+        loop = in_loop or eqn.primitive.name in ("scan", "while")
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            found.extend(_checkpoints(sub, loop))
+    return found
+
+
+def test_an_upcast_in_a_loop_body_is_checkpointed_without_cse_barriers():
+    """The rematerialised float32 op of an activation: outside loops with JAX's
+    optimisation barriers (prevent_cse, so XLA keeps forward and backward apart);
+    in a scan body without them (forward and backward are separate loops there: the
+    barriers only cost compile time). Same values either way."""
+    w = jax.random.normal(jax.random.key(1), (4, 32, 32)) / 6
+    x = jax.random.normal(jax.random.key(0), (8, 32))
+
+    def unrolled(w, x):
+        for i in range(w.shape[0]):
+            x = jax.nn.gelu(x @ w[i])
+        return jnp.sum(x)
+
+    def scanned(w, x):
+        return jnp.sum(lax.scan(lambda h, wi: (jax.nn.gelu(h @ wi), None), x, w)[0])
+
+    for f in (unrolled, scanned):
+        amp = jaxamp.autocast(f, dtype=jnp.float16)
+        cps = _checkpoints(jax.make_jaxpr(amp)(w, x).jaxpr)
+        assert any(in_loop for in_loop, _ in cps) == (f is scanned), f.__name__
+        for in_loop, eqn in cps:
+            assert eqn.params["prevent_cse"] == (not in_loop), (f.__name__, eqn)
+    g_unrolled = jax.grad(jaxamp.autocast(unrolled, dtype=jnp.float16))(w, x)
+    g_scanned = jax.grad(jaxamp.autocast(scanned, dtype=jnp.float16))(w, x)
+    np.testing.assert_allclose(g_scanned, g_unrolled, rtol=1e-2, atol=1e-3)

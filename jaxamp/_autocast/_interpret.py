@@ -85,6 +85,13 @@ class Context:
     # ``jax.core.eval_jaxpr`` does), so the result's equations point at the
     # user's source lines and module scopes (``find_overflow``).
     source_info: bool = False
+    # True inside a loop body or a cond branch. There the forward and the backward
+    # pass land in different HLO computations, so XLA cannot CSE a rematerialised
+    # op into the forward and its checkpoint needs no optimisation barriers
+    # (``prevent_cse=False``, as JAX advises for remat inside scan): less to
+    # compile. Outside, the barriers stay (without them XLA merged bfloat16 upcasts
+    # of the forward and the backward: 4% more temp on bench_autocast).
+    in_region: bool = False
     # Inner jaxprs already autocast during this trace (key -> (jaxpr, result)).
     cache: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     # Casts already made: (id(value), dtype) -> (value, cast).
@@ -99,7 +106,7 @@ class Context:
     def memo(self, key: Any, owner: Any, make: Callable[[], Any]) -> Any:
         """``make()``, once per (key, owner) and everything in this context
         that changes how an inner jaxpr is evaluated."""
-        key = (key, self.axis_env, self.saturate)
+        key = (key, self.axis_env, self.saturate, self.in_region)
         hit = self.cache.get(key)
         if hit is not None and hit[0] is owner:
             return hit[1]
@@ -407,7 +414,9 @@ def eval_eqn(
         elif np.dtype(pref).itemsize >= 4:
             out_mark = F32
     if remat:
-        outs = _from_low_precision(eqn, invals[floats[0]], target, params, cached)
+        outs = _from_low_precision(
+            eqn, invals[floats[0]], target, params, cached, prevent_cse=not ctx.in_region
+        )
     else:
         outs = bind(eqn, args, params, cached)
     if hand_on is not None:
@@ -428,7 +437,7 @@ def _stores_upcast(rule: str, eqn: Any, floats: list[int], dtypes: Any, target: 
 
 
 def _from_low_precision(
-    eqn: Any, x: Any, target: Any, params: Any, cached: bool = True
+    eqn: Any, x: Any, target: Any, params: Any, cached: bool = True, prevent_cse: bool = True
 ) -> list[Any]:
     """The op on ``x`` cast up, rematerialised from ``x`` in the backward pass.
 
@@ -442,27 +451,29 @@ def _from_low_precision(
         return bind(eqn, [lax.convert_element_type(low, target)], params, cached)
 
     if not cached:
-        return jax.checkpoint(op)(x)
+        return jax.checkpoint(op, prevent_cse=prevent_cse)(x)
     try:
-        key = (eqn.primitive, tuple(sorted(params.items())), np.dtype(target))
+        key = (eqn.primitive, tuple(sorted(params.items())), np.dtype(target), prevent_cse)
         hash(key)
     except TypeError:  # unhashable params: traced afresh
-        return jax.checkpoint(op)(x)
+        return jax.checkpoint(op, prevent_cse=prevent_cse)(x)
     with _jax_compat.eqn_context(eqn):
         return _upcast_op(*key)(x)
 
 
 @functools.lru_cache(maxsize=512)
-def _upcast_op(primitive: Any, params: tuple[Any, ...], target: np.dtype) -> Any:
-    """One checkpointed function per (primitive, params, dtype): everything that
-    changes its answer. JAX caches the trace of a function object, so a model's
-    48 layers of gelu trace it once, not 48 times (trace + compile time)."""
+def _upcast_op(
+    primitive: Any, params: tuple[Any, ...], target: np.dtype, prevent_cse: bool
+) -> Any:
+    """One checkpointed function per (primitive, params, dtype, prevent_cse):
+    everything that changes its answer. JAX caches the trace of a function object,
+    so a model's 48 layers of gelu trace it once, not 48 times (trace + compile)."""
 
     def op(low: Any) -> Any:
         out = primitive.bind(lax.convert_element_type(low, target), **dict(params))
         return list(out) if primitive.multiple_results else [out]
 
-    return jax.checkpoint(op)
+    return jax.checkpoint(op, prevent_cse=prevent_cse)
 
 
 def _unknown_higher_order(name: str, ctx: Context) -> None:

@@ -79,7 +79,7 @@ def _trace_region(
         ]
         marks = [NONE if f is None else f[1] for f in in_forms]
         got: list[_Form] = []
-        sub_ctx = ctx.sub()
+        sub_ctx = ctx.sub(in_region=True)
 
         def body(*xs: Any) -> list[Any]:
             outs, out_marks = eval_jaxpr(jaxpr, closed.consts, xs, sub_ctx, marks, stack)
