@@ -462,9 +462,7 @@ def _from_low_precision(
 
 
 @functools.lru_cache(maxsize=512)
-def _upcast_op(
-    primitive: Any, params: tuple[Any, ...], target: np.dtype, prevent_cse: bool
-) -> Any:
+def _upcast_op(primitive: Any, params: tuple[Any, ...], target: np.dtype, prevent_cse: bool) -> Any:
     """One checkpointed function per (primitive, params, dtype, prevent_cse):
     everything that changes its answer. JAX caches the trace of a function object,
     so a model's 48 layers of gelu trace it once, not 48 times (trace + compile)."""
