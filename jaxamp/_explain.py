@@ -163,6 +163,11 @@ def explain(opt_state: Any, params: Any = None) -> Explanation:
             "jaxamp.explain: this optimizer state keeps no per-leaf record (it was built by "
             "hand, not by tx.init(params))."
         )
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(leaves)):
+        raise TypeError(
+            "jaxamp.explain reads the optimizer state on the host: call it outside jax.jit "
+            "(where you log), on the state the jitted step returned."
+        )
     ls = ls_lib.get_loss_scale(opt_state)
     spikes: SpikeState | None = state.spikes
     host = jax.device_get(

@@ -22,8 +22,9 @@ import numpy as np
 
 from jaxamp import _jax_compat, _overflow_eval, _overflow_where
 from jaxamp._autocast._api import debugging_autocast
+from jaxamp._autocast._interpret import AUTOCAST_SCOPE
 from jaxamp._autocast._rules import _known_primitives
-from jaxamp._loss_scale import LossScaleState
+from jaxamp._loss_scale import get_loss_scale
 from jaxamp._tree import wide_dtype
 
 __all__ = ["OverflowReport", "find_overflow"]
@@ -132,6 +133,7 @@ def find_overflow(
     argnums: int | Sequence[int] = 0,
     rules: Mapping[Any, str] | None = None,
     modules: Mapping[str, Any] | None = None,
+    autocast: bool = True,
     **kwargs: Any,
 ) -> OverflowReport:
     """Finds the first op whose float16 / bfloat16 result overflowed, forward or backward.
@@ -153,13 +155,18 @@ def find_overflow(
       loss_fn: the loss function as the train step calls it (returns a scalar
         floating loss).
       *args: its positional arguments (parameters, batch, ...).
-      loss_scale: the loss scale to test: a number or a :class:`jaxamp.LossScaleState`
-        (e.g. ``jaxamp.get_loss_scale(opt_state)``).
+      loss_scale: the loss scale to test: a number, a :class:`jaxamp.LossScaleState`,
+        or the optimizer state holding one (its current scale).
       dtype: autocast's lower-precision dtype, ``jnp.float16`` or ``jnp.bfloat16``.
       argnums: which positional arguments the gradient is taken with respect
         to (an int or a sequence of ints, negative ones counted from the end).
       rules: autocast's per-primitive rules (as in :func:`jaxamp.autocast`).
       modules: autocast's per-module rules (as in :func:`jaxamp.autocast`).
+      autocast: False runs `loss_fn` as written, without ``jaxamp.autocast``:
+        for a loss that casts itself (a model built with ``dtype=jnp.float16``,
+        ``x.astype(jnp.float16)`` by hand), whose overflows autocast would move
+        (it runs sums, ``exp`` and norms in float32). `dtype`, `rules` and
+        `modules` then only name the report's compute dtype.
       **kwargs: keyword arguments of `loss_fn` (not differentiated).
 
     Returns:
@@ -202,7 +209,18 @@ def find_overflow(
     ]
     wrt = [i for i in dynamic if arg_of[i] in diff and _overflow_eval.is_float(leaves[i])]
     rest = [i for i in dynamic if i not in set(wrt)]
-    amp = debugging_autocast(loss_fn, low, rules, modules)
+    if not isinstance(autocast, bool):
+        raise TypeError(f"find_overflow: autocast must be a bool, got {autocast!r}")
+    target = loss_fn
+    if not autocast:
+        # Equations traced under autocast's own scope run as written (that is how
+        # an autocast nested in another is left alone); the debugging wrapper
+        # still keeps their source lines and names nnx modules.
+        def target(*a: Any, **k: Any) -> Any:
+            with jax.named_scope(AUTOCAST_SCOPE):
+                return loss_fn(*a, **k)
+
+    amp = debugging_autocast(target, low, rules, modules)
 
     def scaled(wrt_vals: list[Any], rest_vals: list[Any], scale: Any) -> Any:
         full = list(leaves)
@@ -272,10 +290,21 @@ def _check_dtype(dtype: Any) -> np.dtype:
 
 
 def _check_loss_scale(loss_scale: Any) -> float:
-    if isinstance(loss_scale, LossScaleState):  # e.g. jaxamp.get_loss_scale(opt_state)
-        loss_scale = loss_scale.scale
+    if not isinstance(loss_scale, int | float | np.number | jax.Array | np.ndarray):
+        # A LossScaleState, or an optimizer state holding one (as metrics takes).
+        try:
+            loss_scale = get_loss_scale(loss_scale).scale
+        except (TypeError, ValueError):
+            raise TypeError(
+                "find_overflow: loss_scale must be a number, a jaxamp.LossScaleState or an "
+                f"optimizer state holding one, got a {type(loss_scale).__name__}"
+            ) from None
+    if np.size(loss_scale) != 1:
+        raise ValueError(
+            f"find_overflow: loss_scale must be one number, got shape {np.shape(loss_scale)}"
+        )
     try:
-        value = float(loss_scale)
+        value = float(np.max(jax.device_get(loss_scale)))
     except (TypeError, ValueError) as e:
         raise ValueError(f"find_overflow: loss_scale must be a number, got {loss_scale!r}") from e
     if not (math.isfinite(value) and value > 0):

@@ -52,7 +52,10 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     through; a finite value beyond ``dtype``'s range saturates to its largest
     finite value (never rounds up to inf). The draws are ``jax.random.uniform(key,
     x.shape)``: a deterministic function of ``key`` and the shape only, so the same
-    under any sharding (``jax_threefry_partitionable``, the default).
+    under any sharding (``jax_threefry_partitionable``, the default). Below
+    float32's smallest normal number (1.2e-38; no weight lives there) backends that
+    flush subnormals to zero (XLA on CPU and GPU) compute the probability as 0, so
+    such values round down.
 
     Args:
       x: a float32 array.
@@ -74,6 +77,7 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
         raise TypeError(f"stochastic_round: `x` must be float32, got {x.dtype}.")
     if np.dtype(dtype) not in _LOW:
         raise TypeError(f"stochastic_round: `dtype` must be bfloat16 or float16, got {dtype}.")
+    _key_parts(key, "stochastic_round")  # a clear error for an int or a batch of keys
     # Work on magnitudes, so that "up" is away from zero for either sign, and clip
     # to the finite range first, so that rounding to nearest cannot give inf.
     big = jnp.finfo(dtype).max.astype(jnp.float32)
@@ -158,7 +162,11 @@ def _key_parts(key: Any, fn: str) -> tuple[jax.Array, Any]:
 def stochastic_rounding(key: jax.Array) -> optax.GradientTransformation:
     """Applies updates to bfloat16 / float16 params with stochastic rounding.
 
-    Place it last in the chain. For each bfloat16 or float16 param it computes
+    Place it last in the chain: it turns the update it receives into the one that
+    lands on the rounded value, so a transformation after it (a scale, a schedule)
+    changes that update and the rounding is lost, and one before it receives
+    gradients, not updates. Neither can be detected; both train like plain
+    bfloat16 params, or worse. For each bfloat16 or float16 param it computes
     ``p + u`` in float32 and rounds it to the param's dtype with
     :func:`stochastic_round`, so that an update smaller than half an ulp of the
     weight moves it with the right probability instead of vanishing: unbiased,
@@ -245,7 +253,9 @@ class KahanSummationState(NamedTuple):
 def kahan_summation() -> optax.GradientTransformation:
     """Applies updates to bfloat16 / float16 params with Kahan-compensated summation.
 
-    Place it last in the chain. The state holds a compensation buffer of each
+    Place it last in the chain (as :func:`stochastic_rounding`: a transformation
+    after it changes the update it chose, silently). The state holds a compensation
+    buffer of each
     low-precision param's shape and dtype (2 bytes per bfloat16 param). Each step
     adds the update and the compensation to the param in float32, rounds to the
     nearest low-precision value, and keeps what that rounding lost in the buffer

@@ -5,15 +5,21 @@ step jaxamp already guards)::
 
     history = the last `window` finite steps' losses and gradient norms
     spike   = finite and len(history) >= warmup and (
-                  loss      > mean(losses)     + sigmas * std(losses)        [loss=True]
-               or grad_norm > mean(grad_norms) + sigmas * std(grad_norms))   [grad_norm=True]
+                  loss      > limit(losses)                                  [loss=True]
+               or grad_norm > limit(grad_norms))                             [grad_norm=True]
+    limit(h) = mean(h) + sigmas * max(std(h), 1e-4 * |mean(h)|)
     take    = finite and not spike
     then every finite step, spike or not, enters the history
 
-``std`` is the population standard deviation. A spike enters the history so that
+``std`` is the population standard deviation; its floor of 1e-4 of the mean keeps a
+history that never moved (std 0) from calling the next rounding-level wobble a
+spike. A spike enters the history so that
 a lasting change of level is accepted after a few steps instead of skipping
 forever (OLMo-core does the same). A non-finite step is never a spike: it is a
 non-finite skip, it moves the loss scale, and it does not enter the history. A
+step with finite gradients but a non-finite loss enters no history either; an
+infinite loss is above any limit, so it is skipped as a spike (a NaN loss compares
+false and is not). A
 spike never moves the loss scale. The gradient norm is the global L2 norm of the
 unscaled gradients (of a window's mean under ``every_k``), the loss the ``value=``
 passed to the update (a window's mean loss under ``every_k``); both are averaged
@@ -35,6 +41,8 @@ from jaxamp._tree import is_float_leaf
 __all__ = ["SpikeRule", "SpikeState", "spike_rule"]
 
 _INT32_MAX = 2**31 - 1
+# The standard deviation's floor, relative to the mean (see the module docstring).
+_STD_FLOOR = 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +104,8 @@ def spike_rule(
     update (``tx.update(grads, state, params, value=loss)``, ``jaxamp.step(...,
     value=loss)``). A step is a spike when, with at least ``warmup`` finite steps
     in the history of the last ``window``, its loss exceeds the history's mean
-    by more than ``sigmas`` standard deviations, or its gradient norm does.
+    by more than ``sigmas`` standard deviations (at least 1e-4 of the mean: a
+    history that never moved has none), or its gradient norm does.
     Defaults are OLMo-core's (128 steps, 6 sigmas, half a window of warm-up). A
     spike is skipped as a whole, like a non-finite step, in the same ``lax.cond``,
     but never moves the loss scale; it is counted apart in
@@ -171,8 +180,10 @@ def loss_value(rule: SpikeRule, extra_args: dict[str, Any], fn: str) -> jax.Arra
     if "value" not in extra_args:
         raise TypeError(
             f"{fn}: spike_rule(loss=True) judges the loss: pass it as value=loss "
-            "(tx.update(grads, state, params, value=loss) or jaxamp.step(..., value=loss)), "
-            "or build the rule with loss=False."
+            "(tx.update(grads, state, params, value=loss), jaxamp.step(..., value=loss), "
+            "jaxamp.TrainState.apply_gradients(grads=grads, extra_args={'value': loss}) or "
+            "jaxamp.nnx.Optimizer.update(model, grads, value=loss)), or build the rule with "
+            "loss=False (flax's own TrainState passes no optimizer arguments)."
         )
     value = jnp.asarray(extra_args["value"])
     if value.shape != () or not is_float_leaf(value):
@@ -202,7 +213,7 @@ def _limit(values: jax.Array, filled: jax.Array, sigmas: float) -> jax.Array:
     n = jnp.maximum(filled, 1).astype(jnp.float32)
     mean = jnp.sum(jnp.where(valid, values, 0.0)) / n
     var = jnp.sum(jnp.where(valid, jnp.square(values - mean), 0.0)) / n
-    return mean + sigmas * jnp.sqrt(var)
+    return mean + sigmas * jnp.maximum(jnp.sqrt(var), _STD_FLOOR * jnp.abs(mean))
 
 
 def decide(

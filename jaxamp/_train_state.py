@@ -69,6 +69,17 @@ class TrainState(train_state.TrainState):
           ``kwargs`` keep their values; ``step`` counts calls, skipped or not,
           as Flax's does (checkpoint managers key their files on it).
         """
+        for name in kwargs:  # before the step, so a misplaced optimizer argument is named
+            if not hasattr(self, name):
+                hint = ""
+                if name in ("value", "loss"):
+                    hint = (
+                        " To give the optimizer (e.g. a jaxamp.spike_rule) the loss, pass "
+                        "extra_args={'value': loss}."
+                    )
+                raise TypeError(
+                    f"TrainState.apply_gradients: TrainState has no field {name!r}.{hint}"
+                )
         fp8 = isinstance(grads, Mapping) and OVERWRITE_WITH_GRADIENT in grads
         grads_opt = grads["params"] if fp8 else grads
         params_opt = self.params["params"] if fp8 else self.params
@@ -82,8 +93,6 @@ class TrainState(train_state.TrainState):
             merged = {**self.params, "params": params, OVERWRITE_WITH_GRADIENT: fp8_new}
             params = type(self.params)(merged) if isinstance(self.params, FrozenDict) else merged
         for name, new in kwargs.items():
-            if not hasattr(self, name):
-                raise TypeError(f"TrainState.apply_gradients: TrainState has no field {name!r}.")
             try:
                 kwargs[name] = where_stepped(opt_state, new, getattr(self, name))
             except (ValueError, TypeError) as e:

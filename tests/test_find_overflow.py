@@ -428,3 +428,30 @@ def test_report_is_frozen_and_exported():
         report.found = False
     assert "find_overflow" in jaxamp.__all__ and "OverflowReport" in jaxamp.__all__
     assert np.isfinite(report.magnitude)
+
+
+def test_a_loss_that_casts_itself_is_checked_as_written():
+    # float16 by hand, no autocast: the sum overflows in float16. Under autocast it
+    # would run in float32 and nothing would be found at this scale.
+    def loss_fn(w, x):
+        return jnp.sum(x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32)
+
+    w, x = jnp.full((4, 4), 10.0), jnp.full((64, 4), 30.0)
+    assert not bool(jnp.isfinite(loss_fn(w, x)))
+    as_written = jaxamp.find_overflow(loss_fn, w, x, loss_scale=1.0, autocast=False)
+    assert as_written.found and as_written.pass_ == "forward", as_written
+    # jnp.sum of float16 accumulates in float32; its cast back to float16 overflows.
+    assert (as_written.primitive, as_written.dtype) == ("convert_element_type", "float16")
+    assert as_written.magnitude == 64 * 4 * 1200.0, as_written
+    assert not jaxamp.find_overflow(loss_fn, w, x, loss_scale=1.0).found
+    with pytest.raises(TypeError, match="autocast must be a bool"):
+        jaxamp.find_overflow(loss_fn, w, x, autocast="no")
+
+
+def test_loss_scale_from_an_optimizer_state():
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale(init_scale=2.0**20))
+    state = tx.init(W_BIG)
+    report = jaxamp.find_overflow(matmul_loss, W_BIG / 1000, jnp.ones((2, 4)), loss_scale=state)
+    assert report.loss_scale == 2.0**20
+    with pytest.raises(TypeError, match=r"got a dict$"):
+        jaxamp.find_overflow(matmul_loss, W_BIG, X_BIG, loss_scale={"a": jnp.ones(3)})

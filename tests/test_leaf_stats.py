@@ -195,6 +195,8 @@ def test_explain_errors_name_what_to_pass() -> None:
     hand = jaxamp.SkipNonfiniteState(state.inner_state, state.loss_scale)
     with pytest.raises(ValueError, match="keeps no per-leaf record"):
         jaxamp.explain(hand, params)
+    with pytest.raises(TypeError, match="call it outside jax.jit"):
+        jax.jit(lambda s, p: jaxamp.explain(s, p).n_leaves)(state, params)
 
 
 def test_a_hand_built_state_still_steps_without_a_record() -> None:

@@ -42,7 +42,8 @@ class Reference:
 
     def _limit(self, values):
         mean = sum(values) / len(values)
-        return mean + self.sigmas * math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+        return mean + self.sigmas * max(std, 1e-4 * abs(mean))
 
     def step(self, loss, norm, finite) -> bool:
         spike = False
@@ -288,3 +289,27 @@ def test_bad_input_is_named() -> None:
     plain = jaxamp.skip_nonfinite(optax.sgd(0.1)).init(params)
     with pytest.raises(TypeError, match="opt_state.spikes is NoneType"):
         jaxamp.step(tx, _grads(1.0), plain, params, value=1.0)
+
+
+def test_a_flat_history_does_not_make_a_rounding_wobble_a_spike() -> None:
+    # std 0 (every loss the same): the floor of 1e-4 of the mean keeps 1.0000001 from
+    # being "6 sigmas" above 1.0, while a real jump is still skipped.
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), spikes=jaxamp.spike_rule(window=8, warmup=4))
+    params = {"w": jnp.zeros(N)}
+    state = tx.init(params)
+    step = jax.jit(lambda g, s, p, v: jaxamp.step(tx, g, s, p, value=v))
+    for _ in range(6):
+        params, state = step(_grads(1.0), state, params, jnp.float32(1.0))
+    params, state = step(_grads(1.0), state, params, jnp.float32(1.0000001))
+    assert not bool(state.spikes.skipped)
+    params, state = step(_grads(1.0), state, params, jnp.float32(1.01))
+    assert bool(state.spikes.skipped)
+
+
+def test_train_state_names_where_the_loss_goes() -> None:
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), spikes=jaxamp.spike_rule(window=4))
+    ts = jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.zeros(N)}, tx=tx)
+    with pytest.raises(TypeError, match=r"extra_args=\{'value': loss\}"):
+        ts.apply_gradients(grads=_grads(1.0), value=jnp.float32(1.0))
+    ts = ts.apply_gradients(grads=_grads(1.0), extra_args={"value": jnp.float32(1.0)})
+    assert int(ts.opt_state.spikes.count) == 1
