@@ -94,40 +94,31 @@ def schedule(peak: float, steps: int) -> optax.Schedule:
 
 
 class Task:
-    """A model, its float32 initial params, a batch source and a final-loss measure."""
+    """A byte LM on the standard library's source: a model's float32 initial params,
+    a fresh batch each step (a function of the step and ``data_seed``) and the
+    held-out loss (8 batches of 32) as the final-loss measure."""
 
     name: str
     params: Any
     loss: Callable[[Any, Any], jax.Array]
-    lr: float
-
-    def batch(self, i: int) -> Any:
-        raise NotImplementedError
-
-    def final_loss(self, params: Any) -> float:
-        raise NotImplementedError
-
-
-class DemoLM(Task):
-    """``examples/train_lm.py``'s ByteLM on the standard library's source, small."""
+    lr = 3e-3
+    data_seed: int
 
     def __init__(self, quick: bool) -> None:
         import train_lm
 
-        self.name = "demo LM (examples/train_lm.py ByteLM)"
         self.seq, self.bsz = (32, 8) if quick else (64, 16)
-        dim, layers = (32, 1) if quick else (64, 2)
+        self.dim, self.layers = (32, 1) if quick else (64, 2)
         train, evals, _ = train_lm.load_corpus(300_000, self.seq)
         self.train, self.evals = jnp.asarray(train), jnp.asarray(evals)
-        self.model = train_lm.ByteLM(dim, layers, 4, self.seq)
         self.get_batch = train_lm.get_batch
-        tokens = jnp.zeros((1, self.seq), jnp.int32)
-        self.params = jax.jit(self.model.init)(jax.random.key(0), tokens)["params"]
-        self.lr = 3e-3
+
+    def _set_logits(self, logits: Callable[[Any, jax.Array], jax.Array]) -> None:
+        """The next-byte cross-entropy of ``logits(params, tokens)``, and its eval."""
 
         def loss(p: Any, batch: jax.Array) -> jax.Array:
-            logits = self.model.apply({"params": p}, batch[:, :-1]).astype(jnp.float32)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+            out = logits(p, batch[:, :-1]).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(out, batch[:, 1:]).mean()
 
         self.loss = loss
         key = jax.random.key(1)
@@ -137,56 +128,49 @@ class DemoLM(Task):
         self._eval = jax.jit(loss)
 
     def batch(self, i: int) -> Any:
-        return self.get_batch(
-            self.train, jax.random.fold_in(jax.random.key(2), i), self.bsz, self.seq
-        )
+        key = jax.random.fold_in(jax.random.key(self.data_seed), i)
+        return self.get_batch(self.train, key, self.bsz, self.seq)
 
     def final_loss(self, params: Any) -> float:
         p = jax.tree.map(lambda x: x.astype(BF16), params)
         return float(np.mean([float(self._eval(p, b)) for b in self.eval_batches]))
+
+
+class DemoLM(Task):
+    """``examples/train_lm.py``'s ByteLM, small."""
+
+    name = "demo LM (examples/train_lm.py ByteLM)"
+    data_seed = 2
+
+    def __init__(self, quick: bool) -> None:
+        import train_lm
+
+        super().__init__(quick)
+        model = train_lm.ByteLM(self.dim, self.layers, 4, self.seq)
+        tokens = jnp.zeros((1, self.seq), jnp.int32)
+        self.params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+        self._set_logits(lambda p, t: model.apply({"params": p}, t))
 
 
 class GPT2(Task):
     """``transformers``' FlaxGPT2LMHeadModel (model code we did not write, the pinned
-    ``conformance`` extra), random init from a small config, as a byte LM on the
-    standard library's source: a fresh batch each step and a held-out loss."""
+    ``conformance`` extra), random init from a small config."""
+
+    name = "GPT-2 (transformers FlaxGPT2LMHeadModel)"
+    data_seed = 3
 
     def __init__(self, quick: bool) -> None:
-        import train_lm
         from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
-        self.name = "GPT-2 (transformers FlaxGPT2LMHeadModel)"
-        self.seq, self.bsz = (32, 8) if quick else (64, 16)
-        dim, layers = (32, 1) if quick else (64, 2)
-        cfg = GPT2Config(vocab_size=256, n_positions=self.seq, n_embd=dim, n_layer=layers, n_head=4)
+        super().__init__(quick)
+        cfg = GPT2Config(
+            vocab_size=256, n_positions=self.seq, n_embd=self.dim, n_layer=self.layers, n_head=4
+        )
         model = FlaxGPT2LMHeadModel(cfg, seed=0, _do_init=False)
         self.params = jax.jit(model.init_weights, static_argnums=1)(
             jax.random.key(0), (1, self.seq)
         )
-        self.lr = 3e-3
-        train, evals, _ = train_lm.load_corpus(300_000, self.seq)
-        self.train, self.evals = jnp.asarray(train), jnp.asarray(evals)
-        self.get_batch = train_lm.get_batch
-
-        def loss(p: Any, batch: jax.Array) -> jax.Array:
-            logits = model(batch[:, :-1], params=p).logits.astype(jnp.float32)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
-        self.loss = loss
-        key = jax.random.key(1)
-        self.eval_batches = [
-            self.get_batch(self.evals, jax.random.fold_in(key, i), 32, self.seq) for i in range(8)
-        ]
-        self._eval = jax.jit(loss)
-
-    def batch(self, i: int) -> Any:
-        return self.get_batch(
-            self.train, jax.random.fold_in(jax.random.key(3), i), self.bsz, self.seq
-        )
-
-    def final_loss(self, params: Any) -> float:
-        p = jax.tree.map(lambda x: x.astype(BF16), params)
-        return float(np.mean([float(self._eval(p, b)) for b in self.eval_batches]))
+        self._set_logits(lambda p, t: model(t, params=p).logits)
 
 
 # ------------------------------------------------------------------ measurements
