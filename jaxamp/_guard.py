@@ -104,13 +104,18 @@ def cond_traced_once(pred: jax.Array, taken: Any, other: Any, *operands: Any) ->
 
 
 def _run_part(
-    part: Part, take: jax.Array | None, unscale: Any, call: Call, axis_name: Any
+    part: Part,
+    take: jax.Array | None,
+    unscale: Any,
+    call: Call,
+    axis_name: Any,
+    known: list[bool],
 ) -> tuple[Any, Any, jax.Array | None]:
     """One part's update under ``lax.cond(take, ...)``; ``take=None``: unchecked, no cond.
 
-    Also returns which of the part's gradient leaves were non-finite: computed in
-    the skip branch only (all False where the step is taken), so finite steps pay
-    nothing for it.
+    Also returns which of the part's gradient leaves not `known` (the finite check
+    has those) were non-finite: computed in the skip branch only (all False where
+    the step is taken), so finite steps pay nothing for it.
     """
     prepare = part.prepare or (lambda g: g)
 
@@ -135,7 +140,8 @@ def _run_part(
             out = params
         else:
             out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
-        bad = _leaf_stats.bad_leaves(unscale(prepare(grads)), axis_name) | (nonfinite < 0)
+        bad = _leaf_stats.bad_leaves(unscale(prepare(grads)), axis_name, known)
+        bad = bad | (nonfinite < 0)
         return like(out, shapes[0]), like(state, shapes[1]), bad
 
     operands = (part.state, part.grads, part.params, (~take).astype(jnp.int32))
@@ -190,16 +196,33 @@ def guarded(
     Returns:
       An :class:`Outcome`; the scale advances with "every part finite".
     """
+    # Per part: bool[its leaves], the large leaves the check found non-finite (None:
+    # the skip branch reads every leaf), and which leaves those flags cover.
+    known_bad: list[Any] = [None] * len(parts)
+    known: list[list[bool]] = [[] for _ in parts]
     if call.verdict is not None:
         verdict = ls_lib.as_finite(call.verdict, "jaxamp.step")
         unscale = lambda g: g
         takes: list[Any] = [verdict] * len(parts)
     else:
         unscale = lambda g: ls_lib.unscale(ls, g)
-        local = [ls_lib.local_finite(ls, p.grads, p.prepare) for p in parts]
-        if local and local[0] is not None:
-            agreed = agree(jnp.stack(local), axis_name)  # one collective for all parts
-            takes = [agreed[i] for i in range(len(parts))]
+        local = [ls_lib.local_finite_groups(ls, p.grads, p.prepare) for p in parts]
+        if local and local[0][0] is not None:
+            # One collective for all parts' groups.
+            agreed = agree(jnp.concatenate([flags for flags, _ in local]), axis_name)
+            takes, start = [], 0
+            for i, (p, (_, owners)) in enumerate(zip(parts, local, strict=True)):
+                mine = agreed[start : start + len(owners)]
+                start += len(owners)
+                takes.append(jnp.all(mine))
+                n = len(jax.tree.leaves((p.prepare or (lambda g: g))(p.grads)))
+                alone = [k for k, o in enumerate(owners) if o is not None]
+                leaf = [owners[k] for k in alone]
+                known[i] = [j in set(leaf) for j in range(n)]
+                bad = jnp.zeros((n,), jnp.bool_)
+                known_bad[i] = bad.at[jnp.array(leaf, jnp.int32)].set(
+                    ~mine[jnp.array(alone, jnp.int32)]
+                )
         else:
             takes = [None] * len(parts)
     checked = [t for t in takes if t is not None]
@@ -214,8 +237,10 @@ def guarded(
         takes = [~spike if t is None else t & ~spike for t in takes]
         new_spikes = _spikes.record(spikes.rule, spikes.state, values[0], values[1], every, spike)
     outs, states, bad = [], [], []
-    for part, take in zip(parts, takes, strict=True):
-        out, state, part_bad = _run_part(part, take, unscale, call, axis_name)
+    for part, take, kb, kn in zip(parts, takes, known_bad, known, strict=True):
+        out, state, part_bad = _run_part(part, take, unscale, call, axis_name, kn)
+        if part_bad is not None and kb is not None:
+            part_bad = part_bad | kb
         outs.append(out)
         states.append(state)
         bad.append(part_bad)

@@ -4,12 +4,18 @@ Two small vectors with one entry per leaf of the params (in ``jax.tree.leaves``
 order): whether the leaf held an inf or NaN on the last non-finite step, and on
 how many non-finite steps so far. They are computed inside the guarded step's
 skip branch (``_guard``), which runs only when a step is skipped, so a finite
-step pays nothing but carrying them: ``5 * n_leaves`` bytes of state.
+step pays nothing but carrying them: ``5 * n_leaves`` bytes of state. Large
+leaves' flags come from the finite check itself (it reads each large leaf on its
+own, every step); only the small leaves, which the check reads joined per dtype,
+are read again, in the skip branch (reading the large ones there cost the optax
+path 6.5 MB of temp on the bench model: XLA kept more buffers live across the
+cond).
 :func:`jaxamp.explain` turns them into words on the host.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -55,13 +61,16 @@ def init(tree: Any) -> NonfiniteLeaves:
     return NonfiniteLeaves(jnp.zeros((n,), jnp.bool_), jnp.zeros((n,), jnp.int32))
 
 
-def bad_leaves(tree: Any, axis_name: Any) -> jax.Array:
+def bad_leaves(tree: Any, axis_name: Any, known: Sequence[bool] = ()) -> jax.Array:
     """bool[n_leaves]: which leaves of ``tree`` hold an inf or NaN, ORed over ``axis_name``.
 
-    One reduction per floating leaf. Run only where a step is skipped.
+    One reduction per floating leaf not ``known`` (those are False here: the finite
+    check already has their flags). Run only where a step is skipped.
     """
+    known = list(known) or [False] * len(jax.tree.leaves(tree))
     flags = [
-        ~leaf_finite(x) if is_float_leaf(x) else jnp.array(False) for x in jax.tree.leaves(tree)
+        ~leaf_finite(x) if is_float_leaf(x) and not k else jnp.array(False)
+        for x, k in zip(jax.tree.leaves(tree), known, strict=True)
     ]
     bad = jnp.stack(flags) if flags else jnp.zeros((0,), jnp.bool_)
     if axis_name is not None:

@@ -533,23 +533,37 @@ def local_finite(
     ``prepare`` maps ``grads`` to the scaled gradients inside each reduction (an
     accumulation window's mean), so the cond's operand is never a derived tree.
     """
+    flags, _ = local_finite_groups(state, grads, prepare)
+    return None if flags is None else jnp.all(flags)
+
+
+def local_finite_groups(
+    state: LossScaleState, grads: Any, prepare: Callable[[Any], Any] | None = None
+) -> tuple[jax.Array | None, list[int | None]]:
+    """:func:`local_finite` per check group: ``(flags, owners)``.
+
+    ``flags`` is bool[n_groups] (None if unchecked); ``owners[k]`` is the index (in
+    ``jax.tree.leaves(prepare(grads))``) of the one large leaf group ``k`` checks,
+    or None for a group of small leaves joined per dtype. The per-leaf record of
+    non-finite gradients takes the large leaves' flags from here, at no cost.
+    """
     if not state.mode.checks:
-        return None
+        return None, []
     prepare = prepare or (lambda g: g)
-    result = jnp.array(True)
-    for group in _check_groups(prepare(grads)):
-        result = result & leaf_finite(group)
+    groups, owners = _check_groups(prepare(grads))
+    flags = jnp.stack([leaf_finite(g) for g in groups]) if groups else jnp.ones((0,), bool)
     if not state.mode.scales:
-        return result
+        return flags, owners
 
-    def also_unscaled(result: jax.Array, grads: Any) -> jax.Array:
-        for group in _check_groups(unscale(state, prepare(grads))):
-            result = result & leaf_finite(group)
-        return result
+    def also_unscaled(flags: jax.Array, grads: Any) -> jax.Array:
+        groups, _ = _check_groups(unscale(state, prepare(grads)))
+        if not groups:
+            return flags
+        return flags & jnp.stack([leaf_finite(g) for g in groups])
 
-    # Both branches return a value derived from `result`, so they have one type
+    # Both branches return a value derived from `flags`, so they have one type
     # under shard_map too (varying over the mapped axes).
-    return lax.cond(state.scale >= 1, lambda r, g: r, also_unscaled, result, grads)
+    return lax.cond(state.scale >= 1, lambda f, g: f, also_unscaled, flags, grads), owners
 
 
 # Leaves up to this many elements (biases, norm scales) are checked together, one
@@ -566,20 +580,30 @@ def _typed_sharded(leaf: jax.Array) -> bool:
     return spec is not None and any(p is not None for p in spec)
 
 
-def _check_groups(grads: Any) -> list[jax.Array]:
-    """The floating leaves to check: large ones alone, small ones joined per dtype."""
+def checked_alone(leaf: Any) -> bool:
+    """Whether the finite check reads this floating leaf on its own (not joined)."""
+    leaf = jnp.asarray(leaf)
+    return leaf.size > SMALL_LEAF or jnp.iscomplexobj(leaf) or _typed_sharded(leaf)
+
+
+def _check_groups(grads: Any) -> tuple[list[jax.Array], list[int | None]]:
+    """The floating leaves to check: large ones alone, small ones joined per dtype;
+    and each group's leaf index (None for a joined group)."""
     groups: list[jax.Array] = []
+    owners: list[int | None] = []
     small: dict[Any, list[jax.Array]] = {}
-    for leaf in jax.tree.leaves(grads):
+    for i, leaf in enumerate(jax.tree.leaves(grads)):
         if not is_float_leaf(leaf):
             continue
         leaf = jnp.asarray(leaf)
-        if leaf.size > SMALL_LEAF or jnp.iscomplexobj(leaf) or _typed_sharded(leaf):
+        if checked_alone(leaf):
             groups.append(leaf)
+            owners.append(i)
         else:
             small.setdefault(leaf.dtype, []).append(leaf.reshape(-1))
     groups.extend(jnp.concatenate(xs) if len(xs) > 1 else xs[0] for xs in small.values())
-    return groups
+    owners.extend([None] * len(small))
+    return groups, owners
 
 
 def unscale_and_check(

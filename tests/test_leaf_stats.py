@@ -23,7 +23,9 @@ import jaxamp
 
 
 def _params():
-    return {"enc": {"kernel": jnp.ones((3, 2)), "bias": jnp.ones(2)}, "head": jnp.ones(4)}
+    # enc.kernel is large enough (> 2**14 elements) for the finite check to read it alone:
+    # its flag comes from the check, the small leaves' from the skip branch.
+    return {"enc": {"kernel": jnp.ones((200, 100)), "bias": jnp.ones(100)}, "head": jnp.ones(4)}
 
 
 def _grads(bad: set[str], value=jnp.inf):

@@ -23,7 +23,9 @@ RULE = jaxamp.spike_rule(window=4, warmup=2)
 
 
 def _params():
-    return {"a": jnp.ones((N_DEV, 2)), "b": jnp.ones(3), "c": jnp.ones((N_DEV,))}
+    # "c" is large (> 2**14 elements): its flag comes from the finite check itself
+    # (agreed over the devices), the small leaves' from the skip branch.
+    return {"a": jnp.ones((N_DEV, 2)), "b": jnp.ones(3), "c": jnp.ones((N_DEV * 2560,))}
 
 
 def _per_device_grads(planted: str | None):
