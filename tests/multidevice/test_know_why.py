@@ -122,7 +122,12 @@ def test_jit_over_a_mesh() -> None:
             g["c"] = g["c"].at[BAD_DEVICE].set(jnp.inf)
         elif leaf == "b":
             g["b"] = g["b"].at[1].set(jnp.inf)
-        g = {k: jax.device_put(v, sharded) if k != "b" else v for k, v in g.items()}
+        # b replicated on this mesh: created eagerly, it could otherwise carry the mesh of
+        # a cached jit from an earlier test (JAX 0.10 reuses those across meshes).
+        g = {
+            k: jax.device_put(v, sharded if k != "b" else NamedSharding(mesh, P()))
+            for k, v in g.items()
+        }
         params, state = step(g, state, params, jax.device_put(_losses(bump), sharded))
         flags.append(np.asarray(state.spikes.skipped))
     _check(
