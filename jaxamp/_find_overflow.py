@@ -293,18 +293,20 @@ def _check_loss_scale(loss_scale: Any) -> float:
     if not isinstance(loss_scale, int | float | np.number | jax.Array | np.ndarray):
         # A LossScaleState, or an optimizer state holding one (as metrics takes).
         try:
-            loss_scale = get_loss_scale(loss_scale).scale
+            scale = get_loss_scale(loss_scale).scale
         except (TypeError, ValueError):
             raise TypeError(
                 "find_overflow: loss_scale must be a number, a jaxamp.LossScaleState or an "
                 f"optimizer state holding one, got a {type(loss_scale).__name__}"
             ) from None
+        # A pmap-replicated state holds one equal copy per device.
+        loss_scale = np.max(jax.device_get(scale))
     if np.size(loss_scale) != 1:
         raise ValueError(
             f"find_overflow: loss_scale must be one number, got shape {np.shape(loss_scale)}"
         )
     try:
-        value = float(np.max(jax.device_get(loss_scale)))
+        value = float(np.asarray(jax.device_get(loss_scale)).reshape(()))
     except (TypeError, ValueError) as e:
         raise ValueError(f"find_overflow: loss_scale must be a number, got {loss_scale!r}") from e
     if not (math.isfinite(value) and value > 0):

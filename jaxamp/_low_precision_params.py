@@ -255,8 +255,8 @@ def kahan_summation() -> optax.GradientTransformation:
 
     Place it last in the chain (as :func:`stochastic_rounding`: a transformation
     after it changes the update it chose, silently). The state holds a compensation
-    buffer of each
-    low-precision param's shape and dtype (2 bytes per bfloat16 param). Each step
+    buffer of each low-precision param's shape and dtype (2 bytes per bfloat16
+    param). Each step
     adds the update and the compensation to the param in float32, rounds to the
     nearest low-precision value, and keeps what that rounding lost in the buffer
     for the next step: small updates accumulate until they move the weight,

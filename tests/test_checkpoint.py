@@ -514,3 +514,26 @@ def test_restore_into_another_mode_keeps_numbers_or_says_why_not(tmp_path) -> No
         jaxamp.checkpoint.restore(
             ckptr, _abstract({"ls": jaxamp.no_scale()}), directory=tmp_path / "d"
         )
+
+
+def test_a_checkpoint_without_the_per_leaf_record_is_named_and_resumes(tmp_path) -> None:
+    # jaxamp 0.2 wrote skip_nonfinite states without `nonfinite_leaves`. Restoring one
+    # into a 0.3 target names the cause; the recipe in the message resumes it.
+    tx = jaxamp.skip_nonfinite(optax.adam(1e-2), jaxamp.dynamic_scale(2.0**8))
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    old = {"params": params, "opt_state": tx.init(params)._replace(nonfinite_leaves=None)}
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "v02", old)
+    ckptr.wait_until_finished()
+    target = _abstract({"params": params, "opt_state": tx.init(params)})
+    with pytest.raises(ValueError, match=r"jaxamp < 0\.3") as err:
+        jaxamp.checkpoint.restore(ckptr, target, directory=tmp_path / "v02")
+    assert "target._replace(nonfinite_leaves=None)" in str(err.value)
+    old_target = dict(target, opt_state=target["opt_state"]._replace(nonfinite_leaves=None))
+    got = jaxamp.checkpoint.restore(ckptr, old_target, directory=tmp_path / "v02")
+    state = got["opt_state"]._replace(nonfinite_leaves=tx.init(params).nonfinite_leaves)
+    assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
+    _assert_trees_equal(state.inner_state, old["opt_state"].inner_state)
+    bad = {"w": jnp.full((3, 2), jnp.inf), "b": jnp.ones(2)}
+    _, state = jax.jit(lambda g, s, p: jaxamp.step(tx, g, s, p))(bad, state, got["params"])
+    assert jaxamp.explain(state, params).last == ("w",)

@@ -453,5 +453,14 @@ def test_loss_scale_from_an_optimizer_state():
     state = tx.init(W_BIG)
     report = jaxamp.find_overflow(matmul_loss, W_BIG / 1000, jnp.ones((2, 4)), loss_scale=state)
     assert report.loss_scale == 2.0**20
+    replicated = jax.tree.map(lambda x: jnp.stack([x, x]), state)  # as pmap keeps it
+    assert (
+        jaxamp.find_overflow(
+            matmul_loss, W_BIG / 1000, jnp.ones((2, 4)), loss_scale=replicated
+        ).loss_scale
+        == 2.0**20
+    )
+    with pytest.raises(ValueError, match="one number"):
+        jaxamp.find_overflow(matmul_loss, W_BIG, X_BIG, loss_scale=jnp.ones(2))
     with pytest.raises(TypeError, match=r"got a dict$"):
         jaxamp.find_overflow(matmul_loss, W_BIG, X_BIG, loss_scale={"a": jnp.ones(3)})
