@@ -103,31 +103,52 @@ def cond_traced_once(pred: jax.Array, taken: Any, other: Any, *operands: Any) ->
     return lax.cond(pred, first, second, *operands)
 
 
+class Record(NamedTuple):
+    """What a part's skip branch needs to update the per-leaf record.
+
+    Attributes:
+      stats: the record as the part receives it (threaded through the parts).
+      positions: where the part's leaves sit among all the params' leaves.
+      owner: for every leaf, the index of the part it belongs to.
+      parts_finite: bool[n_parts]: which parts' gradients were finite.
+      known: per leaf of the part, whether the finite check read it alone.
+      flags: the check's agreed flags for the part's groups (None: nothing checked).
+      alone: the groups that read one leaf alone, in the order of the True
+        entries of ``known``.
+    """
+
+    stats: _leaf_stats.NonfiniteLeaves
+    positions: list[int]
+    owner: list[int]
+    parts_finite: jax.Array
+    known: list[bool]
+    flags: jax.Array | None
+    alone: list[int]
+
+
 def _run_part(
     part: Part,
     take: jax.Array | None,
     unscale: Any,
     call: Call,
     axis_name: Any,
-    known: list[bool],
-) -> tuple[Any, Any, jax.Array | None]:
+    record: Record | None,
+) -> tuple[Any, Any, Any]:
     """One part's update under ``lax.cond(take, ...)``; ``take=None``: unchecked, no cond.
 
-    Also returns which of the part's gradient leaves not `known` (the finite check
-    has those) were non-finite: computed in the skip branch only (all False where
-    the step is taken), so finite steps pay nothing for it.
+    Also returns the per-leaf record after this part: the skip branch writes which
+    of the part's leaves were non-finite; the taken branch hands it through
+    unchanged, so a finite step runs no op for it.
     """
     prepare = part.prepare or (lambda g: g)
 
-    def apply(state: Any, grads: Any, params: Any, nonfinite: Any) -> tuple[Any, Any, Any]:
+    def apply(state: Any, grads: Any, params: Any, nonfinite: Any, stats: Any, _: Any) -> Any:
         grads = unscale(prepare(grads))
         updates, state = part.inner.update(grads, state, params, **call.extra_args)
-        # False everywhere, typed like the skip branch's (``nonfinite`` is agreed).
-        none_bad = jnp.broadcast_to(nonfinite < 0, (len(jax.tree.leaves(grads)),))
         if not call.to_params:
-            return updates, state, none_bad
+            return updates, state, stats
         updates = _opaque(updates, nonfinite)
-        return optax.apply_updates(params, updates), state, none_bad
+        return optax.apply_updates(params, updates), state, stats
 
     if take is None:  # nothing is checked: no cond, and so nothing to round either
         grads = unscale(prepare(part.grads))
@@ -135,16 +156,25 @@ def _run_part(
         out = optax.apply_updates(part.params, updates) if call.to_params else updates
         return out, state, None
 
-    def skip(shapes: Any, state: Any, grads: Any, params: Any, nonfinite: Any) -> Any:
+    def skip(shapes: Any, state: Any, grads: Any, params: Any, _: Any, stats: Any, flags: Any):
         if call.to_params:
             out = params
         else:
             out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
-        bad = _leaf_stats.bad_leaves(unscale(prepare(grads)), axis_name, known)
-        bad = bad | (nonfinite < 0)
-        return like(out, shapes[0]), like(state, shapes[1]), bad
+        if record is not None:
+            bad = _leaf_stats.bad_leaves(unscale(prepare(grads)), axis_name, record.known)
+            if record.alone:  # the large leaves' flags, from the finite check
+                leaves = [j for j, k in enumerate(record.known) if k]
+                picked = flags[jnp.array(record.alone, jnp.int32)]
+                bad = bad.at[jnp.array(leaves, jnp.int32)].set(~picked)
+            stats = _leaf_stats.skipped(
+                stats, bad, record.positions, record.owner, record.parts_finite
+            )
+        return like(out, shapes[0]), like(state, shapes[1]), stats
 
-    operands = (part.state, part.grads, part.params, (~take).astype(jnp.int32))
+    stats = None if record is None else record.stats
+    flags = None if record is None else record.flags
+    operands = (part.state, part.grads, part.params, (~take).astype(jnp.int32), stats, flags)
     return cond_traced_once(take, apply, skip, *operands)
 
 
@@ -163,7 +193,7 @@ class Outcome(NamedTuple):
       outs: per part, its updates (or new params with ``to_params``).
       inner_states: per part, its new inner state.
       loss_scale: the next loss-scale state (advanced with ``finite``).
-      bad: per part, bool[its leaves]: non-finite leaves (None if unchecked).
+      nonfinite_leaves: the next per-leaf record (None without one, or unchecked).
       finite: bool[]: every part's gradients finite.
       spikes: the next spike state (None without a rule).
     """
@@ -171,7 +201,7 @@ class Outcome(NamedTuple):
     outs: list[Any]
     inner_states: list[Any]
     loss_scale: LossScaleState
-    bad: list[Any]
+    nonfinite_leaves: Any
     finite: jax.Array
     spikes: Any
 
@@ -182,6 +212,7 @@ def guarded(
     call: Call,
     axis_name: Any,
     spikes: Spikes | None = None,
+    record: tuple[_leaf_stats.NonfiniteLeaves, list[list[int]]] | None = None,
 ) -> Outcome:
     """Runs each part's inner update if its gradients are finite; updates the scale once.
 
@@ -192,14 +223,18 @@ def guarded(
       axis_name: mapped axis over which the finiteness is agreed.
       spikes: a spike rule: a finite step it calls a spike is skipped in every
         part (in the same cond), and the scale does not move for it.
+      record: the per-leaf record of non-finite gradients, and per part where its
+        leaves sit among all the leaves; it is updated in the parts' skip branches.
 
     Returns:
       An :class:`Outcome`; the scale advances with "every part finite".
     """
-    # Per part: bool[its leaves], the large leaves the check found non-finite (None:
-    # the skip branch reads every leaf), and which leaves those flags cover.
-    known_bad: list[Any] = [None] * len(parts)
-    known: list[list[bool]] = [[] for _ in parts]
+    sizes = [len(jax.tree.leaves((p.prepare or (lambda g: g))(p.grads))) for p in parts]
+    # Per part: the check's agreed flags (None: the skip branch reads every leaf),
+    # which leaves the check read alone, and their groups' indices in the flags.
+    flags: list[Any] = [None] * len(parts)
+    known: list[list[bool]] = [[False] * n for n in sizes]
+    alone: list[list[int]] = [[] for _ in parts]
     if call.verdict is not None:
         verdict = ls_lib.as_finite(call.verdict, "jaxamp.step")
         unscale = lambda g: g
@@ -209,24 +244,29 @@ def guarded(
         local = [ls_lib.local_finite_groups(ls, p.grads, p.prepare) for p in parts]
         if local and local[0][0] is not None:
             # One collective for all parts' groups.
-            agreed = agree(jnp.concatenate([flags for flags, _ in local]), axis_name)
+            agreed = agree(jnp.concatenate([f for f, _ in local]), axis_name)
             takes, start = [], 0
-            for i, (p, (_, owners)) in enumerate(zip(parts, local, strict=True)):
+            for i, (_, owners) in enumerate(local):
                 mine = agreed[start : start + len(owners)]
                 start += len(owners)
                 takes.append(jnp.all(mine))
-                n = len(jax.tree.leaves((p.prepare or (lambda g: g))(p.grads)))
-                alone = [k for k, o in enumerate(owners) if o is not None]
-                leaf = [owners[k] for k in alone]
-                known[i] = [j in set(leaf) for j in range(n)]
-                bad = jnp.zeros((n,), jnp.bool_)
-                known_bad[i] = bad.at[jnp.array(leaf, jnp.int32)].set(
-                    ~mine[jnp.array(alone, jnp.int32)]
-                )
+                flags[i] = mine
+                for o, k in sorted((o, k) for k, o in enumerate(owners) if o is not None):
+                    known[i][o] = True
+                    alone[i].append(k)
         else:
             takes = [None] * len(parts)
     checked = [t for t in takes if t is not None]
     every = jnp.all(jnp.stack(checked)) if checked else jnp.array(True)
+    stats, owner = None, []
+    if record is not None and checked:
+        stats, positions = record
+        _leaf_stats.check_length(stats, sum(sizes))
+        owner = [0] * sum(sizes)
+        for i, pos in enumerate(positions):
+            for j in pos:
+                owner[j] = i
+        parts_finite = jnp.stack(takes)
     new_spikes = None
     if spikes is not None:
         squares = sum(
@@ -236,12 +276,13 @@ def guarded(
         spike = _spikes.decide(spikes.rule, spikes.state, values[0], values[1], every)
         takes = [~spike if t is None else t & ~spike for t in takes]
         new_spikes = _spikes.record(spikes.rule, spikes.state, values[0], values[1], every, spike)
-    outs, states, bad = [], [], []
-    for part, take, kb, kn in zip(parts, takes, known_bad, known, strict=True):
-        out, state, part_bad = _run_part(part, take, unscale, call, axis_name, kn)
-        if part_bad is not None and kb is not None:
-            part_bad = part_bad | kb
+    outs, states = [], []
+    for i, (part, take) in enumerate(zip(parts, takes, strict=True)):
+        rec = None
+        if stats is not None:
+            rec = Record(stats, positions[i], owner, parts_finite, known[i], flags[i], alone[i])
+        out, state, got = _run_part(part, take, unscale, call, axis_name, rec)
+        stats = got if stats is not None else None
         outs.append(out)
         states.append(state)
-        bad.append(part_bad)
-    return Outcome(outs, states, ls_lib.update(ls, every), bad, every, new_spikes)
+    return Outcome(outs, states, ls_lib.update(ls, every), stats, every, new_spikes)

@@ -2,9 +2,10 @@
 
 Two small vectors with one entry per leaf of the params (in ``jax.tree.leaves``
 order): whether the leaf held an inf or NaN on the last non-finite step, and on
-how many non-finite steps so far. They are computed inside the guarded step's
-skip branch (``_guard``), which runs only when a step is skipped, so a finite
-step pays nothing but carrying them: ``5 * n_leaves`` bytes of state. Large
+how many non-finite steps so far. They are updated inside the guarded step's
+skip branch (``_guard``), which runs only when a step is skipped; the taken
+branch hands them through, so a finite step runs no op for them and pays only
+for carrying them: ``5 * n_leaves`` bytes of state. Large
 leaves' flags come from the finite check itself (it reads each large leaf on its
 own, every step); only the small leaves, which the check reads joined per dtype,
 are read again, in the skip branch (reading the large ones there cost the optax
@@ -20,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxamp._tree import is_float_leaf, leaf_finite
@@ -78,13 +80,68 @@ def bad_leaves(tree: Any, axis_name: Any, known: Sequence[bool] = ()) -> jax.Arr
     return bad
 
 
-def record(stats: NonfiniteLeaves, bad: jax.Array, finite: jax.Array) -> NonfiniteLeaves:
-    """The record after a step: ``bad`` (all False on a finite step) becomes the last."""
-    if stats.last.shape != bad.shape:
+def check_length(stats: NonfiniteLeaves, n_leaves: int) -> None:
+    """Trace time: the record must have one entry per gradient leaf."""
+    if stats.last.shape != (n_leaves,):
         raise ValueError(
             f"the optimizer state tracks {stats.last.shape[-1]} gradient leaves but the "
-            f"gradients have {bad.shape[-1]}: pass the opt_state that tx.init(params) "
+            f"gradients have {n_leaves}: pass the opt_state that tx.init(params) "
             "returned for these params."
         )
-    count = stats.count + jnp.where(bad & (stats.count < _INT32_MAX), 1, 0).astype(jnp.int32)
-    return NonfiniteLeaves(jnp.where(finite, stats.last, bad), count)
+
+
+def skipped(
+    stats: NonfiniteLeaves,
+    bad: jax.Array,
+    positions: Sequence[int],
+    owner: Sequence[int],
+    parts_finite: jax.Array,
+) -> NonfiniteLeaves:
+    """The record after a step on which one part was skipped (run in its skip branch).
+
+    Args:
+      stats: the record before the step (over all the params' leaves).
+      bad: bool[the part's leaves]: which of them were non-finite.
+      positions: where the part's leaves sit among all the leaves.
+      owner: for every leaf, the index of the part it belongs to.
+      parts_finite: bool[n_parts]: which parts' gradients were finite this step.
+
+    A step skipped only for a spike (every part finite) leaves the record as it
+    was. Otherwise this part writes its own leaves' flags, and False for the
+    leaves of the finite parts; a non-finite part writes its own in its own skip
+    branch, so the result does not depend on the order the parts run in.
+    """
+    n = stats.last.shape[0]
+    pos = jnp.array(positions, jnp.int32)
+    mine = jnp.zeros((n,), jnp.bool_).at[pos].set(True)
+    full = jnp.zeros((n,), jnp.bool_).at[pos].set(bad)
+    leaf_ok = parts_finite[jnp.array(owner, jnp.int32)]
+    every = jnp.all(parts_finite)
+    last = jnp.where(mine, full, stats.last & ~leaf_ok)
+    more = full & ~every & (stats.count < _INT32_MAX)
+    return NonfiniteLeaves(jnp.where(every, stats.last, last), stats.count + more.astype(jnp.int32))
+
+
+def validate(stats: NonfiniteLeaves, where: str) -> None:
+    """Checks a restored record on the host: one flag and one count per leaf, counts >= 0.
+
+    A leading device axis (a pmap-replicated state) is allowed on both.
+    """
+    host = jax.device_get(stats)
+    last, count = np.asarray(host.last), np.asarray(host.count)
+    problems = []
+    if last.shape != count.shape or last.ndim not in (1, 2):
+        problems.append(
+            f"last and count must be vectors of one shape (one entry per parameter leaf), "
+            f"got {last.shape} and {count.shape}"
+        )
+    if last.dtype != np.bool_:
+        problems.append(f"last must be bool, got {last.dtype}")
+    if not np.issubdtype(count.dtype, np.integer):
+        problems.append(f"count must be an integer array, got {count.dtype}")
+    elif count.size and int(count.min()) < 0:
+        problems.append(f"count must be >= 0, got {int(count.min())}")
+    if problems:
+        raise ValueError(
+            f"{where} holds an invalid per-leaf non-finite record: " + "; ".join(problems) + "."
+        )

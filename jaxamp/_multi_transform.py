@@ -7,7 +7,7 @@ per label; :func:`jaxamp.step` runs it with the parameter update fused in.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -25,6 +25,7 @@ from jaxamp._transform import (
     _check_state_type,
     _GuardedUpdate,
     _loss_scale_arg,
+    _record,
     _recorded,
 )
 from jaxamp._tree import check_axis_name
@@ -83,15 +84,9 @@ def _full_labels(labels: Any, tree: Any, transforms: Mapping[Any, Any], fn: str)
     return full
 
 
-def _merge_flags(flags: Mapping[Any, jax.Array], full_labels: Any, like_tree: Any) -> jax.Array:
-    """One bool per leaf of ``like_tree`` from the per-label vectors (each in leaf order)."""
-    labels = jax.tree.structure(like_tree).flatten_up_to(full_labels)
-    seen = dict.fromkeys(flags, 0)
-    picked = []
-    for label in labels:
-        picked.append(flags[label][seen[label]])
-        seen[label] += 1
-    return jnp.stack(picked) if picked else jnp.zeros((0,), jnp.bool_)
+def _positions(labels: Sequence[Any], transforms: Mapping[Any, Any]) -> list[list[int]]:
+    """Per transform (in order), the indices of its leaves among all the leaves."""
+    return [[i for i, lab in enumerate(labels) if lab == key] for key in transforms]
 
 
 def _mask(tree: Any, full_labels: Any, label: Any) -> Any:
@@ -141,12 +136,11 @@ class _MultiTransformUpdate(_GuardedUpdate):
         if self.spikes is not None:
             loss = _spikes.loss_value(self.spikes, call.extra_args, fn)
             spikes = Spikes(self.spikes, state.spikes, loss)
-        got = guarded(state.loss_scale, parts, call, self.axis_name, spikes)
+        flat_labels = jax.tree.structure(grads).flatten_up_to(labels)
+        record = _record(state, _positions(flat_labels, self.transforms))
+        got = guarded(state.loss_scale, parts, call, self.axis_name, spikes, record)
         out = _merge(dict(zip(self.transforms, got.outs, strict=True)), labels, grads)
-        bad = None
-        if all(b is not None for b in got.bad):
-            bad = _merge_flags(dict(zip(self.transforms, got.bad, strict=True)), labels, grads)
-        new = _recorded(state, got, bad)
+        new = _recorded(state, got)
         return out, new._replace(
             inner_states=dict(zip(self.transforms, got.inner_states, strict=True))
         )

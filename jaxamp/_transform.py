@@ -141,12 +141,18 @@ def _check_state_type(state: Any, cls: type, fn: str) -> None:
         )
 
 
-def _recorded(state: Any, got: Outcome, bad: Any) -> Any:
+def _record(state: Any, positions: list[list[int]]) -> Any:
+    """``guarded``'s ``record=``: the state's per-leaf record and the parts' positions."""
+    if state.nonfinite_leaves is None:
+        return None
+    return state.nonfinite_leaves, positions
+
+
+def _recorded(state: Any, got: Outcome) -> Any:
     """``state`` with the guarded step's loss scale, non-finite leaves and spike history."""
     new = state._replace(loss_scale=got.loss_scale)
-    if state.nonfinite_leaves is not None and bad is not None:
-        leaves = _leaf_stats.record(state.nonfinite_leaves, bad, got.finite)
-        new = new._replace(nonfinite_leaves=leaves)
+    if got.nonfinite_leaves is not None:
+        new = new._replace(nonfinite_leaves=got.nonfinite_leaves)
     if got.spikes is not None:
         new = new._replace(spikes=got.spikes)
     return new
@@ -208,8 +214,10 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
         ) -> tuple[Any, SkipNonfiniteState]:
             part = Part(self.inner, state.inner_state, grads, params, prepare)
             spikes = None if self.spikes is None else Spikes(self.spikes, state.spikes, loss)
-            got = guarded(state.loss_scale, [part], call, self.axis_name, spikes)
-            new = _recorded(state, got, got.bad[0])
+            n = len(jax.tree.leaves(grads if params is None else params))
+            record = _record(state, [list(range(n))])
+            got = guarded(state.loss_scale, [part], call, self.axis_name, spikes, record)
+            new = _recorded(state, got)
             return got.outs[0], new._replace(inner_state=got.inner_states[0])
 
         if self.every_k == 1:

@@ -44,6 +44,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp._leaf_stats import NonfiniteLeaves
+from jaxamp._leaf_stats import validate as validate_leaves
 from jaxamp._loss_scale import FIELD_NAMES, LossScaleState, Mode, validate
 from jaxamp._spikes import SpikeState
 from jaxamp._spikes import validate as validate_spikes
@@ -242,18 +244,19 @@ def _from_fields(node: Mapping[str, Any]) -> LossScaleState:
 
 
 def _validate_restored(tree: Any, where: str) -> None:
-    """Checks every LossScaleState in a restored tree; reads only their scalars."""
+    """Checks every loss-scale state, spike state and per-leaf record in a restored tree."""
     found = [
         (path, leaf if isinstance(leaf, LossScaleState) else _from_fields(leaf))
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_loss_scale)[0]
         if _is_loss_scale(leaf)
     ]
-    for path, spikes in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, SpikeState)
+    for path, node in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, (SpikeState, NonfiniteLeaves))
     )[0]:
-        if isinstance(spikes, SpikeState):
-            host = jax.tree.map(_host_view, spikes)
-            validate_spikes(host, f"{where} at `{render_path(path)}`")
+        if isinstance(node, SpikeState):
+            validate_spikes(jax.tree.map(_host_view, node), f"{where} at `{render_path(path)}`")
+        elif isinstance(node, NonfiniteLeaves):
+            validate_leaves(jax.tree.map(_host_view, node), f"{where} at `{render_path(path)}`")
     if not found:
         return
     # One transfer, of the loss-scale scalars only.

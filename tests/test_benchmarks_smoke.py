@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -115,6 +116,60 @@ ENTRY %main (x: f32[8]) -> f32[] {
     f = jax.jit(lambda x, y: (jnp.sum(x), jnp.max(y * 2.0)))
     text = f.lower(jnp.ones(8), jnp.ones(16)).compile().as_text()
     assert bench_run.reduction_kernels(text) >= 2
+
+
+def test_finite_step_kernels_counts_the_entry_and_the_true_branch_only() -> None:
+    hlo = """HloModule m
+
+%fused_computation (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %n = f32[8]{0} negate(f32[8]{0} %p)
+}
+
+%skip (t: (f32[8], s32[4])) -> (f32[8], s32[4]) {
+  %t = (f32[8]{0}, s32[4]{0}) parameter(0)
+  %a = f32[8]{0} get-tuple-element(%t), index=0
+  %b = s32[4]{0} get-tuple-element(%t), index=1
+  %s1 = s32[4]{0} fusion(%b), kind=kLoop, calls=%fused_computation
+  %s2 = s32[4]{0} fusion(%s1), kind=kLoop, calls=%fused_computation
+  ROOT %r = (f32[8]{0}, s32[4]{0}) tuple(%a, %s2)
+}
+
+%apply (t: (f32[8], s32[4])) -> (f32[8], s32[4]) {
+  %t = (f32[8]{0}, s32[4]{0}) parameter(0)
+  %a = f32[8]{0} get-tuple-element(%t), index=0
+  %b = s32[4]{0} get-tuple-element(%t), index=1
+  %f = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_computation
+  %c = s32[4]{0} copy(%b)
+  ROOT %r = (f32[8]{0}, s32[4]{0}) tuple(%f, %c)
+}
+
+ENTRY %main (x: f32[8], y: s32[4], p: s32[]) -> (f32[8], s32[4]) {
+  %x = f32[8]{0} parameter(0)
+  %y = s32[4]{0} parameter(1)
+  %p = s32[] parameter(2)
+  %k = f32[] constant(1)
+  %t = (f32[8]{0}, s32[4]{0}) tuple(%x, %y)
+  ROOT %c = (f32[8]{0}, s32[4]{0}) conditional(%p, %t, %t), branch_computations={%skip, %apply}
+}
+"""
+    assert bench_run.finite_step_kernels(hlo) == {
+        "conditional (tuple)": 1,
+        "fusion f32[8]{0}": 1,
+        "copy s32[4]{0}": 1,
+    }
+
+    # A real program: the true branch's multiply is counted, the false branch's
+    # reduction (the only f32[] op) is not.
+    def f(p: jax.Array, x: jax.Array) -> jax.Array:
+        return lax.cond(p, lambda x: x * 3.0, lambda x: x - jnp.sum(jnp.sin(x)), x)
+
+    text = jax.jit(f).lower(jnp.bool_(True), jnp.ones(8)).compile().as_text()
+    assert "f32[] reduce(" in text or "f32[] fusion(" in text
+    got = bench_run.finite_step_kernels(text)
+    assert got.get("conditional (tuple)") == 1, got
+    assert got.get("fusion f32[8]{0}") == 1, got
+    assert not any("f32[]" in k for k in got), got
 
 
 def test_low_precision_benchmark_trains_a_third_party_model_at_smoke_size() -> None:

@@ -12,6 +12,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxamp
 
@@ -537,3 +539,41 @@ def test_a_checkpoint_without_the_per_leaf_record_is_named_and_resumes(tmp_path)
     bad = {"w": jnp.full((3, 2), jnp.inf), "b": jnp.ones(2)}
     _, state = jax.jit(lambda g, s, p: jaxamp.step(tx, g, s, p))(bad, state, got["params"])
     assert jaxamp.explain(state, params).last == ("w",)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    last=st.lists(st.booleans(), min_size=3, max_size=3),
+    count=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=3, max_size=3),
+)
+def test_restore_takes_a_per_leaf_record_only_with_counts_in_range(
+    tmp_path_factory, last, count
+) -> None:
+    # The record `jaxamp.explain` reads: a hand-edited negative count is refused by
+    # name at restore; every in-range record comes back exactly.
+    params = {"a": jnp.ones(3), "b": jnp.ones(()), "c": jnp.ones((2, 2))}
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+    good = {"params": params, "opt_state": tx.init(params)}
+    record = jaxamp.NonfiniteLeaves(jnp.array(last), jnp.array(count, jnp.int32))
+    saved = dict(good, opt_state=good["opt_state"]._replace(nonfinite_leaves=record))
+    path = tmp_path_factory.mktemp("record") / "ckpt"
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path, saved)
+    ckptr.wait_until_finished()
+    if min(count) < 0:
+        with pytest.raises(ValueError) as err:
+            jaxamp.checkpoint.restore(ckptr, _abstract(good), directory=path)
+        msg = str(err.value)
+        assert "at `opt_state.nonfinite_leaves`" in msg and "count must be >= 0" in msg
+    else:
+        got = jaxamp.checkpoint.restore(ckptr, _abstract(good), directory=path)
+        _assert_trees_equal(got["opt_state"].nonfinite_leaves, record)
+
+
+def test_a_record_of_the_wrong_length_is_refused_when_the_step_traces() -> None:
+    # A record restored for other params (another leaf count) is caught at trace time.
+    params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+    state = tx.init(params)._replace(nonfinite_leaves=tx.init({"a": jnp.ones(3)}).nonfinite_leaves)
+    with pytest.raises(ValueError, match="tracks 1 gradient leaves but the gradients have 2"):
+        jax.jit(tx.update)(params, state, params)

@@ -209,16 +209,37 @@ def test_a_hand_built_state_still_steps_without_a_record() -> None:
     assert state.nonfinite_leaves is None and int(state.loss_scale.skipped_steps) == 1
 
 
+# One transformation per way of splitting the leaves into independently skipped parts:
+# with several parts, each part's skip branch writes the record, in any order.
+_TXS = {
+    "skip_nonfinite": jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale()),
+    "two parts": jaxamp.multi_transform(
+        {"a": optax.sgd(0.1), "b": optax.adam(0.1)},
+        {"enc": {"kernel": "a", "bias": "b"}, "head": "a"},
+        jaxamp.dynamic_scale(),
+    ),
+    "three parts": jaxamp.multi_transform(
+        {"x": optax.sgd(0.1), "y": optax.sgd(0.2), "z": optax.adam(0.1)},
+        {"enc": {"kernel": "z", "bias": "x"}, "head": "y"},
+        jaxamp.dynamic_scale(),
+    ),
+}
+_STEPS = {k: jax.jit(lambda g, s, p, tx=tx: jaxamp.step(tx, g, s, p)) for k, tx in _TXS.items()}
+
+
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.sets(st.sampled_from(PATHS)), min_size=1, max_size=6))
-def test_record_matches_a_plain_python_model(plan) -> None:
-    tx = _TX
+@given(
+    st.sampled_from(sorted(_TXS)),
+    st.lists(st.sets(st.sampled_from(PATHS)), min_size=1, max_size=6),
+)
+def test_record_matches_a_plain_python_model(which, plan) -> None:
+    tx = _TXS[which]
     params = _params()
     state = tx.init(params)
     counts = dict.fromkeys(PATHS, 0)
     last: tuple[str, ...] = ()
     for bad in plan:
-        params, state = _STEP(tx, _grads(bad), state, params)
+        params, state = _STEPS[which](_grads(bad), state, params)
         for p in bad:
             counts[p] += 1
         if bad:
@@ -227,7 +248,3 @@ def test_record_matches_a_plain_python_model(plan) -> None:
     assert why.last == last
     assert why.counts == {p: n for p, n in sorted(counts.items(), key=lambda kv: -kv[1]) if n}
     assert why.skipped_steps == sum(1 for bad in plan if bad)
-
-
-_TX = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
-_STEP = jax.jit(lambda tx, g, s, p: jaxamp.step(tx, g, s, p), static_argnums=0)
