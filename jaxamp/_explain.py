@@ -171,10 +171,11 @@ def explain(opt_state: Any, params: Any = None) -> Explanation:
     ls = ls_lib.get_loss_scale(opt_state)
     spikes: SpikeState | None = state.spikes
     host = jax.device_get(
-        (leaves.last, leaves.count, ls.skipped_steps, ls.scale)
+        (leaves.signed_counts, ls.skipped_steps, ls.scale)
         + (() if spikes is None else (spikes.skips, spikes.skipped))
     )
-    last, count = np.asarray(host[0]), np.asarray(host[1])
+    signed = np.asarray(host[0])
+    last, count = signed < 0, np.abs(signed)
     # Replicated states (pmap) carry leading device axes: any / max over them.
     last = last.reshape(-1, last.shape[-1]).any(axis=0)
     count = count.reshape(-1, count.shape[-1]).max(axis=0)
@@ -186,11 +187,11 @@ def explain(opt_state: Any, params: Any = None) -> Explanation:
         )
     order = sorted((i for i in range(len(paths)) if count[i] > 0), key=lambda i: -count[i])
     return Explanation(
-        skipped_steps=int(np.max(host[2])),
-        loss_scale=float(np.min(host[3])),
+        skipped_steps=int(np.max(host[1])),
+        loss_scale=float(np.min(host[2])),
         last=tuple(paths[i] for i in range(len(paths)) if last[i]),
         counts={paths[i]: int(count[i]) for i in order},
         n_leaves=len(paths),
-        spike_skips=None if spikes is None else int(np.max(host[4])),
-        last_was_spike=None if spikes is None else bool(np.any(host[5])),
+        spike_skips=None if spikes is None else int(np.max(host[3])),
+        last_was_spike=None if spikes is None else bool(np.any(host[4])),
     )

@@ -1,17 +1,16 @@
 """Which gradient leaves were non-finite: a per-leaf record kept in the optimizer state.
 
-Two small vectors with one entry per leaf of the params (in ``jax.tree.leaves``
-order): whether the leaf held an inf or NaN on the last non-finite step, and on
-how many non-finite steps so far. They are updated inside the guarded step's
-skip branch (``_guard``), which runs only when a step is skipped; the taken
-branch hands them through, so a finite step runs no op for them and pays only
-for carrying them: ``5 * n_leaves`` bytes of state. Large
-leaves' flags come from the finite check itself (it reads each large leaf on its
-own, every step); only the small leaves, which the check reads joined per dtype,
-are read again, in the skip branch (reading the large ones there cost the optax
-path 6.5 MB of temp on the bench model: XLA kept more buffers live across the
-cond).
-:func:`jaxamp.explain` turns them into words on the host.
+One int32 vector with an entry per leaf of the params (in ``jax.tree.leaves``
+order): on how many non-finite steps the leaf held an inf or NaN, negative if it
+did on the last one. It is updated inside the guarded step's skip branch
+(``_guard``), which runs only when a step is skipped; the taken branch hands it
+through, so a finite step runs no op for it and pays only for carrying it:
+``4 * n_leaves`` bytes of state, one buffer. Large leaves' flags come from the
+finite check itself (it reads each large leaf on its own, every step); only the
+small leaves, which the check reads joined per dtype, are read again, in the skip
+branch (reading the large ones there cost the optax path 6.5 MB of temp on the
+bench model: XLA kept more buffers live across the cond). :func:`jaxamp.explain`
+turns the record into words on the host.
 """
 
 from __future__ import annotations
@@ -35,13 +34,18 @@ class NonfiniteLeaves(NamedTuple):
     """Which gradient leaves held inf or NaN, one entry per leaf of the params.
 
     Entries follow ``jax.tree.leaves(params)``; :func:`jaxamp.explain` names them
-    by key path.
+    by key path. One int32 vector: a leaf's magnitude is on how many non-finite
+    steps it was non-finite so far (saturating at 2**31 - 1), and its sign is
+    negative if it was non-finite on the last one. (A leaf non-finite on the last
+    step has been counted, so the two facts fit one number; one small array is one
+    buffer a step carries, and no state says "last" with a count of zero.)
 
     Attributes:
-      last: bool[n_leaves], the leaves that were non-finite on the last skipped
-        non-finite step (all False before the first).
-      count: int32[n_leaves], on how many non-finite steps each leaf was
-        non-finite so far (saturating at 2**31 - 1).
+      signed_counts: int32[n_leaves], as above.
+      last: bool[n_leaves] (derived), the leaves that were non-finite on the last
+        skipped non-finite step (all False before the first).
+      count: int32[n_leaves] (derived), on how many non-finite steps each leaf was
+        non-finite so far.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -53,14 +57,20 @@ class NonfiniteLeaves(NamedTuple):
       (Array([False,  True], dtype=bool), Array([0, 1], dtype=int32))
     """
 
-    last: jax.Array
-    count: jax.Array
+    signed_counts: jax.Array
+
+    @property
+    def last(self) -> jax.Array:
+        return self.signed_counts < 0
+
+    @property
+    def count(self) -> jax.Array:  # type: ignore[override]  # tuple.count: not used on a record
+        return abs(self.signed_counts)
 
 
 def init(tree: Any) -> NonfiniteLeaves:
     """No leaf non-finite yet: one entry per leaf of ``tree``."""
-    n = len(jax.tree.leaves(tree))
-    return NonfiniteLeaves(jnp.zeros((n,), jnp.bool_), jnp.zeros((n,), jnp.int32))
+    return NonfiniteLeaves(jnp.zeros((len(jax.tree.leaves(tree)),), jnp.int32))
 
 
 def bad_leaves(tree: Any, axis_name: Any, known: Sequence[bool] = ()) -> jax.Array:
@@ -82,9 +92,9 @@ def bad_leaves(tree: Any, axis_name: Any, known: Sequence[bool] = ()) -> jax.Arr
 
 def check_length(stats: NonfiniteLeaves, n_leaves: int) -> None:
     """Trace time: the record must have one entry per gradient leaf."""
-    if stats.last.shape != (n_leaves,):
+    if stats.signed_counts.shape != (n_leaves,):
         raise ValueError(
-            f"the optimizer state tracks {stats.last.shape[-1]} gradient leaves but the "
+            f"the optimizer state tracks {stats.signed_counts.shape[-1]} gradient leaves but the "
             f"gradients have {n_leaves}: pass the opt_state that tx.init(params) "
             "returned for these params."
         )
@@ -111,36 +121,30 @@ def skipped(
     leaves of the finite parts; a non-finite part writes its own in its own skip
     branch, so the result does not depend on the order the parts run in.
     """
-    n = stats.last.shape[0]
+    n = stats.signed_counts.shape[0]
     pos = jnp.array(positions, jnp.int32)
     mine = jnp.zeros((n,), jnp.bool_).at[pos].set(True)
     full = jnp.zeros((n,), jnp.bool_).at[pos].set(bad)
     leaf_ok = parts_finite[jnp.array(owner, jnp.int32)]
     every = jnp.all(parts_finite)
     last = jnp.where(mine, full, stats.last & ~leaf_ok)
-    more = full & ~every & (stats.count < _INT32_MAX)
-    return NonfiniteLeaves(jnp.where(every, stats.last, last), stats.count + more.astype(jnp.int32))
+    count = stats.count + (full & (stats.count < _INT32_MAX)).astype(jnp.int32)
+    return NonfiniteLeaves(jnp.where(every, stats.signed_counts, jnp.where(last, -count, count)))
 
 
 def validate(stats: NonfiniteLeaves, where: str) -> None:
-    """Checks a restored record on the host: one flag and one count per leaf, counts >= 0.
+    """Checks a restored record on the host: an int32 vector, one entry per leaf.
 
-    A leading device axis (a pmap-replicated state) is allowed on both.
+    A leading device axis (a pmap-replicated state) is allowed.
     """
-    host = jax.device_get(stats)
-    last, count = np.asarray(host.last), np.asarray(host.count)
+    counts = np.asarray(jax.device_get(stats.signed_counts))
     problems = []
-    if last.shape != count.shape or last.ndim not in (1, 2):
-        problems.append(
-            f"last and count must be vectors of one shape (one entry per parameter leaf), "
-            f"got {last.shape} and {count.shape}"
-        )
-    if last.dtype != np.bool_:
-        problems.append(f"last must be bool, got {last.dtype}")
-    if not np.issubdtype(count.dtype, np.integer):
-        problems.append(f"count must be an integer array, got {count.dtype}")
-    elif count.size and int(count.min()) < 0:
-        problems.append(f"count must be >= 0, got {int(count.min())}")
+    if counts.ndim not in (1, 2):
+        problems.append(f"signed_counts must be a vector (one entry per leaf), got {counts.shape}")
+    if counts.dtype != np.int32:
+        problems.append(f"signed_counts must be int32, got {counts.dtype}")
+    elif counts.size and int(counts.min()) < -_INT32_MAX:
+        problems.append(f"signed_counts must be >= -(2**31 - 1), got {int(counts.min())}")
     if problems:
         raise ValueError(
             f"{where} holds an invalid per-leaf non-finite record: " + "; ".join(problems) + "."
