@@ -502,8 +502,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("host/cond = host callbacks+send+recv+outfeed+infeed / conditionals in compiled HLO")
     probe = None
     names = {r["name"] for r in rows}
-    if {"jaxamp_step", "jaxamp_step_no_record"} <= names and args.size != "tiny":
-        probe = record_probe(cfg, rounds=40, steps=300)
+    if {"jaxamp_step", "jaxamp_step_no_record"} <= names:
+        probe = record_probe(cfg, *((2, 2) if args.size == "tiny" else (40, 300)))
         step_ms = next(r["step_ms"] for r in rows if r["name"] == "jaxamp_step")
         probe["share_of_bench_step"] = probe["record_us"] / (step_ms * 1e3)
         probe["bench_n_leaves"] = len(jax.tree.leaves(params))

@@ -118,6 +118,17 @@ ENTRY %main (x: f32[8]) -> f32[] {
     assert bench_run.reduction_kernels(text) >= 2
 
 
+def test_the_record_is_timed_on_a_model_with_the_bench_models_leaves(tmp_path) -> None:
+    argv = ["--size", "tiny", "--only", "jaxamp_step,jaxamp_step_no_record", "--no-finite-check"]
+    argv += ["--no-autocast", "--no-low-precision", "--out", str(tmp_path / "r.json")]
+    result = bench_run.main(argv)
+    probe = result["record_probe"]
+    assert probe["n_leaves"] == probe["bench_n_leaves"] > 0
+    assert probe["step_us"] > 0 and math.isfinite(probe["record_us"])
+    line = [t for t in result["targets"] if "timed on a narrow model" in t]
+    assert len(line) == 1 and line[0].split()[0] in ("PASS", "MISS"), result["targets"]
+
+
 def test_finite_step_kernels_counts_the_entry_and_the_true_branch_only() -> None:
     hlo = """HloModule m
 
