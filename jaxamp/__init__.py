@@ -10,19 +10,7 @@ from jaxamp._distributed import check_in_sync
 from jaxamp._explain import Explanation, explain
 from jaxamp._find_overflow import OverflowReport, find_overflow
 from jaxamp._leaf_stats import NonfiniteLeaves
-from jaxamp._loss_scale import (
-    LossScaleState,
-    Mode,
-    check_health,
-    dynamic_scale,
-    get_loss_scale,
-    metrics,
-    no_scale,
-    scale,
-    static_scale,
-    unscale_and_check,
-    update,
-)
+from jaxamp._loss_scale import LossScaleState, Mode, dynamic_scale, no_scale, static_scale
 from jaxamp._low_precision_params import (
     KahanSummationState,
     StochasticRoundingState,
@@ -30,9 +18,11 @@ from jaxamp._low_precision_params import (
     stochastic_round,
     stochastic_rounding,
 )
+from jaxamp._metrics import check_health, get_loss_scale, metrics
 from jaxamp._model_state import stepped, where_stepped
 from jaxamp._multi_transform import MultiTransformState, multi_transform
 from jaxamp._policy import Policy
+from jaxamp._scaling import scale, unscale_and_check, update
 from jaxamp._spikes import SpikeRule, SpikeState, spike_rule
 from jaxamp._train_state import TrainState
 from jaxamp._transform import SkipNonfiniteState, skip_nonfinite, step

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp._loss_scale import get_loss_scale
+from jaxamp._metrics import get_loss_scale
 from jaxamp._tree import render_path
 
 _WIDTH = 8  # bytes kept per leaf: enough for any scalar dtype up to 64 bits

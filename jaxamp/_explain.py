@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp import _loss_scale as ls_lib
+from jaxamp import _metrics as ls_lib
 from jaxamp._leaf_stats import NonfiniteLeaves
 from jaxamp._multi_transform import MultiTransformState
 from jaxamp._spikes import SpikeState

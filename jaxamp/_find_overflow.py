@@ -24,7 +24,7 @@ from jaxamp import _jax_compat, _overflow_eval, _overflow_where
 from jaxamp._autocast._api import debugging_autocast
 from jaxamp._autocast._interpret import AUTOCAST_SCOPE
 from jaxamp._autocast._rules import _known_primitives
-from jaxamp._loss_scale import get_loss_scale
+from jaxamp._metrics import get_loss_scale
 from jaxamp._tree import wide_dtype
 
 __all__ = ["OverflowReport", "find_overflow"]

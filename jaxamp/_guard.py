@@ -25,7 +25,7 @@ import optax
 from jax import lax
 
 from jaxamp import _leaf_stats, _spikes
-from jaxamp import _loss_scale as ls_lib
+from jaxamp import _scaling as ls_lib
 from jaxamp._loss_scale import LossScaleState
 from jaxamp._tree import agree, is_float_leaf, like
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp import _loss_scale as ls_lib
+from jaxamp import _metrics as ls_lib
 from jaxamp._transform import SkipNonfiniteState
 from jaxamp._tree import all_finite, select_tree
 

@@ -8,7 +8,8 @@ from typing import Any
 from flax.core import FrozenDict
 from flax.training import train_state
 
-from jaxamp._loss_scale import LossScaleState, get_loss_scale
+from jaxamp._loss_scale import LossScaleState
+from jaxamp._metrics import get_loss_scale
 from jaxamp._model_state import where_stepped
 from jaxamp._transform import step
 

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxamp import _loss_scale as ls_lib
+from jaxamp import _metrics, _scaling
 from jaxamp._loss_scale import LossScaleState
 from jaxamp._tree import is_float_leaf
 
@@ -38,7 +38,7 @@ def scaled_loss(
                 + f", got {jnp.asarray(loss).dtype}{list(jnp.shape(loss))}. Use has_aux=True "
                 "to return (loss, aux)."
             )
-        return ls_lib.scale(ls, loss), (loss, aux)
+        return _scaling.scale(ls, loss), (loss, aux)
 
     return scaled
 
@@ -89,7 +89,7 @@ def value_and_grad(
     grad_fn = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
 
     def wrapped(state: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        ls = ls_lib.find_state(state, "value_and_grad")
+        ls = _metrics.find_state(state, "value_and_grad")
         (_, (loss, aux)), grads = grad_fn(*args, **kwargs, **{_LOSS_SCALE_KWARG: ls})
         return ((loss, aux) if has_aux else loss), grads
 

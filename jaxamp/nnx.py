@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxamp import _loss_scale as ls_lib
+from jaxamp import _metrics as ls_lib
 from jaxamp._guard import Call
 from jaxamp._loss_scale import LossScaleState
 from jaxamp._model_state import stepped

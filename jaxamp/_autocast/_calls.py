@@ -19,11 +19,11 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jaxamp import _jax_compat
 from jaxamp._autocast import _rules
+from jaxamp._autocast._casts import bind
 from jaxamp._autocast._interpret import (
     Context,
     Outs,
     autocast_subjaxpr,
-    bind,
     cast_all,
     eval_jaxpr,
     eval_to_original,

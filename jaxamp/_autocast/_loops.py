@@ -24,11 +24,10 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
+from jaxamp._autocast._casts import SATURATING_CAST_OPS, bind
 from jaxamp._autocast._interpret import (
-    SATURATING_CAST_OPS,
     Context,
     Outs,
-    bind,
     eval_jaxpr,
     register,
     traced,
@@ -52,7 +51,7 @@ def _is_cast_down(eqn: Any, dtype: np.dtype) -> bool:
         return eqn.params["new_dtype"] == dtype
     if name != "custom_jvp_call" or eqn.outvars[0].aval.dtype != dtype:
         return False
-    # The saturating cast (_interpret._cast_jit), known by its body's ops.
+    # The saturating cast (_casts.cast_jit), known by its body's ops.
     inner = eqn.params["call_jaxpr"]
     return [e.primitive.name for e in getattr(inner, "jaxpr", inner).eqns] == SATURATING_CAST_OPS
 
