@@ -212,7 +212,7 @@ def guarded(
     call: Call,
     axis_name: Any,
     spikes: Spikes | None = None,
-    record: tuple[_leaf_stats.NonfiniteLeaves, list[list[int]]] | None = None,
+    record: tuple[_leaf_stats.NonfiniteLeaves, list[list[int]] | None] | None = None,
 ) -> Outcome:
     """Runs each part's inner update if its gradients are finite; updates the scale once.
 
@@ -224,7 +224,8 @@ def guarded(
       spikes: a spike rule: a finite step it calls a spike is skipped in every
         part (in the same cond), and the scale does not move for it.
       record: the per-leaf record of non-finite gradients, and per part where its
-        leaves sit among all the leaves; it is updated in the parts' skip branches.
+        leaves sit among all the leaves (None: one part, every leaf in order); it is
+        updated in the parts' skip branches.
 
     Returns:
       An :class:`Outcome`; the scale advances with "every part finite".
@@ -261,6 +262,9 @@ def guarded(
     stats, owner = None, []
     if record is not None and checked:
         stats, positions = record
+        # One part: its leaves (those of `prepare(grads)`: an accumulation window's
+        # mean, not the window) are all the leaves, in order.
+        positions = positions or [list(range(n)) for n in sizes]
         _leaf_stats.check_length(stats, sum(sizes))
         owner = [0] * sum(sizes)
         for i, pos in enumerate(positions):

@@ -135,11 +135,11 @@ def skipped(
 def validate(stats: NonfiniteLeaves, where: str) -> None:
     """Checks a restored record on the host: an int32 vector, one entry per leaf.
 
-    A leading device axis (a pmap-replicated state) is allowed.
+    Leading device axes (a pmap-replicated state) are allowed.
     """
     counts = np.asarray(jax.device_get(stats.signed_counts))
     problems = []
-    if counts.ndim not in (1, 2):
+    if counts.ndim < 1:
         problems.append(f"signed_counts must be a vector (one entry per leaf), got {counts.shape}")
     if counts.dtype != np.int32:
         problems.append(f"signed_counts must be int32, got {counts.dtype}")

@@ -141,8 +141,9 @@ def _check_state_type(state: Any, cls: type, fn: str) -> None:
         )
 
 
-def _record(state: Any, positions: list[list[int]]) -> Any:
-    """``guarded``'s ``record=``: the state's per-leaf record and the parts' positions."""
+def _record(state: Any, positions: list[list[int]] | None = None) -> Any:
+    """``guarded``'s ``record=``: the state's per-leaf record and the parts' positions
+    (None: one part holding every leaf, in order)."""
     if state.nonfinite_leaves is None:
         return None
     return state.nonfinite_leaves, positions
@@ -214,8 +215,7 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
         ) -> tuple[Any, SkipNonfiniteState]:
             part = Part(self.inner, state.inner_state, grads, params, prepare)
             spikes = None if self.spikes is None else Spikes(self.spikes, state.spikes, loss)
-            n = len(jax.tree.leaves(grads if params is None else params))
-            record = _record(state, [list(range(n))])
+            record = _record(state)
             got = guarded(state.loss_scale, [part], call, self.axis_name, spikes, record)
             new = _recorded(state, got)
             return got.outs[0], new._replace(inner_state=got.inner_states[0])

@@ -243,6 +243,13 @@ def _from_fields(node: Mapping[str, Any]) -> LossScaleState:
     return LossScaleState(**values, mode=Mode.STATIC)
 
 
+def _is_record(node: Any) -> bool:
+    """A per-leaf record, or one flattened into a mapping of its field (``nnx.state``)."""
+    if isinstance(node, NonfiniteLeaves):
+        return True
+    return isinstance(node, Mapping) and set(node) == set(NonfiniteLeaves._fields)
+
+
 def _validate_restored(tree: Any, where: str) -> None:
     """Checks every loss-scale state, spike state and per-leaf record in a restored tree."""
     found = [
@@ -251,12 +258,15 @@ def _validate_restored(tree: Any, where: str) -> None:
         if _is_loss_scale(leaf)
     ]
     for path, node in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, (SpikeState, NonfiniteLeaves))
+        tree, is_leaf=lambda x: isinstance(x, SpikeState) or _is_record(x)
     )[0]:
         if isinstance(node, SpikeState):
             validate_spikes(jax.tree.map(_host_view, node), f"{where} at `{render_path(path)}`")
-        elif isinstance(node, NonfiniteLeaves):
-            validate_leaves(jax.tree.map(_host_view, node), f"{where} at `{render_path(path)}`")
+        elif _is_record(node):
+            # nnx wraps the field in a Variable: take the array out.
+            counts = jax.tree.leaves(node[0] if isinstance(node, tuple) else node["signed_counts"])
+            record = NonfiniteLeaves(_host_view(counts[0]))
+            validate_leaves(record, f"{where} at `{render_path(path)}`")
     if not found:
         return
     # One transfer, of the loss-scale scalars only.

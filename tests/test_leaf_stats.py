@@ -114,6 +114,19 @@ def test_every_k_records_the_window_not_each_micro_batch() -> None:
     assert why.skipped_steps == 1 and why.last == ("enc.bias",) and why.counts == {"enc.bias": 1}
 
 
+def test_every_k_records_through_tx_update_without_params() -> None:
+    # optax's usual call for sgd / adam: update(grads, state), no params. The window's
+    # last call checks the window's mean, whose leaves are the params' leaves.
+    tx = jaxamp.skip_nonfinite(optax.adam(0.1), jaxamp.dynamic_scale(), every_k=2)
+    params = _params()
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for bad in [set(), {"enc.kernel", "head"}]:
+        _, state = update(_grads(bad), state)
+    assert jaxamp.explain(state, params).last == ("enc.kernel", "head")
+    np.testing.assert_array_equal(np.asarray(state.nonfinite_leaves.count), [0, 1, 1])
+
+
 def test_multi_transform_merges_the_partitions_leaves_in_param_order() -> None:
     labels = {"enc": {"kernel": "a", "bias": "b"}, "head": "a"}
     tx = jaxamp.multi_transform({"a": optax.sgd(0.1), "b": optax.adam(0.1)}, labels)

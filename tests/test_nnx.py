@@ -220,3 +220,17 @@ def test_restore_validates_an_nnx_loss_scale_state(tmp_path) -> None:
     with ocp.StandardCheckpointer() as ckpt:
         with pytest.raises(ValueError, match="growth_tracker"):
             jaxamp.checkpoint.restore(ckpt, nnx.state(_setup()), directory=tmp_path / "bad")
+
+
+def test_restore_validates_an_nnx_per_leaf_record(tmp_path) -> None:
+    # nnx.state flattens the record into a mapping of its field: still validated.
+    model, optimizer = _setup()
+    state = nnx.state((model, optimizer))
+    rec = state[1]["opt_state"]["nonfinite_leaves"]
+    n = rec["signed_counts"].get_value().shape[0]
+    rec["signed_counts"] = rec["signed_counts"].replace(jnp.full((n,), -(2**31), jnp.int32))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "bad", state)
+    with ocp.StandardCheckpointer() as ckpt:
+        with pytest.raises(ValueError, match="nonfinite_leaves.*invalid per-leaf"):
+            jaxamp.checkpoint.restore(ckpt, nnx.state(_setup()), directory=tmp_path / "bad")
