@@ -69,6 +69,9 @@ _NO_KERNEL = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
 # `%name = shape op(`; a tuple shape holds spaces: `(f32[2]{0}, s32[]) conditional(`.
 _OP = re.compile(r"= (\(.*?\)|\S+) ([\w-]+)\(")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+# Computations an op runs in place (a GPU command buffer's `call`, a loop's body):
+# their ops are kernels of the step. A fusion's `calls=` is one kernel, not followed.
+_RUNS = re.compile(r"\b(?:to_apply|body|condition)=(%[\w.-]+)")
 
 
 def _computations(text: str) -> dict[str, list[str]]:
@@ -87,9 +90,10 @@ def finite_step_kernels(text: str) -> dict[str, int]:
     """The kernels a finite step runs in compiled HLO text, counted per ``op shape``.
 
     The entry computation's ops plus, for each conditional, its last branch: the
-    ``true`` branch of a ``lax.cond``, which is the update taken on a finite step.
-    Fused computations count once (one kernel); parameters, constants, bitcasts and
-    tuple plumbing launch nothing and are left out.
+    ``true`` branch of a ``lax.cond``, which is the update taken on a finite step;
+    ``call`` and ``while`` computations are followed (once). Fused computations
+    count once (one kernel); parameters, constants, bitcasts and tuple plumbing
+    launch nothing and are left out.
     """
     comps = _computations(text)
 
@@ -102,9 +106,14 @@ def finite_step_kernels(text: str) -> dict[str, int]:
             shape = "(tuple)" if m.group(1).startswith("(") else m.group(1)
             key = f"{m.group(2)} {shape}"
             got[key] = got.get(key, 0) + 1
+            inner: list[str] = []
             branches = _BRANCHES.search(line)
             if m.group(2) == "conditional" and branches:
-                for k, v in walk(branches.group(1).split(", ")[-1]).items():
+                inner = [branches.group(1).split(", ")[-1]]
+            elif m.group(2) in ("call", "while"):
+                inner = _RUNS.findall(line)
+            for sub in inner:
+                for k, v in walk(sub).items():
                     got[k] = got.get(k, 0) + v
         return got
 

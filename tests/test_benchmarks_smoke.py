@@ -155,18 +155,25 @@ def test_finite_step_kernels_counts_the_entry_and_the_true_branch_only() -> None
   ROOT %r = (f32[8]{0}, s32[4]{0}) tuple(%f, %c)
 }
 
+%command_buffer (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %g = f32[8]{0} fusion(%a), kind=kLoop, calls=%fused_computation
+}
+
 ENTRY %main (x: f32[8], y: s32[4], p: s32[]) -> (f32[8], s32[4]) {
   %x = f32[8]{0} parameter(0)
   %y = s32[4]{0} parameter(1)
   %p = s32[] parameter(2)
   %k = f32[] constant(1)
-  %t = (f32[8]{0}, s32[4]{0}) tuple(%x, %y)
+  %x2 = f32[8]{0} call(%x), to_apply=%command_buffer
+  %t = (f32[8]{0}, s32[4]{0}) tuple(%x2, %y)
   ROOT %c = (f32[8]{0}, s32[4]{0}) conditional(%p, %t, %t), branch_computations={%skip, %apply}
 }
 """
     assert bench_run.finite_step_kernels(hlo) == {
+        "call f32[8]{0}": 1,
         "conditional (tuple)": 1,
-        "fusion f32[8]{0}": 1,
+        "fusion f32[8]{0}": 2,
         "copy s32[4]{0}": 1,
     }
 
