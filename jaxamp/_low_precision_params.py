@@ -52,10 +52,9 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     through; a finite value beyond ``dtype``'s range saturates to its largest
     finite value (never rounds up to inf). The draws are ``jax.random.uniform(key,
     x.shape)``: a deterministic function of ``key`` and the shape only, so the same
-    under any sharding (``jax_threefry_partitionable``, the default). Below
-    float32's smallest normal number (1.2e-38; no weight lives there) backends that
-    flush subnormals to zero (XLA on CPU and GPU) compute the probability as 0, so
-    such values round down.
+    under any sharding (``jax_threefry_partitionable``, the default). A float32
+    subnormal ``x`` (below 1.2e-38; no weight lives there) is read as 0 by backends
+    that flush subnormals to zero (XLA on CPU and GPU), so it rounds to 0.
 
     Args:
       x: a float32 array.
@@ -87,10 +86,14 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     other = jnp.nextafter(nearest, jnp.where(above, 0.0, jnp.inf).astype(dtype))
     down = jnp.where(above, other, nearest)
     up = jnp.where(above, nearest, other)
-    down32 = down.astype(jnp.float32)
     # Both differences are exact in float32 and the gap is a power of two, so the
     # probability is exact; above the largest finite value the gap is inf (p = 0).
-    p_up = (a - down32) / (up.astype(jnp.float32) - down32)
+    # Below 2**-60 all three are first scaled by 2**64 (exact): a bfloat16 gap there
+    # can be a float32 subnormal (under 2**-118 it is), which XLA flushes to zero, and
+    # every such value would round down.
+    s = jnp.where(a < 2.0**-60, jnp.float32(2.0**64), jnp.float32(1.0))
+    down32 = down.astype(jnp.float32) * s
+    p_up = (a * s - down32) / (up.astype(jnp.float32) * s - down32)
     draw = jax.random.uniform(key, x.shape, jnp.float32)
     rounded = jnp.copysign(jnp.where(draw < p_up, up, down), x.astype(dtype))
     return jnp.where(jnp.isfinite(x), rounded, x.astype(dtype))  # inf and NaN as they are
