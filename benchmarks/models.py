@@ -89,12 +89,14 @@ class TransformerLM(nn.Module):
         return embed.attend(x)
 
 
-def build(size: str, seed: int = 0) -> tuple[TransformerLM, Any, tuple[jax.Array, jax.Array]]:
-    """Returns ``(model, params, (inputs, targets))`` for a named size.
+def build(
+    size: str | ModelConfig, seed: int = 0
+) -> tuple[TransformerLM, Any, tuple[jax.Array, jax.Array]]:
+    """Returns ``(model, params, (inputs, targets))`` for a named size or a config.
 
     The batch is random tokens; targets are the inputs shifted by one.
     """
-    cfg = SIZES[size]
+    cfg = SIZES[size] if isinstance(size, str) else size
     model = TransformerLM(cfg)
     k_init, k_data = jax.random.split(jax.random.key(seed))
     tokens = jax.random.randint(k_data, (cfg.batch, cfg.seq_len + 1), 0, cfg.vocab, jnp.int32)

@@ -365,11 +365,7 @@ def record_probe(cfg: models.ModelConfig, rounds: int, steps: int) -> dict[str, 
     narrow = models.ModelConfig(
         vocab=256, d_model=32, n_layers=cfg.n_layers, n_heads=2, seq_len=8, batch=2
     )
-    model = models.TransformerLM(narrow)
-    k_init, k_data = jax.random.split(jax.random.key(0))
-    tokens = jax.random.randint(k_data, (narrow.batch, narrow.seq_len + 1), 0, narrow.vocab)
-    params = model.init(k_init, tokens[:, :-1])["params"]
-    batch = (tokens[:, :-1], tokens[:, 1:])
+    model, params, batch = models.build(narrow)
 
     def loss(p: Any, b: Any) -> jax.Array:
         return models.loss_fn(model, p, b)

@@ -23,11 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._tree import is_float_leaf, leaf_finite
+from jaxamp._tree import INT32_MAX, is_float_leaf, leaf_finite, saturating_inc
 
 __all__ = ["NonfiniteLeaves"]
-
-_INT32_MAX = 2**31 - 1
 
 
 class NonfiniteLeaves(NamedTuple):
@@ -128,7 +126,7 @@ def skipped(
     leaf_ok = parts_finite[jnp.array(owner, jnp.int32)]
     every = jnp.all(parts_finite)
     last = jnp.where(mine, full, stats.last & ~leaf_ok)
-    count = stats.count + (full & (stats.count < _INT32_MAX)).astype(jnp.int32)
+    count = saturating_inc(stats.count, full.astype(jnp.int32))
     return NonfiniteLeaves(jnp.where(every, stats.signed_counts, jnp.where(last, -count, count)))
 
 
@@ -143,7 +141,7 @@ def validate(stats: NonfiniteLeaves, where: str) -> None:
         problems.append(f"signed_counts must be a vector (one entry per leaf), got {counts.shape}")
     if counts.dtype != np.int32:
         problems.append(f"signed_counts must be int32, got {counts.dtype}")
-    elif counts.size and int(counts.min()) < -_INT32_MAX:
+    elif counts.size and int(counts.min()) < -INT32_MAX:
         problems.append(f"signed_counts must be >= -(2**31 - 1), got {int(counts.min())}")
     if problems:
         raise ValueError(

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._tree import INT32_MAX
+
 __all__ = ["LossScaleState", "Mode", "dynamic_scale", "no_scale", "static_scale"]
 
 SCALE_MIN = 2.0**-126
@@ -68,8 +70,7 @@ def _integer(ok: Callable[[float], bool]) -> Callable[[float], bool]:
     return lambda v: float(v).is_integer() and ok(v)
 
 
-_INT32_MAX = 2**31 - 1
-_counter = _integer(lambda v: 0 <= v <= _INT32_MAX)
+_counter = _integer(lambda v: 0 <= v <= INT32_MAX)
 _COUNTER = "an integer in [0, 2**31 - 1]"
 
 # The one table every path that builds a state validates against.

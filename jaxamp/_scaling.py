@@ -43,7 +43,6 @@ from jax import lax
 from jaxamp import _jax_compat
 from jaxamp._loss_scale import (
     _CONFIG_FIELDS,
-    _INT32_MAX,
     HYSTERESIS_REFILL,
     SCALE_MAX,
     SCALE_MIN,
@@ -51,7 +50,14 @@ from jaxamp._loss_scale import (
     Mode,
     _check_state,
 )
-from jaxamp._tree import agree, is_float_leaf, leaf_finite, map_float_leaves, wide_dtype
+from jaxamp._tree import (
+    agree,
+    is_float_leaf,
+    leaf_finite,
+    map_float_leaves,
+    saturating_inc,
+    wide_dtype,
+)
 
 __all__ = ["scale", "unscale_and_check", "update"]
 
@@ -263,10 +269,7 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
     _check_state(state, "update")
     finite = as_finite(finite, "update")
     s = state
-    one = jnp.int32(1)
-    # Counters saturate at the int32 maximum instead of wrapping to negative values.
-    inc = lambda x, by=one: jnp.where(x < _INT32_MAX, x + by, x)
-    growth_tracker = jnp.where(finite, inc(s.growth_tracker), 0)
+    growth_tracker = jnp.where(finite, saturating_inc(s.growth_tracker), 0)
     grow = finite & (growth_tracker >= s.growth_interval)
     growth_tracker = jnp.where(grow, 0, growth_tracker)
 
@@ -275,7 +278,7 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
     tracker = jnp.where(
         finite,
         jnp.where(refill_on_finite, s.hysteresis, s.hysteresis_tracker),
-        s.hysteresis_tracker - one,
+        s.hysteresis_tracker - 1,
     )
     backoff = ~finite & (tracker <= 0)
     tracker = jnp.where(backoff, jnp.where(refill_on_backoff, s.hysteresis, 0), tracker)
@@ -296,9 +299,9 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
         scale=jnp.array(new_scale, jnp.float32, copy=True),
         growth_tracker=i32(growth_tracker),
         hysteresis_tracker=i32(tracker),
-        nonfinite_streak=i32(jnp.where(finite, 0, inc(s.nonfinite_streak))),
-        skipped_steps=i32(inc(s.skipped_steps, (~finite).astype(jnp.int32))),
-        min_scale_backoffs=i32(inc(s.min_scale_backoffs, stuck.astype(jnp.int32))),
+        nonfinite_streak=i32(jnp.where(finite, 0, saturating_inc(s.nonfinite_streak))),
+        skipped_steps=i32(saturating_inc(s.skipped_steps, (~finite).astype(jnp.int32))),
+        min_scale_backoffs=i32(saturating_inc(s.min_scale_backoffs, stuck.astype(jnp.int32))),
         **config,
         mode=s.mode,
     )

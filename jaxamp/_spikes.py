@@ -36,11 +36,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._tree import is_float_leaf
+from jaxamp._tree import is_float_leaf, saturating_inc
 
 __all__ = ["SpikeRule", "SpikeState", "spike_rule"]
 
-_INT32_MAX = 2**31 - 1
 # The standard deviation's floor, relative to the mean (see the module docstring).
 _STD_FLOOR = 1e-4
 
@@ -247,7 +246,7 @@ def record(
     def put(ring: jax.Array, v: jax.Array) -> jax.Array:
         return jnp.where(keep, ring.at[slot].set(v), ring)
 
-    skips = state.skips + jnp.where(spike & (state.skips < _INT32_MAX), 1, 0).astype(jnp.int32)
+    skips = saturating_inc(state.skips, spike.astype(jnp.int32))
     return state._replace(
         losses=put(state.losses, loss),
         grad_norms=put(state.grad_norms, norm),

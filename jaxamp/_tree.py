@@ -21,6 +21,14 @@ from jaxamp import _jax_compat
 __all__ = ["all_finite", "select_tree"]
 
 
+INT32_MAX = 2**31 - 1
+
+
+def saturating_inc(x: jax.Array, by: Any = 1) -> jax.Array:
+    """``x + by`` for an int32 counter, staying at 2**31 - 1 instead of wrapping negative."""
+    return jnp.where(x < INT32_MAX, x + jnp.asarray(by, jnp.int32), x)
+
+
 @functools.cache
 def is_float_dtype(dtype: Any) -> bool:
     """True for a real floating dtype (float8 to float64); False for complex, ints,
