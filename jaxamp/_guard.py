@@ -27,7 +27,8 @@ from jax import lax
 from jaxamp import _leaf_stats, _spikes
 from jaxamp import _scaling as ls_lib
 from jaxamp._loss_scale import LossScaleState
-from jaxamp._tree import agree, is_float_leaf, like
+from jaxamp._jax_compat import aval_of
+from jaxamp._tree import agree, is_float_leaf, like, zeros_of
 
 _BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 
@@ -93,8 +94,8 @@ def cond_traced_once(pred: jax.Array, taken: Any, other: Any, *operands: Any) ->
 
     def first(*ops: Any) -> Any:
         out = taken(*ops)
-        shape = lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-        seen.append(jax.tree.map(shape, out))
+        # The type, sharding included: on an Explicit mesh the other branch must match it.
+        seen.append(jax.tree.map(lambda x: aval_of(jnp.asarray(x)), out))
         return out
 
     def second(*ops: Any) -> Any:
@@ -160,7 +161,7 @@ def _run_part(
         if call.to_params:
             out = params
         else:
-            out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+            out = zeros_of(shapes[0])
         if record is not None:
             bad = _leaf_stats.bad_leaves(unscale(prepare(grads)), axis_name, record.known)
             if record.alone:  # the large leaves' flags, from the finite check

@@ -70,8 +70,12 @@ def aval_of(x: Any) -> Any:
 
 
 def typed_spec(x: Any) -> Any:
-    """The PartitionSpec in ``x``'s type (Explicit mesh axes), or None if it has none."""
-    spec = getattr(getattr(aval_of(x), "sharding", None), "spec", None)
+    """The PartitionSpec in ``x``'s type (Explicit mesh axes), or None if it has none.
+
+    ``x`` is an array, a tracer or an abstract value (``jax.typeof``'s result).
+    """
+    aval = x if isinstance(x, jax.core.AbstractValue | jax.ShapeDtypeStruct) else aval_of(x)
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
     return spec if spec is not None and any(p is not None for p in spec) else None
 
 

@@ -103,7 +103,9 @@ def _merge(trees: Mapping[Any, Any], full_labels: Any, like_tree: Any) -> Any:
     return treedef.unflatten([flat[label][i] for i, label in enumerate(labels)])
 
 
-@dataclasses.dataclass(frozen=True)
+# eq=False: hashed by identity, as a plain function is, so that `jax.jit(tx.update)`
+# works (a field such as multi_transform's dict of transforms is unhashable).
+@dataclasses.dataclass(frozen=True, eq=False)
 class _MultiTransformUpdate(_GuardedUpdate):
     """``multi_transform``'s update function; its parts are its fields."""
 

@@ -20,7 +20,7 @@ from jaxamp import _leaf_stats, _spikes
 from jaxamp import _loss_scale as ls_lib
 from jaxamp._guard import Call, Outcome, Part, Spikes, cond_traced_once, guarded
 from jaxamp._loss_scale import LossScaleState
-from jaxamp._tree import check_axis_name, is_float_leaf, like, render_path
+from jaxamp._tree import check_axis_name, is_float_leaf, like, render_path, zeros_of
 
 __all__ = ["SkipNonfiniteState", "skip_nonfinite", "step"]
 
@@ -184,7 +184,9 @@ class _GuardedUpdate:
         raise NotImplementedError
 
 
-@dataclasses.dataclass(frozen=True)
+# eq=False: hashed by identity, as a plain function is, so that `jax.jit(tx.update)`
+# works (a field such as multi_transform's dict of transforms is unhashable).
+@dataclasses.dataclass(frozen=True, eq=False)
 class _SkipNonfiniteUpdate(_GuardedUpdate):
     """``skip_nonfinite``'s update function; its parts are its fields."""
 
@@ -276,7 +278,7 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
             if to_params:
                 out = params
             else:
-                out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+                out = zeros_of(shapes[0])
             acc = jax.tree.map(add, state.acc, grads)
             state = state._replace(acc=acc, mini_step=state.mini_step + 1)
             if self.spikes is not None:

@@ -183,15 +183,23 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     )
 
 
-def like(old: Any, new_shapes: Any) -> Any:
-    """``old`` with each leaf in the dtype of ``new_shapes`` (a no-op when they agree)."""
+def like(old: Any, new_types: Any) -> Any:
+    """``old`` with each leaf in the type of ``new_types`` (abstract values): its dtype
+    and, on an Explicit mesh, its sharding, as ``lax.cond`` wants of two branches."""
 
     def cast(o: Any, n: Any) -> Any:
-        if o is None or getattr(o, "dtype", None) == n.dtype:
+        if o is None:
             return o
-        return jnp.asarray(o).astype(n.dtype)
+        if getattr(o, "dtype", None) != n.dtype:
+            o = jnp.asarray(o).astype(n.dtype)
+        return _jax_compat.like_sharded(o, n)
 
-    return jax.tree.map(cast, old, new_shapes)
+    return jax.tree.map(cast, old, new_types)
+
+
+def zeros_of(new_types: Any) -> Any:
+    """Zeros of each abstract value's shape, dtype and (Explicit mesh) sharding."""
+    return like(jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), new_types), new_types)
 
 
 def path_key(entry: Any) -> Any:

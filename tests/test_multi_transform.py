@@ -137,3 +137,15 @@ def test_labels_are_compared_as_keys_not_as_text() -> None:
     tx = jaxamp.multi_transform({"1": optax.sgd(1.0)}, {"a": 1})
     with pytest.raises(ValueError, match="param_labels"):
         tx.init({"a": jnp.ones(2)})
+
+
+def test_update_can_be_jitted_as_a_function() -> None:
+    # `jax.jit(tx.update)` hashes the function: 0.3's update held an unhashable dict.
+    tx = jaxamp.multi_transform(
+        {"a": optax.sgd(0.1), "b": optax.sgd(1.0)}, {"w": "a", "b": "b"}, jaxamp.static_scale(2.0)
+    )
+    params = {"w": jnp.ones(2), "b": jnp.ones(3)}
+    grads = jax.tree.map(lambda p: 2.0 * p, params)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    np.testing.assert_array_equal(updates["w"], np.full(2, -0.1, np.float32))
+    np.testing.assert_array_equal(updates["b"], np.full(3, -1.0, np.float32))
