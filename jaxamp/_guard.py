@@ -26,8 +26,8 @@ from jax import lax
 
 from jaxamp import _leaf_stats, _spikes
 from jaxamp import _scaling as ls_lib
-from jaxamp._loss_scale import LossScaleState
 from jaxamp._jax_compat import aval_of
+from jaxamp._loss_scale import LossScaleState
 from jaxamp._tree import agree, is_float_leaf, like, zeros_of
 
 _BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
