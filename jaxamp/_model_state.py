@@ -66,6 +66,28 @@ def stepped(opt_state: Any) -> jax.Array:
     return lax.cond(window.mini_step == 0, lambda: taken, lambda: all_finite(window.acc))
 
 
+def applied_calls(before: Any, after: Any) -> jax.Array:
+    """How many optimizer calls the last call applied: an int32 scalar, no host sync.
+
+    1 for a step taken, 0 for one skipped. With ``every_k > 1``: 0 inside a window,
+    and at a window's end the window's number of micro-batches if it was applied (0
+    if it was skipped), so that a counter of calls moves only over windows that
+    changed the params, and by as much as ``optax.MultiSteps``'s would.
+
+    Args:
+      before: the optimizer state the call was given.
+      after: the optimizer state it returned.
+    """
+    taken = stepped(after)
+    old, new = _window(before), _window(after)
+    if old is None or new is None:
+        return taken.astype(jnp.int32)
+    # A window ends when its count goes back to 0; its size is the count it had + 1
+    # (k, or more for a window restored from a run with a larger every_k).
+    ended = new.mini_step == 0
+    return jnp.where(ended & taken, old.mini_step + 1, 0).astype(jnp.int32)
+
+
 def where_stepped(opt_state: Any, new: Any, old: Any) -> Any:
     """``new`` if the last step was taken, ``old`` if it was skipped: model state.
 

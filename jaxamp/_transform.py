@@ -10,6 +10,7 @@ parameter update fused in.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -20,6 +21,7 @@ from jaxamp import _leaf_stats, _spikes
 from jaxamp import _loss_scale as ls_lib
 from jaxamp._guard import Call, Outcome, Part, Spikes, cond_traced_once, guarded
 from jaxamp._loss_scale import LossScaleState
+from jaxamp._nnx_state import refuse_flax_optimizer
 from jaxamp._tree import check_axis_name, is_float_leaf, like, render_path, zeros_of
 
 __all__ = ["SkipNonfiniteState", "skip_nonfinite", "step"]
@@ -178,6 +180,7 @@ class _GuardedUpdate:
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, Any]:
+        refuse_flax_optimizer(sys._getframe(1))
         return self.run(updates, state, params, Call(extra_args, None, to_params=False))
 
     def run(self, grads: Any, state: Any, params: Any, call: Call) -> tuple[Any, Any]:

@@ -16,6 +16,7 @@ Requires the Flax NNX optimizer interface of flax >= 0.11
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,8 @@ from flax import nnx
 from jaxamp import _metrics as ls_lib
 from jaxamp._guard import Call
 from jaxamp._loss_scale import LossScaleState
-from jaxamp._model_state import stepped
+from jaxamp._model_state import applied_calls, stepped
+from jaxamp._nnx_state import forward_written
 from jaxamp._transform import _GuardedUpdate
 from jaxamp._tree import select_tree
 from jaxamp._value_and_grad import scaled_loss
@@ -49,15 +51,21 @@ class Optimizer(nnx.Optimizer):
     """``nnx.Optimizer`` whose ``update`` skips a non-finite step as a whole.
 
     Build it as Flax's, with a :func:`jaxamp.skip_nonfinite` (or
-    :func:`jaxamp.multi_transform`) transformation; get loss and gradients with
-    :func:`jaxamp.nnx.value_and_grad` (which takes this optimizer first and
-    scales the loss); then ``optimizer.update(model, grads)``.
+    :func:`jaxamp.multi_transform`) transformation; take the gradients of the
+    scaled loss with :func:`jaxamp.nnx.value_and_grad` (or Flax's own
+    ``nnx.value_and_grad`` of ``loss * optimizer.loss_scale.scale``); then
+    ``optimizer.update(model, grads)``.
 
     On a skipped step the ``wrt`` Variables, the optimizer state (but for its
-    loss-scale counters), ``optimizer.step`` and the model state the forward wrote
-    (``BatchStat``, RNG counters, every Variable outside ``wrt`` but
-    ``nnx.Intermediate``) keep their values; the last is restored only when the
-    gradients came from :func:`jaxamp.nnx.value_and_grad`, which records it.
+    loss-scale counters), ``optimizer.step`` and the model state a forward writes
+    keep their values. That model state is every Variable outside ``wrt`` that is
+    neither an ``nnx.Param`` nor an ``nnx.Intermediate`` (``BatchStat``, RNG
+    counters and keys, caches): the optimizer holds a copy of it as it was after
+    its last update, and a skipped update puts the model back to that copy, however
+    many forwards ran since and whatever other modules the loss was given. Params
+    outside ``wrt`` (a frozen base under LoRA) are not copied: a forward does not
+    write them. ``optimizer.step`` counts the calls applied: with ``every_k=k`` it
+    moves by k when a window is applied, not at all for a skipped window.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -97,18 +105,14 @@ class Optimizer(nnx.Optimizer):
             )
         kwargs = {} if graph is None else {"graph": graph}
         super().__init__(model, tx, wrt=wrt, **kwargs)
-        # The model state a skipped step restores: recorded by value_and_grad
-        # before the forward (`armed`), put back by update where the step skipped.
-        kept = _pure(nnx.state(model, self._kept_filter()))
-        self.kept = nnx.data(jax.tree.map(lambda x: nnx.OptArray(jnp.array(x, copy=True)), kept))
-        self.armed = nnx.OptState(jnp.array(False))
+        # The model state a skipped update puts back: as it was after the last update.
+        self.kept = nnx.data(_as_kept(self._written(model)))
 
-    def _kept_filter(self) -> Any:
-        return nnx.All(nnx.Not(self.wrt), nnx.Not(nnx.Intermediate))
-
-    def _state_kwargs(self) -> dict[str, Any]:
+    def _written(self, model: nnx.Module) -> Any:
+        """The model state a forward can write, as plain arrays."""
         graph = getattr(self, "graph", None)
-        return {} if graph is None else {"graph": graph}
+        kw = {} if graph is None else {"graph": graph}
+        return _pure(nnx.state(model, forward_written(self.wrt), **kw))
 
     @property
     def loss_scale(self) -> LossScaleState:
@@ -116,19 +120,18 @@ class Optimizer(nnx.Optimizer):
         return ls_lib.get_loss_scale(_pure(self.opt_state))
 
     def keep(self, model: nnx.Module) -> None:
-        """Records ``model``'s state outside ``wrt``, to restore if the next step skips.
+        """Deprecated: does nothing. The optimizer records the model state at every update.
 
-        :func:`value_and_grad` calls it before the forward pass; call it yourself
-        before a forward whose gradients you get another way.
+        0.3 recorded the state here, before the forward; the record of the last update
+        is right however many forwards ran since, so there is nothing left to call.
         """
-        now = _pure(nnx.state(model, self._kept_filter(), **self._state_kwargs()))
-        if jax.tree.structure(now) != jax.tree.structure(_pure(self.kept)):
-            raise ValueError(
-                "jaxamp.nnx.Optimizer.keep: this model's Variables outside `wrt` do not "
-                "match the model the optimizer was built for."
-            )
-        nnx.update(self.kept, nnx.state(jax.tree.map(nnx.OptArray, now)))
-        self.armed[...] = jnp.array(True)
+        del model
+        warnings.warn(
+            "jaxamp.nnx.Optimizer.keep is no longer needed and does nothing: the optimizer "
+            "keeps the model state as it was after its last update. Remove the call.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
 
     def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
         """One fused, guarded step (:func:`jaxamp.step`); a skip changes nothing but counters.
@@ -142,22 +145,35 @@ class Optimizer(nnx.Optimizer):
           The change applied to the ``wrt`` Variables (new minus old; zeros on a
           skipped step). Unused under ``jit``, it costs nothing.
         """
-        kw = self._state_kwargs()
+        graph = getattr(self, "graph", None)
+        kw = {} if graph is None else {"graph": graph}
+        written = self._written(model)
+        kept = _pure(self.kept)
+        if jax.tree.structure(written) != jax.tree.structure(kept):
+            raise ValueError(
+                "jaxamp.nnx.Optimizer.update: `model` is not the model this optimizer was "
+                "built for: its Variables outside `wrt` differ. Pass the trained model, the "
+                "one given to jaxamp.nnx.Optimizer(model, tx, wrt=...)."
+            )
         params = _pure(nnx.state(model, self.wrt, **kw))
         grads = _pure(nnx.state(grads, self.wrt, **kw))
         opt_state = _pure(self.opt_state)
         new_params, new_opt_state = self.tx.update.run(
             grads, opt_state, params, Call(_pure(kwargs), None, to_params=True)
         )
-        took = stepped(new_opt_state)
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, **kw))
-        self.step[...] += took.astype(self.step.dtype)
-        restore = self.armed[...] & ~took
-        now = _pure(nnx.state(model, self._kept_filter(), **kw))
-        nnx.update(model, select_tree(restore, _pure(self.kept), now))
-        self.armed[...] = jnp.array(False)
+        self.step[...] += applied_calls(opt_state, new_opt_state).astype(self.step.dtype)
+        # What the forwards since the last update wrote stays only if this step was taken.
+        state = select_tree(stepped(new_opt_state), written, kept)
+        nnx.update(model, state)
+        nnx.update(self.kept, nnx.state(_as_kept(state)))
         return jax.tree.map(lambda n, o: n - o, new_params, params)
+
+
+def _as_kept(tree: Any) -> Any:
+    """A copy of plain arrays as optimizer-state Variables (not the model's own arrays)."""
+    return jax.tree.map(lambda x: nnx.OptArray(jnp.array(x, copy=True)), tree)
 
 
 def value_and_grad(
@@ -168,9 +184,6 @@ def value_and_grad(
     The returned function takes the :class:`Optimizer` (or an optimizer state /
     ``LossScaleState``) first, then ``f``'s arguments; ``argnums`` (ints or
     ``nnx.DiffState``) and ``has_aux`` mean what they mean to ``nnx.value_and_grad``.
-    With an :class:`Optimizer`, it also records the model state that a skipped
-    step restores (:meth:`Optimizer.keep`), from the first argument that is a
-    Module of the optimizer's structure.
 
     Args:
       f: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
@@ -199,10 +212,6 @@ def value_and_grad(
     def wrapped(optimizer: Any, /, *args: Any, **kwargs: Any) -> Any:
         if isinstance(optimizer, Optimizer):
             ls = optimizer.loss_scale
-            for a in args:
-                if isinstance(a, nnx.Module):
-                    optimizer.keep(a)
-                    break
         else:
             ls = ls_lib.find_state(_pure(optimizer), "nnx.value_and_grad")
         scaled = functools.wraps(f)(scaled_loss(f, has_aux, ls, "jaxamp.nnx.value_and_grad"))

@@ -1,0 +1,186 @@
+"""What a skipped nnx step keeps, however the step was called (issue 30, items 2-6).
+
+Each test is a call order a user writes that 0.3 got wrong: two forwards before one
+update, another module passed to the loss first, Flax's own ``nnx.value_and_grad``,
+``every_k``'s step counter, a LoRA optimizer's copy of the frozen base, and Flax's own
+``nnx.Optimizer`` given a jaxamp ``tx``. The model has BatchNorm and Dropout: its
+forward writes ``BatchStat`` and RNG counters.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxamp
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, width: int = 16) -> None:
+        self.lin = nnx.Linear(4, width, rngs=rngs)
+        self.bn = nnx.BatchNorm(width, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.out = nnx.Linear(width, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.out(self.drop(nnx.relu(self.bn(self.lin(x)))))
+
+
+X = jax.random.normal(jax.random.key(1), (32, 4))
+BAD = X.at[5, 2].set(jnp.inf)
+
+
+def _loss(model: Net, x: jax.Array) -> jax.Array:
+    return jnp.mean((model(x) - 1.0) ** 2)
+
+
+def _host(node, *filters):
+    def host(x):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.asarray(x)
+
+    return jax.tree.map(host, nnx.state(node, *filters) if filters else nnx.state(node))
+
+
+def _assert_same(a, b) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def _setup(every_k: int = 1):
+    model = Net(nnx.Rngs(0))
+    tx = jaxamp.skip_nonfinite(optax.adam(1e-2), jaxamp.dynamic_scale(2.0**8), every_k=every_k)
+    return model, jaxamp.nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def _finite_step(model, optimizer) -> None:
+    _, grads = jaxamp.nnx.value_and_grad(_loss)(optimizer, model, X)
+    optimizer.update(model, grads)
+
+
+def test_two_forwards_before_one_update_keep_the_state_before_both() -> None:
+    model, optimizer = _setup()
+    _finite_step(model, optimizer)
+    before = _host(model)
+    vg = jaxamp.nnx.value_and_grad(_loss)
+    _, g1 = vg(optimizer, model, BAD)  # overflows: BatchStat becomes inf / NaN
+    _, g2 = vg(optimizer, model, X)  # records nothing new: the poisoned stats stay out
+    optimizer.update(model, jax.tree.map(jnp.add, g1, g2))
+    assert bool(jaxamp.metrics(optimizer.opt_state)["skipped"])
+    _assert_same(_host(model), before)  # params, BatchStat and RNG counters
+    assert int(optimizer.step) == 1
+
+
+@pytest.mark.parametrize("teacher_width", [16, 8], ids=["same-architecture", "other-architecture"])
+def test_a_teacher_passed_first_is_not_what_the_student_gets_back(teacher_width: int) -> None:
+    model, optimizer = _setup()
+    teacher = Net(nnx.Rngs(7), width=teacher_width)
+    teacher(X * 3.0 + 1.0)  # statistics unlike the student's
+    _finite_step(model, optimizer)
+    before, teacher_before = _host(model), _host(teacher, nnx.BatchStat)
+
+    def distill(teacher: Net, student: Net, x: jax.Array) -> jax.Array:
+        return jnp.mean((student(x) - jax.lax.stop_gradient(teacher(x))) ** 2)
+
+    _, grads = jaxamp.nnx.value_and_grad(distill, argnums=1)(optimizer, teacher, model, BAD)
+    optimizer.update(model, grads)
+    assert bool(jaxamp.metrics(optimizer.opt_state)["skipped"])
+    _assert_same(_host(model), before)
+    # The teacher's forward wrote its own statistics; the optimizer does not touch them.
+    assert not np.array_equal(
+        jax.tree.leaves(_host(teacher, nnx.BatchStat))[0], jax.tree.leaves(teacher_before)[0]
+    )
+
+
+def test_flax_own_value_and_grad_with_the_loss_scaled_by_hand() -> None:
+    model, optimizer = _setup()
+    _finite_step(model, optimizer)
+    before = _host(model)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        scale = optimizer.loss_scale.scale
+        grads = nnx.grad(lambda m: _loss(m, x) * scale)(model)
+        optimizer.update(model, grads)
+
+    step(model, optimizer, BAD)
+    assert bool(jaxamp.metrics(optimizer.opt_state)["skipped"])
+    _assert_same(_host(model), before)
+    step(model, optimizer, X)  # and a finite step after it is taken
+    assert int(optimizer.step) == 2
+
+
+def test_every_k_step_counts_only_applied_windows_as_multisteps_would() -> None:
+    model, optimizer = _setup(every_k=4)
+    ref_model = Net(nnx.Rngs(0))
+    ref = nnx.Optimizer(ref_model, optax.MultiSteps(optax.adam(1e-2), 4), wrt=nnx.Param)
+    window = [X, BAD, X, X]
+    for x in window:  # one skipped window
+        _, grads = jaxamp.nnx.value_and_grad(_loss)(optimizer, model, x)
+        optimizer.update(model, grads)
+    assert int(optimizer.step) == 0
+    for _ in range(4):  # one applied window
+        _finite_step(model, optimizer)
+        ref.update(ref_model, nnx.grad(_loss)(ref_model, X))
+    assert int(optimizer.step) == int(ref.step) == 4
+
+
+def test_lora_optimizer_does_not_copy_the_frozen_base() -> None:
+    class Lora(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.lin = nnx.LoRA(64, 4, 64, base_module=nnx.Linear(64, 64, rngs=rngs), rngs=rngs)
+            self.bn = nnx.BatchNorm(64, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    model = Lora(nnx.Rngs(0))
+    tx = jaxamp.skip_nonfinite(optax.sgd(1e-2), jaxamp.dynamic_scale(2.0**8))
+    optimizer = jaxamp.nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+    flax_opt = nnx.Optimizer(Lora(nnx.Rngs(0)), optax.sgd(1e-2), wrt=nnx.LoRAParam)
+    nbytes = lambda node: sum(x.nbytes for x in jax.tree.leaves(nnx.state(node)))
+    # Only the BatchStat (2 x 64 float32) besides what Flax's own optimizer holds.
+    kept = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.BatchStat)))
+    base = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.lin.base_module)))
+    assert kept < base
+    assert nbytes(optimizer) - nbytes(flax_opt) < kept + 4096  # + loss scale, record
+    x = jax.random.normal(jax.random.key(2), (8, 64))
+    before = _host(model)
+    loss = lambda m, x: jnp.mean(m(x) ** 2)
+    _, grads = jaxamp.nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(
+        optimizer, model, x.at[0, 0].set(jnp.nan)
+    )
+    optimizer.update(model, grads)
+    _assert_same(_host(model), before)
+
+
+def test_flax_own_optimizer_with_a_jaxamp_tx() -> None:
+    # Without model state, Flax's optimizer works: params and opt state kept on a skip.
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    tx = jaxamp.skip_nonfinite(optax.adam(1e-2), jaxamp.dynamic_scale(2.0**8))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    loss = lambda m, x: (
+        jnp.mean(m(x) ** 2) * jaxamp.get_loss_scale(nnx.as_pure(optimizer.opt_state)).scale
+    )
+    optimizer.update(model, nnx.grad(loss)(model, X))
+    before = _host(model)
+    optimizer.update(model, nnx.grad(loss)(model, BAD))
+    assert bool(jaxamp.metrics(nnx.as_pure(optimizer.opt_state))["skipped"])
+    _assert_same(_host(model), before)
+    # With model state a forward writes, it refuses at once, naming what to use.
+    bn_model = Net(nnx.Rngs(0))
+    flax_opt = nnx.Optimizer(bn_model, tx, wrt=nnx.Param)
+    with pytest.raises(TypeError, match=r"jaxamp\.nnx\.Optimizer\(model, tx, wrt=\.\.\.\)"):
+        flax_opt.update(bn_model, nnx.grad(_loss)(bn_model, X))
+
+
+def test_keep_is_deprecated_and_changes_nothing() -> None:
+    model, optimizer = _setup()
+    with pytest.warns(DeprecationWarning, match="no longer needed"):
+        optimizer.keep(model)
