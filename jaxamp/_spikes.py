@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxamp._tree import is_float_leaf, saturating_inc
@@ -111,12 +112,18 @@ def spike_rule(
     :func:`jaxamp.metrics` (``spike_skipped_steps``).
 
     Args:
-      window: steps of history (an int >= 2).
+      window: steps of history (an int >= 2). It shapes the optimizer state;
+        :func:`jaxamp.checkpoint.restore` moves a history saved with another
+        window into this one, keeping its newest values.
       sigmas: how many standard deviations above the mean is a spike (> 0).
       warmup: finite steps recorded before any step can be a spike; default
         ``max(2, window // 2)``; at most ``window``.
       loss: judge the loss (then every update needs ``value=``).
       grad_norm: judge the global gradient norm.
+
+      Numbers may be Python, NumPy or 0-d JAX scalars (integers for ``window``
+      and ``warmup``, reals for ``sigmas``), concrete (not traced); they are
+      stored as Python numbers.
 
     Returns:
       A :class:`SpikeRule`.
@@ -130,26 +137,51 @@ def spike_rule(
       SpikeRule(window=64, sigmas=5.0, warmup=32, loss=True, grad_norm=True)
     """
     fn = "spike_rule"
-    for name, v in (("window", window), ("warmup", warmup)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            raise TypeError(f"{fn}: {name} must be an int, got {v!r}.")
+    window = _number(fn, "window", window, "an int", "iu")
+    warmup = None if warmup is None else _number(fn, "warmup", warmup, "an int", "iu")
+    sigmas = _number(fn, "sigmas", sigmas, "a real number", "iuf")
     if window < 2:
         raise ValueError(
             f"{fn}: window must be >= 2 (a standard deviation needs two), got {window}."
         )
-    if isinstance(sigmas, bool) or not isinstance(sigmas, int | float):
-        raise TypeError(f"{fn}: sigmas must be a number, got {sigmas!r}.")
     if not (0 < sigmas < math.inf):
         raise ValueError(f"{fn}: sigmas must be finite and > 0, got {sigmas!r}.")
     warmup = max(2, window // 2) if warmup is None else warmup
     if not 2 <= warmup <= window:
         raise ValueError(f"{fn}: warmup must be in [2, window={window}], got {warmup}.")
     for name, v in (("loss", loss), ("grad_norm", grad_norm)):
-        if not isinstance(v, bool):
+        if not isinstance(v, bool | np.bool_):
             raise TypeError(f"{fn}: {name} must be a bool, got {v!r}.")
+    loss, grad_norm = bool(loss), bool(grad_norm)
     if not (loss or grad_norm):
         raise ValueError(f"{fn}: judge at least one of loss and grad_norm (both are False).")
     return SpikeRule(window, float(sigmas), warmup, loss, grad_norm)
+
+
+def _number(fn: str, name: str, value: Any, wants: str, kinds: str) -> Any:
+    """``value`` as a Python number: a Python, NumPy or 0-d JAX number of dtype kind ``kinds``.
+
+    The rule is static configuration (it shapes the state and is hashed with the
+    transformation), so the value must be concrete and is stored as a Python number.
+    """
+    if isinstance(value, bool | np.bool_) or getattr(value, "dtype", None) == np.bool_:
+        raise TypeError(f"{fn}: {name} must be {wants}, got the bool {value!r}.")
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{fn}: {name} must be a concrete number, got a traced value: the rule is static "
+            "configuration, build it outside jit."
+        )
+    if isinstance(value, jax.Array | np.ndarray | np.generic):
+        if value.shape != ():
+            raise TypeError(
+                f"{fn}: {name} must be {wants} (a scalar), got an array of shape {value.shape}."
+            )
+        if np.dtype(value.dtype).kind not in kinds:
+            raise TypeError(f"{fn}: {name} must be {wants}, got an array of dtype {value.dtype}.")
+        return np.asarray(value).item()
+    if isinstance(value, int) or ("f" in kinds and isinstance(value, float)):
+        return value
+    raise TypeError(f"{fn}: {name} must be {wants}, got {type(value).__name__} {value!r}.")
 
 
 def check_rule(spikes: Any, fn: str) -> SpikeRule | None:
@@ -275,3 +307,31 @@ def validate(state: SpikeState, where: str) -> None:
             problems.append(f"{name} holds a non-finite recorded value")
     if problems:
         raise ValueError(f"{where} holds an invalid spike state: " + "; ".join(problems) + ".")
+
+
+def resize(losses: Any, grad_norms: Any, count: Any, window: int) -> tuple[Any, Any, Any]:
+    """A saved history moved into a ring of ``window`` slots: the newest values kept.
+
+    Restoring a run into a rule of another window keeps the newest
+    ``min(recorded, window)`` values, in order, oldest first, with ``count`` set to
+    how many were kept: the ring a run of that window holds after recording them,
+    up to a rotation that no decision depends on (the mean and deviation read the
+    values as a set, and the next value overwrites the oldest either way). A smaller
+    window thus continues exactly as a run built with it would have; a larger one
+    starts with the saved values and fills up over the next steps. Leading axes (a
+    replicated state) are kept. Works on host or device arrays, returns jax arrays.
+    """
+    losses, grad_norms = jnp.asarray(losses), jnp.asarray(grad_norms)
+    count = jnp.asarray(count, jnp.int32)
+    old = losses.shape[-1]
+    kept = jnp.minimum(jnp.minimum(count, old), window)[..., None]
+    j = jnp.arange(window)
+    # Slot j of the new ring holds the value recorded `kept - j` steps ago, which the
+    # old ring keeps at slot (count - kept + j) mod old (its slot is the index mod old).
+    src = jnp.mod(count[..., None] - kept + j, old)
+    src = jnp.where(j < kept, src, 0)
+
+    def move(ring: jax.Array) -> jax.Array:
+        return jnp.where(j < kept, jnp.take_along_axis(ring, src, axis=-1), 0.0)
+
+    return move(losses), move(grad_norms), kept[..., 0].astype(jnp.int32)

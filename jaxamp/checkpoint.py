@@ -16,7 +16,8 @@ checkpoint and only the mode from the target: restoring a
 nothing derived from its numbers (whether the scale can drop below 1 is read
 from the scale at run time), so nothing can go stale. To change the
 configuration of a restored run, ``replace`` the restored state (validated like
-the constructors), e.g. ``ls.replace(growth_interval=500)``.
+the constructors), e.g. ``ls.replace(growth_interval=500)``. A spike history
+saved with another window is moved into the target's (see :func:`restore`).
 
 :func:`restore` is orbax's restore with a check on each side:
 
@@ -26,8 +27,9 @@ the constructors), e.g. ``ls.replace(growth_interval=500)``.
   metadata is readable and lacks leaves the target needs (typically a checkpoint
   written by a plain optax optimizer restored into a ``jaxamp.skip_nonfinite``
   state) does it raise a ``ValueError`` naming the missing loss-scale state.
-  It reads no metadata on a successful restore, so it logs nothing that plain
-  orbax does not.
+  It reads no metadata on a successful restore (but a checkpointer's, silently,
+  when the target holds a spike history), so it logs nothing that plain orbax
+  does not.
 - after: every :class:`jaxamp.LossScaleState` in the result is validated like
   the constructors' arguments (a hand-edited checkpoint with a negative counter,
   a zero or infinite scale or ``min_scale > max_scale`` raises a ``ValueError``
@@ -44,6 +46,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp import _checkpoint_spikes
 from jaxamp._leaf_stats import NonfiniteLeaves
 from jaxamp._leaf_stats import validate as validate_leaves
 from jaxamp._loss_scale import FIELD_NAMES, LossScaleState, Mode, validate
@@ -199,6 +202,7 @@ def _explain_failure(read_metadata: Any, target: Any, where: str, error: Excepti
         return  # nothing readable, or a multi-item manager's Composite: orbax's error stands
     try:
         check_restorable(tree, target, where=where)
+        _checkpoint_spikes.explain(tree, target, _child, where)
     except ValueError as clear:
         raise clear from error
 
@@ -311,6 +315,12 @@ def restore(
     not its own; nothing derived is stored, so nothing goes stale. Change a
     restored configuration with ``state.replace(...)``.
 
+    A spike history (:func:`jaxamp.spike_rule`) saved with another window than
+    the target's is restored as saved and moved into the target's window: the
+    newest ``min(recorded, window)`` values are kept. Into a smaller window, the
+    run continues exactly as one built with that window would have; into a larger
+    one, the history fills up over the next steps.
+
     Args:
       checkpointer: an orbax checkpointer or checkpoint manager.
       target: the tree to restore into (concrete or abstract).
@@ -323,7 +333,9 @@ def restore(
 
     Raises:
       ValueError: if the checkpoint lacks leaves the target needs, e.g. no
-        loss-scale state (see :func:`check_restorable`); or if a restored
+        loss-scale state (see :func:`check_restorable`); if a spike history of
+        another window cannot be moved into the target's (naming both windows);
+        or if a restored
         loss-scale state is invalid (a negative counter, a scale of 0 or inf,
         ``min_scale > max_scale``, ...), naming the field and the checkpoint.
       FileNotFoundError: if a manager holds no checkpoint.
@@ -358,7 +370,8 @@ def restore(
             "restore: `checkpointer` must be an orbax checkpointer (ocp.StandardCheckpointer()) "
             f"or an ocp.CheckpointManager, got {type(checkpointer).__name__}."
         )
-    if hasattr(checkpointer, "latest_step"):  # a CheckpointManager (or one like it)
+    manager = hasattr(checkpointer, "latest_step")
+    if manager:  # a CheckpointManager (or one like it)
         if directory is not None:
             raise TypeError("restore: pass `step=` (not `directory=`) with a CheckpointManager.")
         if step is None:
@@ -366,7 +379,8 @@ def restore(
             if step is None:
                 raise FileNotFoundError(f"no checkpoint found in {checkpointer.directory}.")
         where = f"the checkpoint at step {step} in {checkpointer.directory}"
-        run = lambda: checkpointer.restore(step, args=ocp.args.StandardRestore(target))
+        run = lambda t: checkpointer.restore(step, args=ocp.args.StandardRestore(t))
+        read_tree = lambda: _saved_tree(checkpointer.item_metadata(step))
         # The metadata is read only after a failed restore, when the manager knows
         # the item's handler: probing a fresh manager's metadata logs two warnings.
         explain = lambda e: _explain_manager_failure(checkpointer, step, target, where, e)
@@ -375,16 +389,26 @@ def restore(
             raise TypeError("restore: a checkpointer needs `directory=` (the checkpoint's path).")
         where = f"the checkpoint {directory}"
         if isinstance(checkpointer, ocp.StandardCheckpointer):
-            run = lambda: checkpointer.restore(directory, target)
+            run = lambda t: checkpointer.restore(directory, t)
         else:
-            run = lambda: checkpointer.restore(directory, args=ocp.args.StandardRestore(target))
+            run = lambda t: checkpointer.restore(directory, args=ocp.args.StandardRestore(t))
         read_metadata = lambda: checkpointer.metadata(directory)
+        read_tree = lambda: _saved_tree(read_metadata())
         explain = lambda e: _explain_failure(read_metadata, target, where, e)
-    try:
-        restored = run()
-    except Exception as e:
-        explain(e)
-        e.add_note(f"(raised by orbax while jaxamp.checkpoint.restore read {where})")
-        raise
+    # A spike history saved with another window is restored as saved, then resized.
+    # A checkpointer's metadata is read first (silently), so that orbax never fails
+    # on it; a manager's can be read only after a failed restore.
+    other_windows = lambda: _checkpoint_spikes.restore_other_windows(read_tree, run, target, _child)
+    first = not manager and _checkpoint_spikes.has_spikes(target)
+    restored = other_windows() if first else None
+    if restored is None:
+        try:
+            restored = run(target)
+        except Exception as e:
+            restored = None if first else other_windows()
+            if restored is None:
+                explain(e)
+                e.add_note(f"(raised by orbax while jaxamp.checkpoint.restore read {where})")
+                raise
     _validate_restored(restored, where)
     return restored
