@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
-from typing import Any
 
 import numpy as np
 
+from jaxamp._compat_paddle import paddle_grad_scaler
 from jaxamp._compat_table import _SYSTEMS, _checked, _state, _whole
 from jaxamp._loss_scale import (
     LossScaleState,
@@ -16,6 +14,17 @@ from jaxamp._loss_scale import (
     no_scale,
     static_scale,
 )
+
+__all__ = [
+    "flax_dynamic_scale",
+    "jmp_dynamic_loss_scale",
+    "keras_loss_scale_optimizer",
+    "megengine_grad_scaler",
+    "mindspore_dynamic",
+    "mindspore_fixed",
+    "paddle_grad_scaler",
+    "torch_grad_scaler",
+]
 
 
 @_checked("PyTorch")
@@ -55,131 +64,6 @@ def torch_grad_scaler(
         growth_factor=growth_factor,
         backoff_factor=backoff_factor,
         growth_interval=growth_interval,
-    )
-
-
-# Paddle 3's GradScaler also takes PyTorch's names for its settings.
-_PADDLE_ALIASES = {
-    "init_scale": "init_loss_scaling",
-    "growth_factor": "incr_ratio",
-    "backoff_factor": "decr_ratio",
-    "growth_interval": "incr_every_n_steps",
-    "enabled": "enable",
-}
-# Paddle 3's GradScaler defaults; Paddle 2's GradScaler has the signature's (2**15,
-# 1000, 2), the contract's.
-_PADDLE3_DEFAULTS = {
-    "init_loss_scaling": 2.0**16,
-    "incr_every_n_steps": 2000,
-    "decr_every_n_nan_or_inf": 1,
-}
-
-
-def _paddle_spellings(f: Any) -> Any:
-    """Reads which names the caller gave (the signature's defaults stay Paddle 2's):
-    a setting given under both spellings is refused, PyTorch's spelling maps to
-    Paddle's, and ``defaults="paddle3"`` fills what was not given."""
-    signature = inspect.signature(f)
-
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> LossScaleState:
-        try:
-            given = signature.bind(*args, **kwargs).arguments
-        except TypeError as e:
-            raise TypeError(f"paddle_grad_scaler() {e}") from None
-        defaults = given.pop("defaults", "paddle2")
-        if defaults not in ("paddle2", "paddle3"):
-            raise ValueError(
-                f"paddle_grad_scaler: defaults must be 'paddle2' (the signature's, Paddle 2's "
-                f"GradScaler) or 'paddle3' (Paddle 3's GradScaler), got {defaults!r}."
-            )
-        for torch_name, paddle_name in _PADDLE_ALIASES.items():
-            if torch_name not in given:
-                continue
-            if paddle_name in given:
-                raise ValueError(
-                    f"paddle_grad_scaler: {torch_name} and {paddle_name} name the same "
-                    "setting; pass one of them."
-                )
-            given[paddle_name] = given.pop(torch_name)
-        if defaults == "paddle3":
-            given = {**_PADDLE3_DEFAULTS, **given}
-        return f(**given)
-
-    return wrapper
-
-
-@_paddle_spellings
-@_checked("Paddle")
-def paddle_grad_scaler(
-    enable: bool = True,
-    init_loss_scaling: float = 32768.0,
-    incr_ratio: float = 2.0,
-    decr_ratio: float = 0.5,
-    incr_every_n_steps: int = 1000,
-    decr_every_n_nan_or_inf: int = 2,
-    use_dynamic_loss_scaling: bool = True,
-    *,
-    init_scale: float | None = None,
-    growth_factor: float | None = None,
-    backoff_factor: float | None = None,
-    growth_interval: int | None = None,
-    enabled: bool | None = None,
-    defaults: str = "paddle2",
-) -> LossScaleState:
-    """``paddle.amp.GradScaler``: back off after ``decr_every_n_nan_or_inf`` bad steps, floor 1.
-
-    Paddle's bad-step counter restarts on a clean step, which is jaxamp's hysteresis.
-    As Paddle 3's ``GradScaler``, it also takes PyTorch's names (``init_scale``,
-    ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``enabled``) and
-    refuses a setting given under both spellings.
-
-    Args:
-      enable: as in Paddle.
-      init_loss_scaling: as in Paddle.
-      incr_ratio: as in Paddle.
-      decr_ratio: as in Paddle.
-      incr_every_n_steps: as in Paddle.
-      decr_every_n_nan_or_inf: as in Paddle.
-      use_dynamic_loss_scaling: as in Paddle.
-      init_scale: PyTorch's name for ``init_loss_scaling`` (Paddle 3 takes it).
-      growth_factor: PyTorch's name for ``incr_ratio``.
-      backoff_factor: PyTorch's name for ``decr_ratio``.
-      growth_interval: PyTorch's name for ``incr_every_n_steps``.
-      enabled: PyTorch's name for ``enable``.
-      defaults: ``"paddle2"`` (the signature's defaults, Paddle 2's ``GradScaler``
-        ones: 2**15 / 1000 / 2) or ``"paddle3"``
-        (Paddle 3's ``GradScaler``: ``init_loss_scaling=2**16``,
-        ``incr_every_n_steps=2000``, ``decr_every_n_nan_or_inf=1``). Values you
-        pass always win.
-
-    Returns:
-      A :class:`LossScaleState`: dynamic, static (``use_dynamic_loss_scaling=False``)
-      or ``no_scale()`` (``enable=False``).
-
-    Example:
-      >>> import jaxamp
-      >>> int(jaxamp.compat.paddle_grad_scaler().hysteresis)
-      2
-      >>> s = jaxamp.compat.paddle_grad_scaler(init_scale=1024.0, defaults="paddle3")
-      >>> float(s.scale), int(s.growth_interval), int(s.hysteresis)
-      (1024.0, 2000, 1)
-    """
-    if not enable:
-        return no_scale()
-    if incr_ratio <= 1.0:
-        raise ValueError(f"incr_ratio must be > 1.0 (as in Paddle), got {incr_ratio!r}.")
-    if decr_ratio >= 1.0:
-        raise ValueError(f"decr_ratio must be < 1.0 (as in Paddle), got {decr_ratio!r}.")
-    if not use_dynamic_loss_scaling:
-        return static_scale(init_loss_scaling)
-    return _state(
-        "Paddle",
-        scale=init_loss_scaling,
-        growth_factor=incr_ratio,
-        backoff_factor=decr_ratio,
-        growth_interval=incr_every_n_steps,
-        hysteresis=decr_every_n_nan_or_inf,
     )
 
 

@@ -330,3 +330,47 @@ def test_paddle3_defaults_and_given_values_win():
         compat.paddle_grad_scaler(defaults="paddle4")
     with pytest.raises(TypeError, match="paddle_grad_scaler.*bogus"):
         compat.paddle_grad_scaler(bogus=1)
+
+
+# Errors speak the caller's spelling; a fixed Paddle scale keeps every setting.
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        ({"growth_factor": 0.5}, ValueError, "growth_factor (Paddle's incr_ratio) must be > 1.0"),
+        ({"backoff_factor": 2.0}, ValueError, "backoff_factor (Paddle's decr_ratio) must be < 1."),
+        ({"init_scale": 0.0}, ValueError, "init_scale (Paddle's init_loss_scaling) must be fin"),
+        ({"growth_interval": 0}, ValueError, "growth_interval (Paddle's incr_every_n_steps) must"),
+        ({"growth_factor": "2"}, TypeError, "growth_factor (Paddle's incr_ratio) must be a real"),
+        ({"enabled": "yes"}, TypeError, "enabled (Paddle's enable) must be a bool"),
+        ({"incr_ratio": 0.5}, ValueError, "incr_ratio must be > 1.0"),
+        ({"use_dynamic_loss_scaling": False, "init_loss_scaling": 0.0}, ValueError, "init_loss_"),
+        ({"use_dynamic_loss_scaling": False, "init_scale": 1e-50}, ValueError, "init_scale (Pad"),
+        ({"use_dynamic_loss_scaling": False, "growth_factor": 1.0}, ValueError, "growth_factor"),
+    ],
+)
+def test_paddle_errors_name_the_argument_as_written(kwargs, exc, words):
+    with pytest.raises(exc) as info:
+        compat.paddle_grad_scaler(**kwargs)
+    message = str(info.value)
+    assert message.startswith(words)
+    assert "scale must" not in message and "growth_interval must" not in message
+
+
+@pytest.mark.parametrize("spelling", ["paddle", "torch"])
+def test_a_fixed_paddle_scale_keeps_what_paddles_getters_return(spelling):
+    names = {"paddle": ("init_loss_scaling", "incr_ratio", "decr_ratio", "incr_every_n_steps")}
+    names["torch"] = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+    init, incr, decr, every = names[spelling]
+    s = compat.paddle_grad_scaler(
+        **{init: 1024.0, incr: 3.0, decr: 0.25, every: 7},
+        decr_every_n_nan_or_inf=3,
+        use_dynamic_loss_scaling=False,
+    )
+    # get_init_loss_scaling, get_incr_ratio, get_decr_ratio, get_incr_every_n_steps,
+    # get_decr_every_n_nan_or_inf, is_use_dynamic_loss_scaling, is_enable.
+    got = (float(s.scale), float(s.growth_factor), float(s.backoff_factor))
+    assert got == (1024.0, 3.0, 0.25)
+    assert (int(s.growth_interval), int(s.hysteresis), s.dynamic, s.enabled) == (7, 3, False, True)
+    # Still a fixed scale that skips non-finite steps.
+    assert s.skip_nonfinite
+    np.testing.assert_array_equal(_run(s, [True] * 5 + [False] * 8)["scale"], [1024.0] * 13)
