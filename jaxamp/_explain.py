@@ -8,17 +8,20 @@ the device, and names leaves by their key paths in ``params``.
 from __future__ import annotations
 
 import dataclasses
+import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxamp import _leaf_stats
 from jaxamp import _metrics as ls_lib
 from jaxamp._leaf_stats import NonfiniteLeaves
 from jaxamp._multi_transform import MultiTransformState
 from jaxamp._spikes import SpikeState
+from jaxamp._train_state import OVERWRITE_WITH_GRADIENT
 from jaxamp._transform import SkipNonfiniteState
-from jaxamp._tree import render_path
 
 __all__ = ["Explanation", "explain"]
 
@@ -101,26 +104,77 @@ def _find(opt_state: Any) -> Any:
     return found[0]
 
 
-def _unpack(opt_state: Any, params: Any) -> tuple[Any, Any]:
-    """``(opt_state, params)`` from a TrainState, an nnx Optimizer + model, or as given."""
-    from jaxamp import nnx as jnnx  # the nnx glue imports flax.nnx: only when asked
+def _nnx() -> Any:
+    """``flax.nnx`` if it is imported: without it no nnx object can have been built."""
+    return sys.modules.get("flax.nnx")
 
-    if isinstance(opt_state, jnnx.Optimizer):
+
+def _unwrap(tree: Any) -> Any:
+    """``tree`` with each nnx ``Variable`` replaced by its value (an nnx optimizer's state)."""
+    nnx = _nnx()
+    if nnx is None:
+        return tree
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    return jax.tree.map(lambda v: v.get_value() if is_var(v) else v, tree, is_leaf=is_var)
+
+
+def _unpack(opt_state: Any, params: Any) -> tuple[Any, Any]:
+    """``(opt_state, params)`` from a TrainState, an nnx Optimizer + model, or as given.
+
+    ``params`` is what the optimizer was initialised with: the ``params`` collection
+    of Flax's fp8 layout, never its ``_overwrite_with_gradient`` metadata, which no
+    optimizer sees (as in Flax's ``TrainState.create``).
+    """
+    nnx = _nnx()
+    if nnx is not None and isinstance(opt_state, nnx.Optimizer):
         if params is None:
             raise TypeError(
                 "jaxamp.explain(optimizer, model): pass the model the nnx optimizer updates."
             )
-        from flax import nnx
-
-        return jnnx._pure(opt_state.opt_state), jnnx._pure(nnx.state(params, opt_state.wrt))
-    if params is None and hasattr(opt_state, "opt_state") and hasattr(opt_state, "params"):
-        return opt_state.opt_state, opt_state.params  # a (jaxamp or Flax) TrainState
-    if params is None:
+        graph = getattr(opt_state, "graph", None)
+        kwargs = {} if graph is None else {"graph": graph}
+        opt_state, params = _unwrap(opt_state.opt_state), nnx.state(params, opt_state.wrt, **kwargs)
+    elif params is None and hasattr(opt_state, "opt_state") and hasattr(opt_state, "params"):
+        opt_state, params = opt_state.opt_state, opt_state.params  # a (jaxamp or Flax) TrainState
+    elif params is None:
         raise TypeError(
             "jaxamp.explain: pass the params the optimizer updates "
             "(explain(opt_state, params)), or a TrainState alone."
         )
+    if isinstance(params, Mapping) and OVERWRITE_WITH_GRADIENT in params:
+        params = params["params"]
     return opt_state, params
+
+
+def _check_layout(record: NonfiniteLeaves, lead: tuple[int, ...], params: Any) -> list[str]:
+    """The key paths of ``params``' leaves, if they are the leaves the record tracks.
+
+    ``lead``: the record's leading device axes (a pmap-replicated state), which
+    replicated params may carry too.
+    """
+    got = _leaf_stats.leaf_layout(params)
+    n = record.signed_counts.shape[-1]
+    if len(got) != n:
+        raise ValueError(
+            f"jaxamp.explain: `params` has {len(got)} leaves but the optimizer state tracks "
+            f"{n}: pass the params this optimizer was initialised with."
+        )
+    if record.layout is not None:  # None: a record built by hand, only its length to check
+        wrong = [
+            (i, path, shape, want)
+            for i, ((path, shape), want) in enumerate(zip(got, record.layout.entries, strict=True))
+            if (path, shape) != want and (path, shape) != (want[0], lead + want[1])
+        ]
+        if wrong:
+            i, path, shape, (want_path, want_shape) = wrong[0]
+            more = f" ({len(wrong) - 1} more leaves differ)" if len(wrong) > 1 else ""
+            raise ValueError(
+                f"jaxamp.explain: `params` is not the tree this optimizer state was "
+                f"initialised with: its leaf {i} is `{path}` of shape {shape}, where tx.init "
+                f"saw `{want_path}` of shape {want_shape}{more}. Pass the params the optimizer "
+                "updates (or the TrainState alone, or the nnx optimizer and its model)."
+            )
+    return [path for path, _ in got]
 
 
 def explain(opt_state: Any, params: Any = None) -> Explanation:
@@ -141,8 +195,9 @@ def explain(opt_state: Any, params: Any = None) -> Explanation:
       An :class:`Explanation`; ``print`` it for the sentence.
 
     Raises:
-      ValueError: no such state, or ``params`` with another number of leaves
-        than the optimizer was built for.
+      ValueError: no such state, or ``params`` other than the optimizer was
+        initialised with (another number of leaves, or other key paths or shapes),
+        naming the first leaf that differs.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -179,12 +234,7 @@ def explain(opt_state: Any, params: Any = None) -> Explanation:
     # Replicated states (pmap) carry leading device axes: any / max over them.
     last = last.reshape(-1, last.shape[-1]).any(axis=0)
     count = count.reshape(-1, count.shape[-1]).max(axis=0)
-    paths = [render_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    if len(paths) != last.shape[0]:
-        raise ValueError(
-            f"jaxamp.explain: `params` has {len(paths)} leaves but the optimizer state tracks "
-            f"{last.shape[0]}: pass the params this optimizer was initialised with."
-        )
+    paths = _check_layout(leaves, signed.shape[:-1], params)
     order = sorted((i for i in range(len(paths)) if count[i] > 0), key=lambda i: -count[i])
     return Explanation(
         skipped_steps=int(np.max(host[1])),

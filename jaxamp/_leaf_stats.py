@@ -15,6 +15,8 @@ turns the record into words on the host.
 
 from __future__ import annotations
 
+import hashlib
+import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -23,23 +25,78 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._tree import INT32_MAX, is_float_leaf, leaf_finite, saturating_inc
+from jaxamp._tree import INT32_MAX, is_float_leaf, leaf_finite, render_path, saturating_inc
 
 __all__ = ["NonfiniteLeaves"]
+
+
+def leaf_layout(tree: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``(key path, shape)`` of each leaf of ``tree``, in ``jax.tree.leaves`` order.
+
+    An nnx ``Variable`` is named by where it sits (``up.kernel``), not by its own
+    attribute (``up.kernel.value``): the name a user reads in the model, and the one
+    an nnx optimizer's pure state gives.
+    """
+    nnx = sys.modules.get("flax.nnx")  # no nnx imported: no Variable can be in the tree
+    var = getattr(nnx, "Variable", None)
+    is_var = None if var is None else (lambda x: isinstance(x, var))
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_var)[0]:
+        inner = [((), leaf)]
+        if is_var is not None and is_var(leaf):
+            # Drop the Variable's own key (its value attribute) from each inner path.
+            inner = [(p[1:], x) for p, x in jax.tree_util.tree_flatten_with_path(leaf)[0]]
+        for sub, x in inner:
+            shape = x.shape if hasattr(x, "shape") else np.shape(x)
+            out.append((render_path((*path, *sub)), tuple(shape)))
+    return tuple(out)
+
+
+class Layout:
+    """The key paths and shapes of the params a record was built for (static).
+
+    Kept in the record's tree structure, not in its leaves: a checkpoint stores
+    nothing of it, and a restored record takes it from the restore target, as a
+    :class:`jaxamp.LossScaleState` takes its mode. Compared and hashed by a digest,
+    so a large model's layout costs a jit cache lookup one small hash.
+    """
+
+    __slots__ = ("_digest", "entries")
+
+    def __init__(self, entries: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
+        self.entries = entries
+        self._digest = hashlib.blake2b(repr(entries).encode(), digest_size=8).digest()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and other._digest == self._digest
+
+    def __hash__(self) -> int:
+        return hash(self._digest)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __repr__(self) -> str:  # short: it shows in every printed tree structure
+        return f"Layout({len(self.entries)} leaves, {self._digest.hex()})"
 
 
 class NonfiniteLeaves(NamedTuple):
     """Which gradient leaves held inf or NaN, one entry per leaf of the params.
 
     Entries follow ``jax.tree.leaves(params)``; :func:`jaxamp.explain` names them
-    by key path. One int32 vector: a leaf's magnitude is on how many non-finite
-    steps it was non-finite so far (saturating at 2**31 - 1), and its sign is
-    negative if it was non-finite on the last one. (A leaf non-finite on the last
+    by key path, and refuses params of another layout than ``tx.init`` saw. One
+    int32 vector: a leaf's magnitude is on how many non-finite steps it was
+    non-finite so far (saturating at 2**31 - 1), and its sign is negative if it was
+    non-finite on the last one. (A leaf non-finite on the last
     step has been counted, so the two facts fit one number; one small array is one
     buffer a step carries, and no state says "last" with a count of zero.)
 
     Attributes:
       signed_counts: int32[n_leaves], as above.
+      layout: the key paths and shapes of the params given to ``tx.init`` (``None``
+        for a record built by hand). Static: part of the tree structure, not a
+        leaf, so checkpoints hold only ``signed_counts`` and a restored record
+        takes its layout from the restore target.
       last: bool[n_leaves] (derived), the leaves that were non-finite on the last
         skipped non-finite step (all False before the first).
       count: int32[n_leaves] (derived), on how many non-finite steps each leaf was
@@ -56,6 +113,7 @@ class NonfiniteLeaves(NamedTuple):
     """
 
     signed_counts: jax.Array
+    layout: Layout | None = None
 
     @property
     def last(self) -> jax.Array:
@@ -66,9 +124,20 @@ class NonfiniteLeaves(NamedTuple):
         return abs(self.signed_counts)
 
 
+# The layout is aux data, the counts the only child, keyed as the NamedTuple's own
+# flattening keys it: checkpoints and paths are those of a record without a layout.
+jax.tree_util.register_pytree_with_keys(
+    NonfiniteLeaves,
+    lambda r: (((jax.tree_util.GetAttrKey("signed_counts"), r.signed_counts),), r.layout),
+    lambda layout, children: NonfiniteLeaves(children[0], layout),
+    flatten_func=lambda r: ((r.signed_counts,), r.layout),
+)
+
+
 def init(tree: Any) -> NonfiniteLeaves:
-    """No leaf non-finite yet: one entry per leaf of ``tree``."""
-    return NonfiniteLeaves(jnp.zeros((len(jax.tree.leaves(tree)),), jnp.int32))
+    """No leaf non-finite yet: one entry per leaf of ``tree``, and its layout."""
+    layout = Layout(leaf_layout(tree))
+    return NonfiniteLeaves(jnp.zeros((len(layout),), jnp.int32), layout)
 
 
 def bad_leaves(tree: Any, axis_name: Any, known: Sequence[bool] = ()) -> jax.Array:
@@ -127,7 +196,9 @@ def skipped(
     every = jnp.all(parts_finite)
     last = jnp.where(mine, full, stats.last & ~leaf_ok)
     count = saturating_inc(stats.count, full.astype(jnp.int32))
-    return NonfiniteLeaves(jnp.where(every, stats.signed_counts, jnp.where(last, -count, count)))
+    return stats._replace(
+        signed_counts=jnp.where(every, stats.signed_counts, jnp.where(last, -count, count))
+    )
 
 
 def validate(stats: NonfiniteLeaves, where: str) -> None:
@@ -143,6 +214,11 @@ def validate(stats: NonfiniteLeaves, where: str) -> None:
         problems.append(f"signed_counts must be int32, got {counts.dtype}")
     elif counts.size and int(counts.min()) < -INT32_MAX:
         problems.append(f"signed_counts must be >= -(2**31 - 1), got {int(counts.min())}")
+    if stats.layout is not None and counts.ndim >= 1 and counts.shape[-1] != len(stats.layout):
+        problems.append(
+            f"signed_counts has {counts.shape[-1]} entries but the params have "
+            f"{len(stats.layout)} leaves"
+        )
     if problems:
         raise ValueError(
             f"{where} holds an invalid per-leaf non-finite record: " + "; ".join(problems) + "."

@@ -2,22 +2,61 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import numpy as np
 from flax.core import FrozenDict
 from flax.training import train_state
 
 from jaxamp._loss_scale import LossScaleState
 from jaxamp._metrics import get_loss_scale
-from jaxamp._model_state import where_stepped
+from jaxamp._model_state import stepped, where_stepped
 from jaxamp._transform import step
+from jaxamp._tree import select_tree
 
 __all__ = ["TrainState"]
 
 # Flax's fp8 metadata collection (nn.Fp8DotGeneralOp, fp8 einsum): its "gradients"
 # are the new values of the fp8 scales and amax histories.
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)  # a tracer is a jax.Array
+
+
+def _keep_if_skipped(taken: jax.Array, name: str, new: Any, old: Any) -> Any:
+    """``new``'s array leaves where the step was taken, ``old``'s where it was skipped.
+
+    Returned in ``new``'s structure, as Flax's ``replace`` stores it: a ``dict`` for
+    a ``FrozenDict`` (what ``model.apply(..., mutable=...)`` returns for what
+    ``init`` froze) is the same model state, matched by key path. Leaves that are not
+    arrays (a Python number, a string) are configuration and are stored as given.
+    """
+    new_flat, new_def = jax.tree_util.tree_flatten_with_path(new)
+    old_flat = jax.tree_util.tree_flatten_with_path(old)[0]
+    arrays = [i for i, (_, x) in enumerate(new_flat) if _is_array(x)]
+    try:
+        if [p for p, _ in new_flat] != [p for p, _ in old_flat]:
+            raise ValueError(
+                f"the key paths differ: {jax.tree.structure(new)} and {jax.tree.structure(old)}"
+            )
+        chosen = select_tree(
+            taken, [new_flat[i][1] for i in arrays], [old_flat[i][1] for i in arrays]
+        )
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"TrainState.apply_gradients: `{name}=` must have the structure, shapes "
+            f"and dtypes of state.{name}, so that a skipped step can keep the old "
+            f"value: {e}"
+        ) from None
+    leaves = [x for _, x in new_flat]
+    for i, x in zip(arrays, chosen, strict=True):
+        leaves[i] = x
+    return jax.tree.unflatten(new_def, leaves)
 
 
 class TrainState(train_state.TrainState):
@@ -61,8 +100,11 @@ class TrainState(train_state.TrainState):
             checked, and this is the verdict.
           extra_args: keyword arguments forwarded to the optimizer (e.g. ``value=``).
           **kwargs: other fields to ``replace``, as in Flax (e.g. ``batch_stats=``):
-            written only if the step is taken (:func:`jaxamp.where_stepped`), so a
-            skipped step keeps the old BatchNorm statistics.
+            their array leaves are written only if the step is taken
+            (:func:`jaxamp.where_stepped`), so a skipped step keeps the old BatchNorm
+            statistics. Static fields (``pytree_node=False``) and values with no
+            array leaf are configuration: replaced as given, as Flax does. A plain
+            ``dict`` for a ``FrozenDict`` field is stored as given, as Flax does.
 
         Returns:
           The next state. On a skipped step params, ``opt_state`` (but for its
@@ -93,13 +135,14 @@ class TrainState(train_state.TrainState):
             )
             merged = {**self.params, "params": params, OVERWRITE_WITH_GRADIENT: fp8_new}
             params = type(self.params)(merged) if isinstance(self.params, FrozenDict) else merged
+        static = {
+            f.name for f in dataclasses.fields(self) if not f.metadata.get("pytree_node", True)
+        }
+        taken = None
         for name, new in kwargs.items():
-            try:
-                kwargs[name] = where_stepped(opt_state, new, getattr(self, name))
-            except (ValueError, TypeError) as e:
-                raise ValueError(
-                    f"TrainState.apply_gradients: `{name}=` must have the structure, shapes "
-                    f"and dtypes of state.{name}, so that a skipped step can keep the old "
-                    f"value: {e}"
-                ) from None
+            if name in static or not any(map(_is_array, jax.tree.leaves(new))):
+                continue  # configuration, not model state a step computes: as Flax, replaced
+            if taken is None:
+                taken = stepped(opt_state)
+            kwargs[name] = _keep_if_skipped(taken, name, new, getattr(self, name))
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)

@@ -251,7 +251,8 @@ def _is_record(node: Any) -> bool:
     """A per-leaf record, or one flattened into a mapping of its field (``nnx.state``)."""
     if isinstance(node, NonfiniteLeaves):
         return True
-    return isinstance(node, Mapping) and set(node) == set(NonfiniteLeaves._fields)
+    # Its one leaf: the layout is static (tree structure), so nnx's mapping lacks it.
+    return isinstance(node, Mapping) and set(node) == {"signed_counts"}
 
 
 def _validate_restored(tree: Any, where: str) -> None:
@@ -269,7 +270,8 @@ def _validate_restored(tree: Any, where: str) -> None:
         elif _is_record(node):
             # nnx wraps the field in a Variable: take the array out.
             counts = jax.tree.leaves(node[0] if isinstance(node, tuple) else node["signed_counts"])
-            record = NonfiniteLeaves(_host_view(counts[0]))
+            layout = node.layout if isinstance(node, NonfiniteLeaves) else None
+            record = NonfiniteLeaves(_host_view(counts[0]), layout)
             validate_leaves(record, f"{where} at `{render_path(path)}`")
     if not found:
         return

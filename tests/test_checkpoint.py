@@ -552,7 +552,8 @@ def test_restore_takes_a_per_leaf_record_only_with_counts_in_range(tmp_path_fact
     params = {"a": jnp.ones(3), "b": jnp.ones(()), "c": jnp.ones((2, 2))}
     tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
     good = {"params": params, "opt_state": tx.init(params)}
-    record = jaxamp.NonfiniteLeaves(jnp.array(signed, jnp.int32))
+    # tx.init's record with other counts: its layout (static) is the target's too.
+    record = good["opt_state"].nonfinite_leaves._replace(signed_counts=jnp.array(signed, jnp.int32))
     saved = dict(good, opt_state=good["opt_state"]._replace(nonfinite_leaves=record))
     path = tmp_path_factory.mktemp("record") / "ckpt"
     ckptr = ocp.StandardCheckpointer()

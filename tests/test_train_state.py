@@ -8,14 +8,17 @@ value bit for bit; on a taken step each is written.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import nnx, struct
 from flax.core import FrozenDict, freeze
+from flax.training import train_state
 
 import jaxamp
 
@@ -182,3 +185,89 @@ def test_where_stepped_never_skips_without_a_check() -> None:
     params = {"x": jnp.ones(2)}
     _, o = jaxamp.step(tx, {"x": jnp.array([jnp.inf, 0.0])}, tx.init(params), params)
     assert bool(jaxamp.stepped(o))
+
+
+# Flax's own TrainState is the reference: the same call, the same result on a finite
+# step; on a skipped step the model state keeps its old values.
+class _FlaxBNState(train_state.TrainState):
+    batch_stats: Any
+
+
+class _OursBNState(jaxamp.TrainState):
+    batch_stats: Any
+
+
+def _frozen_bn_pair():
+    model = _BNNet()
+    x = jax.random.normal(jax.random.key(0), (16, 4))
+    variables = model.init(jax.random.key(1), x)
+    stats = freeze(variables["batch_stats"])  # as a state built from flax.core.freeze holds it
+    kw = {"apply_fn": model.apply, "params": variables["params"], "batch_stats": stats}
+    ref = _FlaxBNState.create(tx=optax.sgd(0.1), **kw)
+    ours = _OursBNState.create(
+        tx=jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.static_scale(1.0)), **kw
+    )
+
+    def grads_and_stats(state, x):
+        def loss_fn(params):
+            y, new = model.apply(
+                {"params": params, "batch_stats": state.batch_stats}, x, mutable=["batch_stats"]
+            )
+            return jnp.mean(y**2), new["batch_stats"]  # a plain dict
+
+        (_, new), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return grads, new
+
+    return ref, ours, x, grads_and_stats
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_dict_for_a_frozen_dict_field_is_stored_as_flax_stores_it(jit: bool) -> None:
+    ref, ours, x, grads_and_stats = _frozen_bn_pair()
+    grads, new = grads_and_stats(ref, x)
+    assert isinstance(ours.batch_stats, FrozenDict) and type(new) is dict
+    apply = lambda s, g, b: s.apply_gradients(grads=g, batch_stats=b)
+    apply = jax.jit(apply) if jit else apply
+    want, got = apply(ref, grads, new), apply(ours, grads, new)
+    assert type(got.batch_stats) is type(want.batch_stats)
+    assert jax.tree.structure(got.batch_stats) == jax.tree.structure(want.batch_stats)
+    jax.tree.map(np.testing.assert_array_equal, got.batch_stats, want.batch_stats)
+    # sgd in float32: p - 0.1 * g either way; jaxamp unscales by 1.0 (exact).
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-7, atol=1e-8),
+        got.params,
+        want.params,
+    )
+    # A skipped step: Flax's return type, the old values.
+    bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.inf), grads)
+    poisoned = jax.tree.map(lambda s: jnp.full_like(s, jnp.nan), new)
+    kept = apply(got, bad, poisoned)
+    assert bool(jaxamp.metrics(kept.opt_state)["skipped"])
+    assert type(kept.batch_stats) is type(want.batch_stats)
+    jax.tree.map(np.testing.assert_array_equal, kept.batch_stats, got.batch_stats)
+
+
+class _FlaxPhased(train_state.TrainState):
+    phase: str = struct.field(pytree_node=False, default="a")
+    weight: Any = 1.0  # a pytree field given a Python number
+
+
+class _OursPhased(jaxamp.TrainState):
+    phase: str = struct.field(pytree_node=False, default="a")
+    weight: Any = 1.0
+
+
+@pytest.mark.parametrize("finite", [True, False], ids=["taken", "skipped"])
+def test_static_fields_and_non_array_values_are_replaced_as_flax_does(finite: bool) -> None:
+    params = {"w": jnp.ones(2)}
+    ref = _FlaxPhased.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.static_scale(1.0))
+    ours = _OursPhased.create(apply_fn=None, params=params, tx=tx)
+    grads = {"w": jnp.array([1.0, 2.0 if finite else jnp.inf])}
+    want = ref.apply_gradients(grads=grads, phase="b", weight=0.5)
+    got = ours.apply_gradients(grads=grads, phase="b", weight=0.5)
+    assert (got.phase, got.weight) == (want.phase, want.weight) == ("b", 0.5)
+    assert bool(jaxamp.stepped(got.opt_state)) == finite
+    # Under jit the static field is part of the state's structure, as with Flax.
+    jitted = jax.jit(lambda s, g: s.apply_gradients(grads=g, phase="c"))(ours, grads)
+    assert jitted.phase == "c"
