@@ -31,7 +31,16 @@ __all__ = ["LossScaleState", "Mode", "dynamic_scale", "no_scale", "static_scale"
 SCALE_MIN = 2.0**-126
 SCALE_MAX = 2.0**126
 HYSTERESIS_REFILL = ("growth", "finite", "finite_and_backoff")
-_UNLIMITED = -1  # max_consecutive_nonfinite=None, kept as an int32 leaf
+# max_consecutive_nonfinite, kept as an int32 leaf: None (check_health's default
+# rule) is -1, as 0.3 stored it; "never" (math.inf) is INT32_MAX, a streak the
+# saturating counter never exceeds.
+DEFAULT_RULE = -1
+NEVER = INT32_MAX
+# check_health's default rule: more than this many non-finite steps in a row while
+# the scale can go no lower (at its floor, or fixed). The parameters and optimizer
+# state do not change during a streak; only the batches and the scale do, so once
+# the scale is pinned, this many bad batches in a row means the run is stuck.
+DEFAULT_PINNED_STREAK = 100
 
 
 class Mode(enum.StrEnum):
@@ -99,7 +108,9 @@ _FIELDS: dict[str, _Field] = {
     "min_scale": _Field(jnp.float32, lambda v: 0 <= v < np.inf, "finite and >= 0"),
     "max_scale": _Field(jnp.float32, lambda v: v > 0, "> 0 (inf allowed)"),
     "max_consecutive_nonfinite": _Field(
-        jnp.int32, _integer(lambda v: 0 <= v < 2**31), "None or an integer >= 0"
+        jnp.int32,
+        _integer(lambda v: 0 <= v < 2**31),
+        "None (the default rule), an integer >= 0 or math.inf (never raise)",
     ),
     "raise_at_min_scale": _Field(jnp.bool_, lambda v: True, "a bool"),
 }
@@ -126,7 +137,8 @@ class LossScaleState:
       growth_interval, hysteresis: int32 configuration.
       hysteresis_refill: int32 index into ``("growth", "finite", "finite_and_backoff")``:
         what restores the hysteresis allowance (see :func:`dynamic_scale`).
-      max_consecutive_nonfinite: int32; -1 means unlimited.
+      max_consecutive_nonfinite: int32; -1 is None (:func:`check_health`'s default
+        rule), 2**31 - 1 is ``math.inf`` (never raise).
       raise_at_min_scale: bool; :func:`check_health` raises once a backoff found the
         scale at its floor (DeepSpeed's ``raise_error_at_min_scale``).
       mode: static, a :class:`Mode`.
@@ -231,9 +243,11 @@ def _concrete_all(leaves: dict[str, Any]) -> dict[str, float | None]:
 def _coerce(name: str, value: Any, label: str) -> jax.Array:
     """One field's new value, checked against the table and copied into a fresh array."""
     spec = _FIELDS[name]
-    if name == "max_consecutive_nonfinite" and value is None:
-        value = _UNLIMITED
-        return jnp.array(value, spec.dtype)
+    if name == "max_consecutive_nonfinite":
+        if value is None:
+            return jnp.array(DEFAULT_RULE, spec.dtype)
+        if isinstance(value, float | np.floating) and value == np.inf:
+            return jnp.array(NEVER, spec.dtype)
     if name == "hysteresis_refill" and isinstance(value, str):
         if value not in HYSTERESIS_REFILL:
             raise ValueError(f"{label} must be one of {HYSTERESIS_REFILL}, got {value!r}.")
@@ -311,7 +325,7 @@ def dynamic_scale(
     hysteresis: int = 1,
     min_scale: float = 1.0,
     max_scale: float = 2.0**24,
-    max_consecutive_nonfinite: int | None = None,
+    max_consecutive_nonfinite: int | float | None = None,
     *,
     hysteresis_refill: str = "finite_and_backoff",
     raise_at_min_scale: bool = False,
@@ -328,8 +342,10 @@ def dynamic_scale(
       min_scale: lower bound of the scale (>= 0); the default of 1 keeps the scale
         from ever going below 1. The scale never drops below 2**-126 in any case.
       max_scale: upper bound of the scale (inf allowed; the scale never exceeds 2**126).
-      max_consecutive_nonfinite: if set, more than this many non-finite steps in a
-        row make :func:`check_health` raise.
+      max_consecutive_nonfinite: more than this many non-finite steps in a row make
+        :func:`check_health` raise. ``None``: the default rule, more than 100 in a
+        row once the scale is at its floor (``max(min_scale, 2**-126)``), where
+        backing off cannot help any more. ``math.inf`` (or ``2**31 - 1``): never.
       hysteresis_refill: what restores the hysteresis allowance:
         ``"finite_and_backoff"`` (every finite step and every backoff: only
         consecutive overflows count; Paddle), ``"finite"`` (every finite step, not a
@@ -450,7 +466,7 @@ _CONFIG_FIELDS = tuple(f for f in _FIELDS if f not in _COUNTER_FIELDS)
 def validate(state: LossScaleState, where: str) -> LossScaleState:
     """Checks a state built outside the constructors (a restored checkpoint) in full."""
     values = {name: getattr(state, name) for name in _FIELDS}
-    if _concrete(values["max_consecutive_nonfinite"]) == _UNLIMITED:
+    if _concrete(values["max_consecutive_nonfinite"]) == DEFAULT_RULE:
         values["max_consecutive_nonfinite"] = None
     try:
         return _build(state.mode, {}, values, names={})

@@ -9,7 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._loss_scale import _FIELDS, _UNLIMITED, LossScaleState
+from jaxamp._loss_scale import (
+    _FIELDS,
+    DEFAULT_PINNED_STREAK,
+    DEFAULT_RULE,
+    SCALE_MIN,
+    LossScaleState,
+    Mode,
+)
 from jaxamp._spikes import SpikeState
 
 __all__ = ["check_health", "get_loss_scale", "metrics"]
@@ -133,6 +140,22 @@ def find_spike_state(opt_state: Any) -> SpikeState | None:
 def check_health(opt_state_or_loss_scale_state: Any) -> None:
     """Raises if training stopped recovering from non-finite gradients.
 
+    A non-finite step is skipped as a whole, so during a streak of them nothing
+    changes but the batches and the loss scale. Training has stopped recovering
+    when the streak outlasts what the scale can do about it:
+
+    - ``max_consecutive_nonfinite=None`` (the default, in :func:`dynamic_scale`,
+      the ``compat`` constructors and :func:`jaxamp.skip_nonfinite`): more than
+      100 non-finite steps in a row while the scale can go no lower, at its floor
+      ``max(min_scale, 2**-126)`` (PyTorch's scale, with no floor, stops at
+      2**-126 ~ 1.2e-38) or fixed (:func:`static_scale`, the bfloat16 case).
+      While the scale is still backing off, a streak is the scale searching.
+    - ``max_consecutive_nonfinite=N``: more than N in a row, whatever the scale
+      (MindSpore's ``DynamicLossScaleManager`` is ``N=1000``).
+    - ``max_consecutive_nonfinite=math.inf`` (or ``2**31 - 1``): never.
+    - ``raise_at_min_scale=True`` (DeepSpeed): also once an overflow asked for a
+      backoff while the scale was at ``min_scale``.
+
     Host side: it reads a few scalars from the device, so call it where you log,
     not inside a jitted step. Replicated states (a leading device axis, as with
     ``pmap``) are checked on every replica.
@@ -142,15 +165,20 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
         containing one.
 
     Raises:
-      FloatingPointError: when ``nonfinite_streak`` exceeds the state's
-        ``max_consecutive_nonfinite`` (set in :func:`dynamic_scale` or
-        :func:`jaxamp.skip_nonfinite`), or, with ``raise_at_min_scale``, once an
-        overflow asked for a backoff below ``min_scale``.
+      FloatingPointError: saying how many steps in a row were skipped and what the
+        scale is, by the rules above.
 
     Example:
       >>> import jaxamp
       >>> s = jaxamp.dynamic_scale(max_consecutive_nonfinite=1)
       >>> jaxamp.check_health(jaxamp.update(s, False))  # one in a row: tolerated
+      >>> s = jaxamp.dynamic_scale(init_scale=4.0)
+      >>> for _ in range(102):  # 4 -> 2 -> 1, then 100 more at the floor
+      ...     s = jaxamp.update(s, False)
+      >>> jaxamp.check_health(s)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      FloatingPointError: 102 steps in a row were skipped ... scale is now 1, at its floor, ...
     """
     s = find_state(opt_state_or_loss_scale_state, "check_health")
     host = jax.device_get(
@@ -158,11 +186,12 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
             s.max_consecutive_nonfinite,
             s.nonfinite_streak,
             s.scale,
+            s.min_scale,
             s.raise_at_min_scale,
             s.min_scale_backoffs,
         )
     )
-    limit, streak, scale_now, at_min, stuck = (np.asarray(x) for x in host)
+    limit, streak, scale_now, floor, at_min, stuck = (np.asarray(x) for x in host)
     if np.any(at_min) and np.max(stuck) > 0:
         raise FloatingPointError(
             f"an overflow asked for a backoff while the loss scale was already at its minimum "
@@ -170,12 +199,28 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
             "(raise_at_min_scale, DeepSpeed's raise_error_at_min_scale). Look for a NaN in the "
             "loss or the data, or run the offending ops in float32 (jaxamp.full_precision)."
         )
-    limit = int(np.max(limit))
-    if limit != _UNLIMITED and int(np.max(streak)) > limit:
-        raise FloatingPointError(
-            f"{int(np.max(streak))} steps in a row were skipped because their gradients held "
-            f"inf or NaN (max_consecutive_nonfinite={limit}); the loss scale is now "
-            f"{float(np.min(scale_now)):g}. Training is not recovering: look for a NaN in the "
-            "loss or the data, lower the learning rate, or run the offending ops in float32 "
-            "(jaxamp.full_precision)."
+    # Element-wise, so that a replicated state is judged replica by replica.
+    if s.mode is Mode.DYNAMIC:
+        pinned = scale_now <= np.maximum(floor, np.float32(SCALE_MIN))
+    else:
+        pinned = np.ones_like(streak, bool)
+    default = limit == DEFAULT_RULE
+    over = np.where(default, pinned & (streak > DEFAULT_PINNED_STREAK), streak > limit)
+    if not np.any(over):
+        return
+    worst = np.unravel_index(np.argmax(np.where(over, streak, -1)), np.shape(streak))
+    n, now = int(streak[worst]), float(scale_now[worst])
+    if default[worst]:
+        where = "at its floor" if s.mode is Mode.DYNAMIC else "fixed"
+        why = (
+            f"; the loss scale is now {now:g}, {where}, so backing off cannot help (check_health's "
+            f"default: more than {DEFAULT_PINNED_STREAK} in a row with the scale at its floor or "
+            "fixed; set max_consecutive_nonfinite=N to choose N, or math.inf to never raise)"
         )
+    else:
+        why = f" (max_consecutive_nonfinite={int(limit[worst])}); the loss scale is now {now:g}"
+    raise FloatingPointError(
+        f"{n} steps in a row were skipped because their gradients held inf or NaN{why}. "
+        "Training is not recovering: look for a NaN in the loss or the data, lower the "
+        "learning rate, or run the offending ops in float32 (jaxamp.full_precision)."
+    )

@@ -247,7 +247,7 @@ def test_metrics_and_check_health():
     with pytest.raises(FloatingPointError, match=r"3 steps in a row.*loss scale is now 4096"):
         jaxamp.check_health(s)
     jaxamp.check_health(jaxamp.update(s, True))  # recovered
-    jaxamp.check_health(jaxamp.update(jaxamp.dynamic_scale(), False))  # unlimited by default
+    jaxamp.check_health(jaxamp.update(jaxamp.dynamic_scale(), False))  # default: tolerated
     with pytest.raises(ValueError, match="no LossScaleState"):
         jaxamp.check_health({"not": "a state"})
 
@@ -340,3 +340,120 @@ def test_check_reads_the_unscaled_values_whatever_the_configuration_says():
     t = jaxamp.compat.torch_grad_scaler(init_scale=1.0)
     t = jaxamp.update(t, False)
     assert float(t.scale) == 0.5 and not bool(jaxamp.unscale_and_check(t, g)[1])
+
+
+# check_health's default rule: more than 100 non-finite steps in a row once the scale
+# can go no lower (at its floor, or fixed).
+def _all_nan_run(ls, n, **kw):
+    import optax
+
+    tx = jaxamp.skip_nonfinite(optax.adam(1e-3), ls, **kw)
+    params = {"w": jnp.ones(4)}
+    nan = {"w": jnp.full(4, jnp.nan)}
+    body = lambda _, carry: jaxamp.step(tx, nan, carry[1], carry[0])
+    return jax.jit(lambda p, s: jax.lax.fori_loop(0, n, body, (p, s)))(params, tx.init(params))
+
+
+@pytest.mark.parametrize(
+    "ls, scale",
+    [
+        (jaxamp.dynamic_scale(), "1"),  # min_scale=1
+        (jaxamp.compat.torch_grad_scaler(), "1.17549e-38"),  # no floor: 2**-126
+        (jaxamp.static_scale(128.0), "128"),
+        (None, "1"),  # bfloat16: check and skip, never scale
+    ],
+    ids=["dynamic_scale", "torch_grad_scaler", "static_scale", "check_only"],
+)
+def test_check_health_raises_by_default_when_training_stopped_recovering(ls, scale):
+    params, state = _all_nan_run(ls, 300)
+    assert int(jaxamp.metrics(state)["nonfinite_streak"]) == 300
+    np.testing.assert_array_equal(params["w"], np.ones(4))
+    where = "at its floor" if ls is not None and ls.dynamic else "fixed"
+    with pytest.raises(FloatingPointError, match="300 steps in a row were skipped") as info:
+        jaxamp.check_health(state)
+    assert f"the loss scale is now {scale}, {where}" in str(info.value)
+    assert "max_consecutive_nonfinite=N" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "ls, first",
+    [
+        (jaxamp.dynamic_scale(), 101),  # at its floor after 15 backoffs
+        (jaxamp.compat.torch_grad_scaler(), 142),  # 2**16 -> 2**-126: 142 backoffs
+        (jaxamp.dynamic_scale(2.0**20, hysteresis=2, min_scale=2.0**-10), 101),
+        (jaxamp.compat.mindspore_dynamic(), 1001),  # its own N=1000, scale or not
+        (jaxamp.static_scale(8.0), 101),
+    ],
+)
+def test_the_default_rule_raises_from_the_first_step_it_describes(ls, first):
+    step = lambda s, f: (jaxamp.update(s, f),) * 2
+    states = jax.lax.scan(step, ls, jnp.zeros(1100, bool))[1]  # states[i]: after i + 1 steps
+    raises = []
+    for steps in (1, first - 1, first, 1100):
+        try:
+            jaxamp.check_health(jax.tree.map(lambda x, i=steps - 1: x[i], states))
+            raises.append(False)
+        except FloatingPointError:
+            raises.append(True)
+    assert raises == [False, False, True, True]
+
+
+def test_a_healthy_run_with_overflows_never_trips_the_default_rule():
+    rng = np.random.default_rng(0)
+    overflows = rng.random(4000) < 0.05
+    overflows[999:1061] = [False] + [True] * 60 + [False]  # a bad patch of 60, then recovery
+    overflows[2000:2004] = True
+    for ls in (
+        jaxamp.dynamic_scale(growth_interval=50),
+        jaxamp.compat.torch_grad_scaler(),
+        jaxamp.dynamic_scale(init_scale=1.0, growth_interval=10),
+    ):
+        step = lambda s, f: (jaxamp.update(s, f),) * 2
+        states = jax.lax.scan(step, ls, jnp.asarray(~overflows))[1]
+        assert int(np.max(states.nonfinite_streak)) == 60
+        # A leading axis is checked element by element: every step's state at once.
+        jaxamp.check_health(states)
+
+
+def test_the_default_rule_can_be_turned_off_or_replaced():
+    for ls, kw in [
+        (jaxamp.dynamic_scale(max_consecutive_nonfinite=math.inf), {}),
+        (jaxamp.compat.torch_grad_scaler().replace(max_consecutive_nonfinite=math.inf), {}),
+        (jaxamp.dynamic_scale(), {"max_consecutive_nonfinite": 2**31 - 1}),
+        (jaxamp.dynamic_scale(max_consecutive_nonfinite=500), {}),
+    ]:
+        _, state = _all_nan_run(ls, 300, **kw)
+        jaxamp.check_health(state)
+    assert (
+        int(jaxamp.dynamic_scale(max_consecutive_nonfinite=math.inf).max_consecutive_nonfinite)
+        == 2**31 - 1
+    )
+    _, state = _all_nan_run(jaxamp.dynamic_scale(max_consecutive_nonfinite=5), 6)
+    with pytest.raises(
+        FloatingPointError, match=r"6 steps in a row .*\(max_consecutive_nonfinite=5\)"
+    ):
+        jaxamp.check_health(state)
+    with pytest.raises(ValueError, match=r"math.inf \(never raise\)"):
+        jaxamp.dynamic_scale(max_consecutive_nonfinite=-math.inf)
+
+
+def test_the_state_keeps_its_03_layout():
+    # No field added: a 0.3 checkpoint restores, and its None (-1) is the default rule.
+    assert jaxamp._loss_scale.FIELD_NAMES == (
+        "scale",
+        "growth_tracker",
+        "hysteresis_tracker",
+        "nonfinite_streak",
+        "skipped_steps",
+        "min_scale_backoffs",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "hysteresis",
+        "hysteresis_refill",
+        "min_scale",
+        "max_scale",
+        "max_consecutive_nonfinite",
+        "raise_at_min_scale",
+    )
+    assert int(jaxamp.dynamic_scale().max_consecutive_nonfinite) == -1
