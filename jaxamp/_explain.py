@@ -115,7 +115,9 @@ def _unwrap(tree: Any) -> Any:
     if nnx is None:
         return tree
     is_var = lambda x: isinstance(x, nnx.Variable)
-    return jax.tree.map(lambda v: v.get_value() if is_var(v) else v, tree, is_leaf=is_var)
+    # get_value is Flax >= 0.12's accessor; .value the older one.
+    value = lambda v: v.get_value() if hasattr(v, "get_value") else v.value
+    return jax.tree.map(lambda v: value(v) if is_var(v) else v, tree, is_leaf=is_var)
 
 
 def _unpack(opt_state: Any, params: Any) -> tuple[Any, Any]:
