@@ -69,13 +69,18 @@ def aval_of(x: Any) -> Any:
     return typeof(x)
 
 
+def _typed_sharding(x: Any) -> Any:
+    """The sharding in ``x``'s type: ``x`` an array, a tracer or an abstract value."""
+    aval = x if isinstance(x, jax.core.AbstractValue | jax.ShapeDtypeStruct) else aval_of(x)
+    return getattr(aval, "sharding", None)
+
+
 def typed_spec(x: Any) -> Any:
     """The PartitionSpec in ``x``'s type (Explicit mesh axes), or None if it has none.
 
     ``x`` is an array, a tracer or an abstract value (``jax.typeof``'s result).
     """
-    aval = x if isinstance(x, jax.core.AbstractValue | jax.ShapeDtypeStruct) else aval_of(x)
-    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    spec = getattr(_typed_sharding(x), "spec", None)
     return spec if spec is not None and any(p is not None for p in spec) else None
 
 
@@ -83,13 +88,17 @@ def like_sharded(x: Any, other: Any) -> Any:
     """``x`` resharded to ``other``'s typed sharding where the two types differ.
 
     Only values sharded in their type (an Explicit mesh) can differ; there
-    ``lax.select`` needs its cases in one sharding. ``jax.sharding.reshard``
+    ``lax.select`` and ``lax.cond`` need their cases in one sharding. The target
+    names its mesh (the one in the sharded type), so this works under ``jax.jit``
+    over a mesh that no ``jax.set_mesh`` made current. ``jax.sharding.reshard``
     exists in every JAX that has Explicit axes.
     """
     want, have = typed_spec(other), typed_spec(x)
     if want == have:
         return x
-    return jax.sharding.reshard(x, want if want is not None else jax.sharding.PartitionSpec())
+    mesh = _typed_sharding(other if want is not None else x).mesh
+    spec = want if want is not None else jax.sharding.PartitionSpec()
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
 
 
 def name_stack(eqn: Any) -> str:
