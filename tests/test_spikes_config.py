@@ -146,3 +146,27 @@ def test_bools_arrays_and_other_types_are_refused_by_name(kwargs, message) -> No
 def test_a_traced_window_is_refused() -> None:
     with pytest.raises(TypeError, match="window must be a concrete number"):
         jax.jit(lambda w: jaxamp.spike_rule(window=w))(16)
+
+
+def test_an_nnx_optimizer_resumes_with_another_window(tmp_path) -> None:
+    from flax import nnx
+
+    def setup(window):
+        model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+        tx = jaxamp.skip_nonfinite(optax.sgd(0.1), None, spikes=jaxamp.spike_rule(window=window))
+        return model, jaxamp.nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    model, opt = setup(8)
+    for i in range(11):
+        grads = nnx.grad(lambda m: jnp.mean(m(jnp.ones((2, 4))) ** 2))(model)
+        opt.update(model, grads, value=jnp.float32(1.0 + 0.01 * i))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "c", nnx.state((model, opt)))
+    fresh = setup(16)
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = jaxamp.checkpoint.restore(ckptr, nnx.state(fresh), directory=tmp_path / "c")
+    nnx.update(fresh, restored)
+    spikes = nnx.state(fresh[1])["opt_state"]["spikes"]
+    want = [np.float32(1.0 + 0.01 * i) for i in range(3, 11)] + [0.0] * 8
+    np.testing.assert_array_equal(spikes["losses"][...], want)
+    assert int(spikes["count"][...]) == 8
