@@ -78,12 +78,13 @@ def _loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) ->
             f"jaxamp.static_scale(), jaxamp.no_scale()) or None, got {type(loss_scale).__name__}."
         )
     if max_consecutive_nonfinite is not None:
-        if isinstance(max_consecutive_nonfinite, bool) or not isinstance(
-            max_consecutive_nonfinite, int
-        ):
+        # An int N, or math.inf to never raise (the loss-scale state's own spellings).
+        limit = max_consecutive_nonfinite
+        if isinstance(limit, bool) or not (isinstance(limit, int) or limit == float("inf")):
             raise TypeError(
-                f"{fn}: max_consecutive_nonfinite must be None or an integer >= 0, "
-                f"got {max_consecutive_nonfinite!r}."
+                f"{fn}: max_consecutive_nonfinite must be None (check_health's default "
+                "rule), an integer >= 0, or math.inf (never raise), got "
+                f"{max_consecutive_nonfinite!r}."
             )
         try:
             loss_scale = loss_scale.replace(max_consecutive_nonfinite=max_consecutive_nonfinite)
@@ -298,7 +299,7 @@ def skip_nonfinite(
     loss_scale: LossScaleState | None = None,
     *,
     every_k: int = 1,
-    max_consecutive_nonfinite: int | None = None,
+    max_consecutive_nonfinite: int | float | None = None,
     axis_name: Any = None,
     spikes: _spikes.SpikeRule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -324,9 +325,11 @@ def skip_nonfinite(
       loss_scale: a :class:`LossScaleState`; ``None`` skips non-finite steps
         without scaling (the bfloat16 case).
       every_k: micro-batches per optimizer step (an int >= 1).
-      max_consecutive_nonfinite: if set, more than this many skipped steps in a
-        row make :func:`jaxamp.check_health` raise ``FloatingPointError``. The
-        step itself is always skipped: a non-finite update is never applied.
+      max_consecutive_nonfinite: more than this many skipped steps in a row make
+        :func:`jaxamp.check_health` raise ``FloatingPointError``; ``None`` keeps the
+        loss-scale state's setting (by default: more than 100 in a row once the
+        scale can go no lower), ``math.inf`` never raises. The step itself is
+        always skipped: a non-finite update is never applied.
       axis_name: mapped axis name(s) (``pmap`` / ``shard_map``) over which the
         finiteness check is agreed, so every device skips together. Not needed
         under ``jax.jit`` with sharded arrays, where the check is a global reduction.

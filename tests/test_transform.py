@@ -517,3 +517,20 @@ def test_multi_transform_traces_each_inner_update_once() -> None:
     params = {"x": jnp.ones(2), "y": jnp.ones(2)}
     jax.jit(lambda p, s, g: jaxamp.step(tx, g, s, p))(params, tx.init(params), params)
     assert traces == {"a": 1, "b": 1}
+
+
+def test_max_consecutive_nonfinite_takes_the_loss_scale_states_spellings() -> None:
+    import math
+
+    tx = jaxamp.skip_nonfinite(
+        optax.sgd(1.0), jaxamp.dynamic_scale(), max_consecutive_nonfinite=math.inf
+    )
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    bad = {"w": jnp.full(2, jnp.nan)}
+    step = jax.jit(lambda p, s: jaxamp.step(tx, bad, s, p))
+    for _ in range(300):  # never raises with math.inf, however long the streak
+        params, state = step(params, state)
+    jaxamp.check_health(state)
+    with pytest.raises(TypeError, match=r"math\.inf \(never raise\)"):
+        jaxamp.skip_nonfinite(optax.sgd(1.0), max_consecutive_nonfinite=2.5)
