@@ -59,19 +59,29 @@ def _setup(every_k: int = 1):
     return model, jaxamp.nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def _finite_step(model, optimizer) -> None:
-    _, grads = jaxamp.nnx.value_and_grad(_loss)(optimizer, model, X)
+@nnx.jit
+def _step(model, optimizer, x) -> None:
+    _, grads = jaxamp.nnx.value_and_grad(_loss)(optimizer, model, x)
     optimizer.update(model, grads)
+
+
+def _finite_step(model, optimizer) -> None:
+    _step(model, optimizer, X)
 
 
 def test_two_forwards_before_one_update_keep_the_state_before_both() -> None:
     model, optimizer = _setup()
     _finite_step(model, optimizer)
     before = _host(model)
-    vg = jaxamp.nnx.value_and_grad(_loss)
-    _, g1 = vg(optimizer, model, BAD)  # overflows: BatchStat becomes inf / NaN
-    _, g2 = vg(optimizer, model, X)  # records nothing new: the poisoned stats stay out
-    optimizer.update(model, jax.tree.map(jnp.add, g1, g2))
+
+    @nnx.jit
+    def two_forwards(model, optimizer):
+        vg = jaxamp.nnx.value_and_grad(_loss)
+        _, g1 = vg(optimizer, model, BAD)  # overflows: BatchStat becomes inf / NaN
+        _, g2 = vg(optimizer, model, X)  # a finite batch after it, read the poisoned stats
+        optimizer.update(model, jax.tree.map(jnp.add, g1, g2))
+
+    two_forwards(model, optimizer)
     assert bool(jaxamp.metrics(optimizer.opt_state)["skipped"])
     _assert_same(_host(model), before)  # params, BatchStat and RNG counters
     assert int(optimizer.step) == 1
@@ -88,8 +98,12 @@ def test_a_teacher_passed_first_is_not_what_the_student_gets_back(teacher_width:
     def distill(teacher: Net, student: Net, x: jax.Array) -> jax.Array:
         return jnp.mean((student(x) - jax.lax.stop_gradient(teacher(x))) ** 2)
 
-    _, grads = jaxamp.nnx.value_and_grad(distill, argnums=1)(optimizer, teacher, model, BAD)
-    optimizer.update(model, grads)
+    @nnx.jit
+    def step(teacher, model, optimizer, x):
+        _, grads = jaxamp.nnx.value_and_grad(distill, argnums=1)(optimizer, teacher, model, x)
+        optimizer.update(model, grads)
+
+    step(teacher, model, optimizer, BAD)
     assert bool(jaxamp.metrics(optimizer.opt_state)["skipped"])
     _assert_same(_host(model), before)
     # The teacher's forward wrote its own statistics; the optimizer does not touch them.
@@ -120,14 +134,13 @@ def test_every_k_step_counts_only_applied_windows_as_multisteps_would() -> None:
     model, optimizer = _setup(every_k=4)
     ref_model = Net(nnx.Rngs(0))
     ref = nnx.Optimizer(ref_model, optax.MultiSteps(optax.adam(1e-2), 4), wrt=nnx.Param)
-    window = [X, BAD, X, X]
-    for x in window:  # one skipped window
-        _, grads = jaxamp.nnx.value_and_grad(_loss)(optimizer, model, x)
-        optimizer.update(model, grads)
+    ref_step = nnx.jit(lambda m, o, x: o.update(m, nnx.grad(_loss)(m, x)))
+    for x in [X, BAD, X, X]:  # one skipped window
+        _step(model, optimizer, x)
     assert int(optimizer.step) == 0
     for _ in range(4):  # one applied window
-        _finite_step(model, optimizer)
-        ref.update(ref_model, nnx.grad(_loss)(ref_model, X))
+        _step(model, optimizer, X)
+        ref_step(ref_model, ref, X)
     assert int(optimizer.step) == int(ref.step) == 4
 
 
@@ -153,10 +166,14 @@ def test_lora_optimizer_does_not_copy_the_frozen_base() -> None:
     x = jax.random.normal(jax.random.key(2), (8, 64))
     before = _host(model)
     loss = lambda m, x: jnp.mean(m(x) ** 2)
-    _, grads = jaxamp.nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(
-        optimizer, model, x.at[0, 0].set(jnp.nan)
-    )
-    optimizer.update(model, grads)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        vg = jaxamp.nnx.value_and_grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))
+        _, grads = vg(optimizer, model, x)
+        optimizer.update(model, grads)
+
+    step(model, optimizer, x.at[0, 0].set(jnp.nan))
     _assert_same(_host(model), before)
 
 
