@@ -117,6 +117,8 @@ def _run(
         outs, _ = eval_jaxpr(closed.jaxpr, closed.consts, dyn, ctx, float32_outputs=wide_out)
         final = []
         for x, shape in zip(outs, jax.tree_util.tree_leaves(out_shape), strict=True):
+            # A literal output (a constant `False`) comes back as a Python scalar.
+            x = x if hasattr(x, "dtype") else jnp.asarray(x, shape.dtype)
             want = shape.dtype
             if is_float(want) and cfg.output_dtype is not None:
                 want = cfg.output_dtype
@@ -144,19 +146,27 @@ def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
         if not node_idx and self_node is None:
             dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
             dyn = [leaves[i] for i in dynamic]
-            return _dispatch(fn, leaves, treedef, dynamic, dyn)
+            return _dispatch(fn, leaves, treedef, dynamic, dyn, ())
         return _call_nnx(nnx, leaves, treedef, node_idx, self_node)
 
     def _dispatch(
-        fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int], dyn: list[Any]
+        fn: Callable[..., Any],
+        leaves: list[Any],
+        treedef: Any,
+        dynamic: list[int],
+        dyn: list[Any],
+        closed_over: Any,
     ) -> Any:
         if any(isinstance(x, jax.core.Tracer) for x in dyn):
             return _run(fn, cfg, leaves, treedef, dynamic, dyn)
         # Eager call: one jitted program per call signature (jit caches per
-        # shapes and dtypes), instead of re-tracing `f` op by op every call.
+        # shapes and dtypes), instead of re-tracing `f` op by op every call. The
+        # key holds everything that changes the answer: the static leaves, and
+        # what `fn` closes over (an nnx graph's static attributes, such as the
+        # mode model.eval() sets, and the call's static arguments).
         static = tuple(x for i, x in enumerate(leaves) if i not in set(dynamic))
         try:
-            key = (treedef, tuple(dynamic), static)
+            key = (treedef, tuple(dynamic), static, closed_over)
             hash(key)
         except TypeError:
             return _run(fn, cfg, leaves, treedef, dynamic, dyn)
@@ -223,7 +233,11 @@ def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
 
         flat_args = [*state_leaves, *(leaves[i] for i in rest)]
         p_leaves, p_def = jax.tree_util.tree_flatten((tuple(flat_args), {}))
-        out, updated = _dispatch(pure, p_leaves, p_def, list(range(len(p_leaves))), p_leaves)
+        statics = tuple(x for i, x in enumerate(static_leaves) if i not in set(rest))
+        closed_over = (graphdef, treedef, tuple(rest), statics, id(method), self_node is None)
+        out, updated = _dispatch(
+            pure, p_leaves, p_def, list(range(len(p_leaves))), p_leaves, closed_over
+        )
         if _flax.flat_variables(nnx, updated):
             nnx.update(nodes, updated)
         return out
