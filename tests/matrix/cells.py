@@ -1,0 +1,103 @@
+"""The matrix's cells: the product of paths, modes, placements and model states.
+
+``ALL`` is the whole product less the combinations left out below (each with its
+reason); ``CI`` is the fixed subset ``make test`` runs: every value of every axis
+at least once, and each bug issue 30 names in a cell of its own. A cell is built
+once (:func:`build`: its runner, twin and reference compiled on first use) and
+reused by every example drawn for it.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import jax.numpy as jnp
+
+from tests.matrix import paths_functional, paths_nnx
+from tests.matrix.drive import Cell
+from tests.matrix.models import KINDS, Kind
+from tests.matrix.modes import NAMES as MODES
+from tests.matrix.modes import Mode
+from tests.matrix.placements import NAMES as PLACEMENTS
+from tests.matrix.placements import Placement
+
+FUNCTIONAL = ("update", "step", "train_state")
+NNX = ("nnx", "nnx_flaxgrad", "flax_opt")
+PATHS = FUNCTIONAL + NNX
+
+# Left out, with the reason:
+# - nnx paths under pmap / shard_map: an nnx Module is a mutable Python object; a
+#   per-device program gets its arrays through nnx.split, and what it runs is then
+#   the functional paths' program (covered by their cells); the nnx optimizer's
+#   sharding cells are the Auto and Explicit meshes.
+LEFT_OUT = {(p, pl) for p in NNX for pl in ("pmap", "shard_map", "shard_map_stacked")}
+
+# Flax's own nnx.Optimizer cannot restore what a forward writes: with such a model
+# it must refuse, at trace time, naming jaxamp.nnx.Optimizer.
+REFUSED = {("flax_opt", k) for k in ("bn", "dropout", "teacher", "bn2")}
+REFUSAL = "jaxamp.nnx.Optimizer"
+
+
+def cell_id(path: str, mode: str, pl: str, kind: str) -> str:
+    return f"{path}-{mode}-{pl}-{kind}"
+
+
+def _all() -> list[tuple[str, str, str, str]]:
+    # Placement-major, paths adjacent: consecutive cells share their reference.
+    out = []
+    for pl, kind, mode, path in itertools.product(PLACEMENTS, KINDS, MODES, PATHS):
+        if (path, pl) not in LEFT_OUT:
+            out.append((path, mode, pl, kind))
+    return out
+
+
+ALL = _all()
+
+CI = [
+    # Issue 30's named bugs, one cell each.
+    ("update", "plain", "explicit_shard", "none"),  # optax path under an Explicit mesh
+    ("nnx", "plain", "one", "bn2"),  # two forwards before one update
+    ("nnx", "plain", "one", "teacher"),  # another module passed first
+    ("nnx_flaxgrad", "plain", "one", "bn"),  # Flax's nnx.value_and_grad
+    ("nnx", "every_k", "one", "dropout"),  # step counter over a skipped window
+    ("nnx", "plain", "one", "lora"),  # frozen base copied into the optimizer
+    ("train_state", "plain", "one", "bn"),  # FrozenDict held, plain dict passed
+    ("flax_opt", "plain", "one", "bn"),  # refused, naming jaxamp.nnx.Optimizer
+    # Every other value of every axis at least once.
+    ("flax_opt", "sr", "auto_rep", "none"),
+    ("step", "multi", "shard_map", "teacher"),
+    ("step", "spikes", "auto_shard", "dropout"),
+    ("update", "kahan", "shard_map_stacked", "bn"),
+    ("train_state", "every_k", "pmap", "lora"),
+    ("nnx", "multi", "explicit_rep", "bn"),
+    ("nnx_flaxgrad", "spikes", "explicit_shard", "teacher"),
+    ("step", "sr", "one", "bn2"),
+]
+assert all(c in ALL for c in CI), [c for c in CI if c not in ALL]
+
+_built: dict[tuple, Cell] = {}
+_refs: dict[tuple, object] = {}
+
+
+def build(path: str, mode: str, pl: str, kind: str) -> Cell:
+    """The cell, compiled on first use; one cell (and two references) kept at a time,
+    so that the whole product's executables do not pile up in memory."""
+    key = (path, mode, pl, kind)
+    if key not in _built:
+        if _built:  # a jitted function's executables go with it
+            _built.clear()
+            gc.collect()
+        m = Mode(mode)
+        k = Kind(kind, jnp.bfloat16 if m.low_precision else jnp.float32)
+        p = Placement(pl)
+        module = paths_nnx if path in NNX else paths_functional
+        # update and step share one reference (plain optax); the nnx paths share Flax's.
+        family = "nnx" if path in NNX else ("ts" if path == "train_state" else "optax")
+        ref_key = (family, mode, pl, kind)
+        if ref_key not in _refs:
+            if len(_refs) >= 2:
+                _refs.pop(next(iter(_refs)))
+            _refs[ref_key] = module.Reference(path, k, m, p)
+        _built[key] = Cell(path, k, m, p, module.Runner(path, k, m, p), _refs[ref_key])
+    return _built[key]

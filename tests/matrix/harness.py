@@ -1,0 +1,256 @@
+"""The matrix's driver: runs a drawn sequence of calls through a cell and checks every call.
+
+A cell is a runner (the jaxamp path under test, compiled once) and a reference
+(plain optax, Flax's ``TrainState`` or Flax's ``nnx.Optimizer`` with the plain
+inner optimizer, compiled once) on one placement. :func:`drive` feeds both the
+same calls; the reference takes only what must be taken (a non-finite call, a
+spike, a window holding either: the reference does nothing), and after every call:
+
+- what was not taken is bit for bit as before the call: the params and inner
+  optimizer state of each skipped label, and (when the step did not step) all the
+  model state the forward wrote (BatchStat, RNG counters); a teacher never changes;
+- params, inner optimizer state and model state equal the reference's (bit for
+  bit where the arithmetic is the same, see ``modes.Mode.exact``);
+- ``jaxamp.metrics`` equals the loss-scale oracle (API.md §2) and, with spikes,
+  the spike oracle; the step counter (if the path has one) moves as documented;
+- every output keeps the sharding its input had;
+- the cell's twin (``jaxamp.step`` against its ``tx.update`` form) is equal bit
+  for bit.
+
+A drawn restore point saves the state through orbax, restores it with
+``jaxamp.checkpoint.restore`` into state built with another loss-scale
+configuration (``modes.OTHER``), and the run goes on from the restored state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from hypothesis import strategies as st
+
+import jaxamp
+from tests.matrix import modes as modes_lib
+from tests.matrix.models import BATCH, IN, label_of
+
+WORST = [0.0]
+POISONS = ("ok", "x+inf", "x-inf", "xnan", "g+inf", "g-inf", "gnan")
+_VALUE = {"+inf": np.inf, "-inf": -np.inf, "nan": np.nan}
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call: a poison per forward, the replica (or batch slice) it lands on, a spike."""
+
+    poison: tuple[str, ...]
+    replica: int = 0
+    spike: bool = False
+
+    @property
+    def finite(self) -> bool:
+        return all(p == "ok" for p in self.poison)
+
+    def poisoned_labels(self) -> set[str]:
+        """Labels whose gradients the poison makes non-finite: all for a poisoned
+        batch, the first layer's ("a") for a poisoned loss term."""
+        out: set[str] = set()
+        for p in self.poison:
+            if p.startswith("x"):
+                out |= {"a", "b"}
+            elif p.startswith("g"):
+                out.add("a")
+        return out
+
+
+def calls(forwards: int, spikes: bool, max_calls: int) -> st.SearchStrategy[list[Call]]:
+    poison = st.sampled_from(POISONS).filter(lambda p: True)
+    weighted = st.one_of(st.just("ok"), st.just("ok"), poison)
+    one = st.builds(
+        Call,
+        st.tuples(*[weighted] * forwards),
+        st.integers(0, 7),
+        st.booleans() if spikes else st.just(False),
+    )
+    return st.lists(one, min_size=1, max_size=max_calls)
+
+
+_DATA = [np.random.default_rng(i).normal(size=(2, BATCH, IN)).astype(np.float32) for i in range(8)]
+
+
+def arrays(call: Call, i: int, forwards: int, replicas: int) -> tuple[np.ndarray, ...]:
+    """The call's batch ``x`` (forwards, BATCH, IN), poison ``gp`` (replicas, forwards), ``amp``."""
+    x = _DATA[i % len(_DATA)][:forwards].copy()
+    gp = np.zeros((replicas, forwards), np.float32)
+    row = call.replica * (BATCH // 8)  # the replica's (under a mesh: the device's) first row
+    for f, p in enumerate(call.poison):
+        if p.startswith("x"):
+            x[f, row, 1] = _VALUE[p[1:]]
+        elif p.startswith("g"):
+            gp[call.replica % replicas, f] = _VALUE[p[1:]]
+    amp = modes_lib.SPIKE_AMP if call.spike else 1.0
+    return x, gp, amp
+
+
+# ---------------------------------------------------------------------------
+# Snapshots: every array on the host, keyed by path.
+
+
+def host(x: Any) -> np.ndarray:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(jax.device_get(x))
+
+
+def flat(tree: Any) -> dict[str, np.ndarray]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {"/".join(_key(k) for k in path): host(v) for path, v in leaves}
+
+
+def _key(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+@dataclasses.dataclass
+class Snap:
+    params: dict[str, np.ndarray]
+    inner: dict[str, list[np.ndarray]]
+    mstate: dict[str, np.ndarray]
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    teacher: dict[str, np.ndarray] | None = None
+    step: int | None = None
+    everything: list[np.ndarray] = dataclasses.field(default_factory=list)
+    shardings: list[Any] = dataclasses.field(default_factory=list)
+    opt_shapes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+
+
+def inner_of(opt_state: Any, labels: tuple[str, ...], *, reference: bool) -> dict[str, list]:
+    return {
+        lab: [host(x) for x in modes_lib.inner_leaves(opt_state, lab, reference=reference)]
+        for lab in labels
+    }
+
+
+def metrics_of(opt_state: Any) -> dict[str, Any]:
+    return {k: host(v) for k, v in jaxamp.metrics(opt_state).items()}
+
+
+def shardings(tree: Any) -> list[Any]:
+    return [getattr(x, "sharding", None) for x in jax.tree.leaves(tree)]
+
+
+# ---------------------------------------------------------------------------
+# Comparisons.
+
+
+def bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def assert_same(what: str, got: Any, want: Any, rtol: float | None) -> None:
+    """``got == want``: dicts by key, lists in order; bit for bit, or within ``rtol``
+    (relative to the array's largest magnitude) when ``rtol`` is given."""
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), f"{what}: keys {sorted(got)} != {sorted(want)}"
+        for k in want:
+            assert_same(f"{what}[{k}]", got[k], want[k], rtol)
+        return
+    if isinstance(want, list):
+        assert len(got) == len(want), f"{what}: {len(got)} leaves != {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(f"{what}[{i}]", g, w, rtol)
+        return
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: {got.dtype}{got.shape} != {want.dtype}{want.shape}"
+    )
+    if rtol is None or not np.issubdtype(want.dtype, np.floating) and want.dtype.kind != "V":
+        if not bits_equal(got, want):
+            raise AssertionError(f"{what}: not bit for bit equal: {_diff(got, want)}")
+        return
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    assert np.array_equal(np.isfinite(g), np.isfinite(w)), f"{what}: finiteness differs"
+    scale = max(float(np.max(np.abs(w), initial=0.0)), 1e-30)
+    err = float(np.max(np.abs(np.nan_to_num(g - w)), initial=0.0))
+    WORST[0] = max(WORST[0], err / scale / rtol)
+    assert err <= rtol * scale, f"{what}: off by {err:.3g} (> {rtol:.3g} x {scale:.3g})"
+
+
+def _diff(got: np.ndarray, want: np.ndarray) -> str:
+    g, w = got.reshape(-1), want.reshape(-1)
+    if g.dtype.kind == "V" or not np.issubdtype(g.dtype, np.number):
+        g, w = g.view(np.uint8), w.view(np.uint8)
+    bad = (
+        np.flatnonzero(g.tobytes() != w.tobytes())
+        if g.size == 0
+        else np.flatnonzero((g != w) & ~(np.isnan(g.astype(float)) & np.isnan(w.astype(float))))
+    )
+    if bad.size == 0:
+        return "same values, other bits (-0.0 or NaN payload)"
+    i = bad[0]
+    return f"{bad.size} of {g.size} elements differ, first at {i}: {g[i]!r} != {w[i]!r}"
+
+
+def _by_label(tree: dict[str, np.ndarray], label: str) -> dict[str, np.ndarray]:
+    return {k: v for k, v in tree.items() if label == "all" or label_of(k) == label}
+
+
+# ---------------------------------------------------------------------------
+# The references' parts: their own finiteness, their gradient norm, their select.
+
+
+def select(take: jax.Array, labels: tuple[str, ...], new: Any, old: Any, part: str) -> Any:
+    """``new`` where the reference takes the call, ``old`` where it does not: params
+    by their label, multi_transform's inner states by theirs, the rest by all."""
+    everything = jnp.all(take)
+
+    def pick(path, n, o):
+        keys = [_key(k) for k in path]
+        if len(labels) > 1 and part == "params":
+            on = take[labels.index(label_of(keys[0]))]
+        elif len(labels) > 1 and part == "opt" and "inner_states" in keys:
+            on = take[labels.index(keys[keys.index("inner_states") + 1])]
+        else:
+            on = everything
+        return jnp.where(on, n, o)
+
+    return jax.tree_util.tree_map_with_path(pick, new, old)
+
+
+def finite(grads: Any, labels: tuple[str, ...]) -> jax.Array:
+    flags = {lab: jnp.bool_(True) for lab in labels}
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        lab = label_of(_key(path[0])) if len(labels) > 1 else "all"
+        flags[lab] = flags[lab] & jnp.all(jnp.isfinite(g))
+    return jnp.stack([flags[lab] for lab in labels])
+
+
+def norm(grads: Any) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint and restore (orbax, jaxamp.checkpoint.restore).
+
+
+def save_and_restore(tree: Any, target: Any) -> Any:
+    """Saves ``tree`` with orbax and restores it into ``target`` (concrete arrays of
+    another configuration, placed where the run's are) with jaxamp.checkpoint.restore."""
+    keys = jax.tree.map(lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key), target)
+    as_data = lambda t: jax.tree.map(lambda x, k: jax.random.key_data(x) if k else x, t, keys)
+    with tempfile.TemporaryDirectory() as d, ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(Path(d) / "c", as_data(tree))
+        ckptr.wait_until_finished()
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), as_data(target)
+        )
+        restored = jaxamp.checkpoint.restore(ckptr, abstract, directory=Path(d) / "c")
+    return jax.tree.map(lambda x, k: jax.random.wrap_key_data(x) if k else x, restored, keys)

@@ -1,0 +1,89 @@
+"""Issue 30's differential matrix: every training path of jaxamp against plain optax / Flax.
+
+Each cell (``cells.py``: path x mode x placement x model state) runs a fixed
+sequence that holds every kind of call (a poisoned batch, a poisoned gradient, a
+spike, finite calls, a restore through orbax mid-window), then hypothesis-drawn
+sequences of finite, +inf, -inf and NaN calls (and spikes, and one orbax restore
+into another configuration), with every check of ``harness.py`` after every call.
+
+CI runs ``cells.CI`` (a fixed subset, ``make test``); ``make matrix`` runs the whole
+product (``MATRIX_FULL=1``). Both need 8 devices:
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (cells on one device run
+without).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.matrix import cells, drive, harness
+
+FULL = os.environ.get("MATRIX_FULL") == "1"
+SELECTED = cells.ALL if FULL else cells.CI
+EXAMPLES = 10 if FULL else 4
+MAX_CALLS = 8 if FULL else 6
+
+
+def _fixed(forwards: int) -> list[harness.Call]:
+    """Every kind of call, in an order that also hits every_k's windows (2) both ways."""
+    C = harness.Call
+    ok, rest = ("ok",) * forwards, ("ok",) * (forwards - 1)
+    return [
+        C(ok),
+        C(("x+inf", *rest), replica=3),  # a poisoned batch: the forward's state is NaN too
+        C(ok),
+        C((*rest, "g-inf"), replica=5),  # a poisoned gradient (its last forward's)
+        C(ok, spike=True),  # a spike (a loss 64x the history's; only spikes= skips it)
+        C(ok),
+        C(("xnan", *rest), replica=7),
+        C(ok),
+        C((*rest, "gnan")),
+        C(ok),
+    ]
+
+
+@pytest.mark.parametrize(
+    "path,mode,placement,kind", SELECTED, ids=[cells.cell_id(*c) for c in SELECTED]
+)
+def test_cell(path: str, mode: str, placement: str, kind: str) -> None:
+    if (path, kind) in cells.REFUSED:
+        _refused(path, mode, placement, kind)
+        return
+    cell = cells.build(path, mode, placement, kind)
+    drive.drive(cell, _fixed(cell.kind.forwards), restore_at=4)
+    spikes = mode == "spikes"
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=not FULL,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(data=st.data())
+    def drawn(data: st.DataObject) -> None:
+        seq = data.draw(harness.calls(cell.kind.forwards, spikes, MAX_CALLS), label="calls")
+        at = data.draw(st.one_of(st.none(), st.integers(0, len(seq) - 1)), label="restore at")
+        drive.drive(cell, seq, restore_at=at)
+
+    drawn()
+
+
+def _refused(path: str, mode: str, placement: str, kind: str) -> None:
+    """Flax's own nnx.Optimizer on a model whose forward writes state: a clear error,
+    raised while the step is traced, naming what to use instead."""
+    cell = cells.build(path, mode, placement, kind)
+    with pytest.raises((TypeError, ValueError)) as e:
+        with cell.pl.context():
+            carry = cell.run.new(cells.BASE)
+            inp = cell.pl.put_input(
+                *harness.arrays(
+                    harness.Call(("ok",) * cell.kind.forwards), 0, cell.kind.forwards, 1
+                )
+            )
+            cell.run.call(carry, *inp)
+    assert cells.REFUSAL in str(e.value), str(e.value)
