@@ -17,6 +17,11 @@ from flax import nnx
 from jaxamp._tree import render_path
 
 
+def pure(tree: Any) -> Any:
+    """An nnx State as plain arrays (``nnx.as_pure``; ``to_pure_dict`` before Flax 0.12)."""
+    return nnx.as_pure(tree) if hasattr(nnx, "as_pure") else nnx.to_pure_dict(tree)
+
+
 def forward_written(wrt: Any) -> Any:
     """The nnx filter of what a forward can write: outside ``wrt``, not a Param or Intermediate.
 
@@ -28,28 +33,40 @@ def forward_written(wrt: Any) -> Any:
 
 
 def refuse_flax_optimizer(frame: FrameType | None) -> None:
-    """Raises if ``tx.update`` is called by Flax's ``nnx.Optimizer.update`` for a model
-    whose forward writes state that a skipped step would keep.
+    """Raises if ``tx.update`` runs inside Flax's ``nnx.Optimizer.update`` for a model
+    that holds state a forward can write, which a skipped step would keep.
 
-    ``frame`` is the caller's: Flax's ``update(self, model, grads)`` has the optimizer
-    and the model in its locals. jaxamp's own ``jaxamp.nnx.Optimizer`` never comes
-    here (it runs the guarded step directly).
+    ``frame`` is the caller's. Flax's ``update(self, model, grads)`` has the optimizer
+    and the model in its locals; it may call this ``tx`` through wrappers
+    (``optax.chain``, ``MultiSteps``), so a few frames up are looked at. jaxamp's own
+    ``jaxamp.nnx.Optimizer`` never comes here: it runs the guarded step directly and
+    takes no wrapped ``tx``.
     """
-    if frame is None:
-        return
-    caller, model = frame.f_locals.get("self"), frame.f_locals.get("model")
-    if not isinstance(caller, nnx.Optimizer) or not isinstance(model, nnx.Module):
-        return
-    written = nnx.state(model, forward_written(caller.wrt))
+    for _ in range(_FRAMES_UP):
+        if frame is None:
+            return
+        caller, model = frame.f_locals.get("self"), frame.f_locals.get("model")
+        if isinstance(caller, nnx.Optimizer) and isinstance(model, nnx.Module):
+            _refuse(caller, model)
+            return
+        frame = frame.f_back
+
+
+# optax.chain, MultiSteps, inject_hyperparams and multi_transform each add a frame or two.
+_FRAMES_UP = 12
+
+
+def _refuse(optimizer: Any, model: nnx.Module) -> None:
+    written = pure(nnx.state(model, forward_written(optimizer.wrt)))
     paths = [render_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(written)[0]]
     if not paths:
         return
     shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
     raise TypeError(
-        f"Flax's nnx.Optimizer cannot keep this model's state on a step jaxamp skips: its "
-        f"forward writes {shown}, and Flax's optimizer hands the jaxamp tx the params "
-        "alone, so a non-finite batch's statistics would stay. Build it with "
-        "jaxamp.nnx.Optimizer(model, tx, wrt=...) instead: the same arguments and "
-        "update(model, grads), and a skipped step puts that state back (and does not "
-        "count in optimizer.step)."
+        f"Flax's nnx.Optimizer cannot keep this model's state on a step jaxamp skips: the "
+        f"model holds state a forward can write ({shown}), and Flax's optimizer hands the "
+        "jaxamp tx the params alone, so a non-finite batch's statistics would stay. Build "
+        "it with jaxamp.nnx.Optimizer(model, tx, wrt=...) instead: the same arguments and "
+        "update(model, grads), and a skipped step puts that state back (and does not count "
+        "in optimizer.step)."
     )

@@ -16,7 +16,6 @@ Requires the Flax NNX optimizer interface of flax >= 0.11
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,8 +29,9 @@ from jaxamp._guard import Call
 from jaxamp._loss_scale import LossScaleState
 from jaxamp._model_state import applied_calls, stepped
 from jaxamp._nnx_state import forward_written
+from jaxamp._nnx_state import pure as _pure
 from jaxamp._transform import _GuardedUpdate
-from jaxamp._tree import select_tree
+from jaxamp._tree import render_path, select_tree
 from jaxamp._value_and_grad import scaled_loss
 
 __all__ = ["Optimizer", "value_and_grad"]
@@ -41,10 +41,6 @@ def _flax_version() -> tuple[int, ...]:
     import flax
 
     return tuple(int(p) for p in flax.__version__.split(".")[:2] if p.isdigit())
-
-
-def _pure(tree: Any) -> Any:
-    return nnx.as_pure(tree) if hasattr(nnx, "as_pure") else nnx.to_pure_dict(tree)
 
 
 class Optimizer(nnx.Optimizer):
@@ -57,15 +53,20 @@ class Optimizer(nnx.Optimizer):
     ``optimizer.update(model, grads)``.
 
     On a skipped step the ``wrt`` Variables, the optimizer state (but for its
-    loss-scale counters), ``optimizer.step`` and the model state a forward writes
-    keep their values. That model state is every Variable outside ``wrt`` that is
-    neither an ``nnx.Param`` nor an ``nnx.Intermediate`` (``BatchStat``, RNG
-    counters and keys, caches): the optimizer holds a copy of it as it was after
-    its last update, and a skipped update puts the model back to that copy, however
-    many forwards ran since and whatever other modules the loss was given. Params
-    outside ``wrt`` (a frozen base under LoRA) are not copied: a forward does not
-    write them. ``optimizer.step`` counts the calls applied: with ``every_k=k`` it
-    moves by k when a window is applied, not at all for a skipped window.
+    loss-scale counters), ``optimizer.step`` and the model state the forwards of
+    this step wrote keep their values. That model state is every Variable outside
+    ``wrt`` that is neither an ``nnx.Param`` nor an ``nnx.Intermediate``
+    (``BatchStat``, RNG counters and keys, caches). The optimizer keeps a copy of
+    it as it was before the step's first forward: :func:`value_and_grad` records
+    it there (once per step, from the module it differentiates, so neither a
+    second forward nor a teacher passed first changes what is recorded). Without
+    that record (gradients from Flax's own ``nnx.grad``) the copy is the model
+    state as the last update left it; if something else writes that state between
+    updates (a load, an EMA written after the update, another optimizer's step on
+    the same model), call :meth:`keep` after it. Params outside ``wrt`` (a frozen
+    base under LoRA) are not copied: a forward does not write them.
+    ``optimizer.step`` counts the calls applied: with ``every_k=k`` it moves by k
+    when a window is applied, not at all for a skipped window.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -105,8 +106,10 @@ class Optimizer(nnx.Optimizer):
             )
         kwargs = {} if graph is None else {"graph": graph}
         super().__init__(model, tx, wrt=wrt, **kwargs)
-        # The model state a skipped update puts back: as it was after the last update.
+        # The model state a skipped update puts back, and whether it was recorded
+        # since the last update (then a later forward's state does not replace it).
         self.kept = nnx.data(_as_kept(self._written(model)))
+        self.armed = nnx.OptState(jnp.array(False))
 
     def _written(self, model: nnx.Module) -> Any:
         """The model state a forward can write, as plain arrays."""
@@ -120,18 +123,35 @@ class Optimizer(nnx.Optimizer):
         return ls_lib.get_loss_scale(_pure(self.opt_state))
 
     def keep(self, model: nnx.Module) -> None:
-        """Deprecated: does nothing. The optimizer records the model state at every update.
+        """Records ``model``'s state now as what a skipped step puts back.
 
-        0.3 recorded the state here, before the forward; the record of the last update
-        is right however many forwards ran since, so there is nothing left to call.
+        Only the first record since the last update counts: it is the state before
+        the step's first forward. :func:`value_and_grad` calls it; call it yourself
+        when the gradients come from Flax's own ``nnx.grad`` and something besides
+        the forward wrote the model state since the last update (loaded statistics,
+        an EMA, another optimizer's step), before the forward.
         """
-        del model
-        warnings.warn(
-            "jaxamp.nnx.Optimizer.keep is no longer needed and does nothing: the optimizer "
-            "keeps the model state as it was after its last update. Remove the call.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        now = self._checked(model, "keep")
+        armed = self.armed[...]
+        nnx.update(self.kept, nnx.state(_as_kept(select_tree(armed, _pure(self.kept), now))))
+        self.armed[...] = jnp.array(True)
+
+    def _checked(self, model: nnx.Module, fn: str) -> Any:
+        """``model``'s forward-written state, checked against the optimizer's record."""
+        written, kept = self._written(model), _pure(self.kept)
+        if jax.tree.structure(written) != jax.tree.structure(kept):
+            have = {render_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(written)}
+            had = {render_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(kept)}
+            new, gone = sorted(have - had), sorted(had - have)
+            raise ValueError(
+                f"jaxamp.nnx.Optimizer.{fn}: the model's state outside `wrt` is not the one "
+                "the optimizer was built with"
+                + (f"; new: {', '.join(new[:4])}" if new else "")
+                + (f"; missing: {', '.join(gone[:4])}" if gone else "")
+                + ". Pass the trained model, and create state such as caches before "
+                "building the optimizer (or build a new optimizer after creating it)."
+            )
+        return written
 
     def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
         """One fused, guarded step (:func:`jaxamp.step`); a skip changes nothing but counters.
@@ -147,14 +167,8 @@ class Optimizer(nnx.Optimizer):
         """
         graph = getattr(self, "graph", None)
         kw = {} if graph is None else {"graph": graph}
-        written = self._written(model)
+        written = self._checked(model, "update")
         kept = _pure(self.kept)
-        if jax.tree.structure(written) != jax.tree.structure(kept):
-            raise ValueError(
-                "jaxamp.nnx.Optimizer.update: `model` is not the model this optimizer was "
-                "built for: its Variables outside `wrt` differ. Pass the trained model, the "
-                "one given to jaxamp.nnx.Optimizer(model, tx, wrt=...)."
-            )
         params = _pure(nnx.state(model, self.wrt, **kw))
         grads = _pure(nnx.state(grads, self.wrt, **kw))
         opt_state = _pure(self.opt_state)
@@ -164,11 +178,29 @@ class Optimizer(nnx.Optimizer):
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, **kw))
         self.step[...] += applied_calls(opt_state, new_opt_state).astype(self.step.dtype)
-        # What the forwards since the last update wrote stays only if this step was taken.
+        # What the forwards of this step wrote stays only if the step was taken.
         state = select_tree(stepped(new_opt_state), written, kept)
         nnx.update(model, state)
         nnx.update(self.kept, nnx.state(_as_kept(state)))
+        self.armed[...] = jnp.array(False)
         return jax.tree.map(lambda n, o: n - o, new_params, params)
+
+
+def _trained_module(optimizer: Optimizer, argnums: Any, args: tuple[Any, ...]) -> Any:
+    """The differentiated argument that is a module of the optimizer's kind, or None.
+
+    A loss may take other modules first (a distillation teacher): only a module in
+    ``argnums`` whose state outside ``wrt`` has the optimizer's layout is recorded.
+    """
+    nums = argnums if isinstance(argnums, tuple | list) else (argnums,)
+    kept = jax.tree.structure(_pure(optimizer.kept))
+    for n in nums:
+        n = getattr(n, "argnum", n)  # nnx.DiffState(argnum, filter)
+        module = args[n] if isinstance(n, int) and -len(args) <= n < len(args) else None
+        if isinstance(module, nnx.Module):
+            if jax.tree.structure(optimizer._written(module)) == kept:
+                return module
+    return None
 
 
 def _as_kept(tree: Any) -> Any:
@@ -212,6 +244,9 @@ def value_and_grad(
     def wrapped(optimizer: Any, /, *args: Any, **kwargs: Any) -> Any:
         if isinstance(optimizer, Optimizer):
             ls = optimizer.loss_scale
+            trained = _trained_module(optimizer, argnums, args)
+            if trained is not None:
+                optimizer.keep(trained)
         else:
             ls = ls_lib.find_state(_pure(optimizer), "nnx.value_and_grad")
         scaled = functools.wraps(f)(scaled_loss(f, has_aux, ls, "jaxamp.nnx.value_and_grad"))

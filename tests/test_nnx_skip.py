@@ -197,7 +197,80 @@ def test_flax_own_optimizer_with_a_jaxamp_tx() -> None:
         flax_opt.update(bn_model, nnx.grad(_loss)(bn_model, X))
 
 
-def test_keep_is_deprecated_and_changes_nothing() -> None:
+def test_state_loaded_after_the_optimizer_is_built_survives_a_skipped_first_step() -> None:
     model, optimizer = _setup()
-    with pytest.warns(DeprecationWarning, match="no longer needed"):
-        optimizer.keep(model)
+    nnx.update(
+        model, jax.tree.map(lambda x: jnp.full_like(x, 7.0), nnx.state(model, nnx.BatchStat))
+    )
+    loaded = _host(model)
+    _step(model, optimizer, BAD)  # the first step overflows: skipped
+    assert bool(jaxamp.metrics(optimizer.opt_state)["skipped"])
+    _assert_same(_host(model), loaded)
+
+
+def test_state_written_after_an_update_survives_the_next_skipped_step() -> None:
+    # An EMA of the weights kept in the model, written after each update (as EMA
+    # recipes do): a later skipped step must not roll it back.
+    class Ema(nnx.Variable):
+        pass
+
+    model, optimizer = _setup()
+    model.ema = Ema(jnp.zeros((4, 16)))
+    optimizer = jaxamp.nnx.Optimizer(model, optimizer.tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        _, grads = jaxamp.nnx.value_and_grad(_loss)(optimizer, model, x)
+        optimizer.update(model, grads)
+        model.ema[...] = 0.9 * model.ema[...] + 0.1 * model.lin.kernel[...]
+
+    step(model, optimizer, X)
+    after = _host(model)
+    step(model, optimizer, BAD)  # skipped; the EMA line runs again, on unchanged weights
+    np.testing.assert_allclose(
+        np.asarray(model.ema[...]),
+        0.9 * after["ema"] + 0.1 * after["lin"]["kernel"],
+        rtol=1e-6,
+    )
+
+
+def test_two_optimizers_on_one_model_do_not_undo_each_others_steps() -> None:
+    # A GAN-style pair: each optimizer trains one half; a skipped step of one must not
+    # put back what the other's applied step wrote.
+    class Pair(nnx.Module):
+        def __init__(self) -> None:
+            self.g, self.d = Net(nnx.Rngs(0)), Net(nnx.Rngs(1))
+
+    pair = Pair()
+    tx = lambda: jaxamp.skip_nonfinite(optax.adam(1e-2), jaxamp.dynamic_scale(2.0**8))
+    opt_g = jaxamp.nnx.Optimizer(pair, tx(), wrt=nnx.All(nnx.Param, nnx.PathContains("g")))
+    opt_d = jaxamp.nnx.Optimizer(pair, tx(), wrt=nnx.All(nnx.Param, nnx.PathContains("d")))
+    loss = lambda p, x: _loss(p.g, x) + _loss(p.d, x)
+
+    @nnx.jit
+    def step(pair, opt, x):
+        _, grads = jaxamp.nnx.value_and_grad(loss)(opt, pair, x)
+        opt.update(pair, grads)
+
+    step(pair, opt_d, X)
+    step(pair, opt_g, X * 2.0)  # applied: writes g's (and d's) statistics
+    after_g = _host(pair)
+    step(pair, opt_d, BAD)  # skipped
+    assert bool(jaxamp.metrics(opt_d.opt_state)["skipped"])
+    _assert_same(_host(pair), after_g)
+
+
+def test_flax_optimizer_is_refused_through_a_chain_too() -> None:
+    model = Net(nnx.Rngs(0))
+    inner = jaxamp.skip_nonfinite(optax.adam(1e-2), jaxamp.dynamic_scale(2.0**8))
+    for tx in (optax.chain(optax.clip_by_global_norm(1.0), inner), optax.MultiSteps(inner, 1)):
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        with pytest.raises(TypeError, match=r"jaxamp\.nnx\.Optimizer\(model, tx, wrt=\.\.\.\)"):
+            optimizer.update(model, nnx.grad(_loss)(model, X))
+
+
+def test_state_created_after_the_optimizer_is_named() -> None:
+    model, optimizer = _setup()
+    model.extra = nnx.BatchStat(jnp.zeros(3))
+    with pytest.raises(ValueError, match="new: extra"):
+        _step(model, optimizer, X)
