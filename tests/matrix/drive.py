@@ -64,7 +64,11 @@ def check_shardings(what: str, got: h.Snap, want: h.Snap) -> None:
         assert _equivalent(a, b, np.ndim(x)), f"{what}: leaf {i} moved from {b} to {a}"
 
 
-def drive(cell: Cell, seq: list[h.Call], restore_at: int | None) -> None:
+def _ambiguous() -> None:
+    raise AssertionError("a spike verdict within 1e-4 of its threshold in a fixed sequence")
+
+
+def drive(cell: Cell, seq: list[h.Call], restore_at: int | None, reject: Any = _ambiguous) -> None:
     run, ref, mode, pl, kind = cell.run, cell.ref, cell.mode, cell.pl, cell.kind
     labels = mode.labels
     with pl.context():
@@ -92,6 +96,10 @@ def drive(cell: Cell, seq: list[h.Call], restore_at: int | None) -> None:
             if spikes is not None:
                 loss, norm = float(_first(info["loss"], pl)), float(_first(info["norm"], pl))
                 spike = spikes.step(loss, norm, all(finite))
+                # float32 sums against float64: no verdict decided by the last bits
+                # (a drawn sequence that comes this close is rejected, as in test_spikes).
+                if spikes.rule.margin <= 1e-4:
+                    reject()
             if mode.every_k > 1:
                 window_ok = window_ok and all(finite)
                 end = i % mode.every_k == mode.every_k - 1
@@ -161,7 +169,7 @@ def _check(cell, where, got, prev, start, want, updated, stepped, i) -> None:
     h.assert_same(f"{where}: model state", got.mstate, want.mstate, rtol)
     check_shardings(where, got, start)
     if cell.kind.name == "lora":  # no copy of the frozen base in the optimizer
-        frozen = {v.shape for v in got.mstate.values() if v.ndim == 2}
+        frozen = {v.shape for k, v in got.mstate.items() if k.endswith("kernel")}
         copies = [s for s in got.opt_shapes if s in frozen]
         assert not copies, (
             f"{where}: the optimizer holds arrays of the frozen base's shapes {copies}"

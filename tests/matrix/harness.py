@@ -241,11 +241,15 @@ def norm(grads: Any) -> jax.Array:
 # Checkpoint and restore (orbax, jaxamp.checkpoint.restore).
 
 
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def save_and_restore(tree: Any, target: Any) -> Any:
     """Saves ``tree`` with orbax and restores it into ``target`` (concrete arrays of
-    another configuration, placed where the run's are) with jaxamp.checkpoint.restore."""
-    keys = jax.tree.map(lambda x: jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key), target)
-    as_data = lambda t: jax.tree.map(lambda x, k: jax.random.key_data(x) if k else x, t, keys)
+    another configuration, placed where the run's are) with jaxamp.checkpoint.restore.
+    PRNG keys travel as their data (orbax stores arrays of numbers)."""
+    as_data = lambda t: jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, t)
     with tempfile.TemporaryDirectory() as d, ocp.StandardCheckpointer() as ckptr:
         ckptr.save(Path(d) / "c", as_data(tree))
         ckptr.wait_until_finished()
@@ -253,4 +257,8 @@ def save_and_restore(tree: Any, target: Any) -> Any:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), as_data(target)
         )
         restored = jaxamp.checkpoint.restore(ckptr, abstract, directory=Path(d) / "c")
-    return jax.tree.map(lambda x, k: jax.random.wrap_key_data(x) if k else x, restored, keys)
+    return jax.tree.map(
+        lambda t, x: jax.random.wrap_key_data(x, impl=jax.random.key_impl(t)) if _is_key(t) else x,
+        target,
+        restored,
+    )

@@ -33,10 +33,23 @@ from tests.matrix.modes import OTHER, LossScaleConfig, Mode
 from tests.matrix.placements import Placement
 
 
-def _loss_fn(kind: Kind):
+def _loss_fn(kind: Kind, pl: Placement):
+    """The loss in the kind's argument order; under ``shard_map`` averaged over the mesh
+    inside, so that the gradients of the replicated state are the global batch's."""
+    mean = (lambda v: jax.lax.pmean(v, pl.axis_name)) if pl.name == "shard_map" else (lambda v: v)
     if kind.argnums == 1:
-        return lambda t, m, x, gp, amp: loss_of(m, t, x, gp, amp)
-    return lambda m, x, gp, amp: loss_of(m, None, x, gp, amp)
+        return lambda t, m, x, gp, amp: mean(loss_of(m, t, x, gp, amp))
+    return lambda m, x, gp, amp: mean(loss_of(m, None, x, gp, amp))
+
+
+def _scaled(loss_fn, scale: jax.Array):
+    """The loss scaled by hand, and the loss as computed (aux)."""
+
+    def scaled(*args):
+        value = loss_fn(*args)
+        return value * scale, value
+
+    return scaled
 
 
 def _pure(state: Any) -> Any:
@@ -44,7 +57,9 @@ def _pure(state: Any) -> Any:
 
 
 class Runner:
-    """An nnx path of one cell, compiled once (``nnx.jit``) on a global placement."""
+    """An nnx path of one cell, compiled once: ``nnx.jit`` on a global placement; under
+    ``shard_map``, ``nnx.merge`` of the replicated state inside the per-device program
+    (once per graph: an optimizer restored into another configuration is another)."""
 
     twin = None
 
@@ -52,6 +67,7 @@ class Runner:
         assert not pl.replicated
         self.path, self.kind, self.mode, self.pl = path, kind, mode, pl
         self._jit = nnx.jit(self._body)
+        self._per_graph: dict[Any, Any] = {}
 
     def new(self, ls: LossScaleConfig) -> Any:
         kind, pl = self.kind, self.pl
@@ -60,19 +76,31 @@ class Runner:
             nnx.update(model, pl.put_state(nnx.state(model)))
             if teacher is not None:
                 nnx.update(teacher, pl.put_state(nnx.state(teacher)))
-            tx = self.mode.tx(ls, None, self.pl.name)
+            tx = self.mode.tx(ls, pl.axis_name, pl.name)
             cls = nnx.Optimizer if self.path == "flax_opt" else jaxamp.nnx.Optimizer
             opt = cls(model, tx, wrt=kind.wrt)
             nnx.update(opt, pl.put_state(nnx.state(opt)))
             return model, opt, teacher
 
     def call(self, carry: Any, x: Any, gp: Any, amp: Any) -> Any:
-        self._jit(*carry, x, gp, amp)
+        if self.pl.name != "shard_map":
+            self._jit(*carry, x, gp, amp)
+            return carry
+        graphdef, state = nnx.split(carry)
+        if graphdef not in self._per_graph:
+
+            def per_device(state, x, gp, amp, *, axis, graphdef=graphdef):
+                objects = nnx.merge(graphdef, state)
+                self._body(*objects, x, gp, amp)
+                return nnx.state(objects)
+
+            self._per_graph[graphdef] = self.pl.compile(per_device)
+        nnx.update(carry, self._per_graph[graphdef](state, x, gp, amp))
         return carry
 
     def _body(self, model, opt, teacher, x, gp, amp) -> None:
         kind, path = self.kind, self.path
-        loss_fn = _loss_fn(kind)
+        loss_fn = _loss_fn(kind, self.pl)
         diff = nnx.DiffState(kind.argnums, kind.wrt)
         grads, loss = None, jnp.float32(0.0)
         for f in range(kind.forwards):
@@ -80,10 +108,7 @@ class Runner:
             if teacher is not None:
                 args = (teacher, *args)
             if path == "nnx_flaxgrad":  # Flax's own grad of the loss scaled by hand
-
-                def scaled(*a, scale=opt.loss_scale.scale):
-                    value = loss_fn(*a)
-                    return value * scale, value
+                scaled = _scaled(loss_fn, opt.loss_scale.scale)
 
                 (_, value), g = nnx.value_and_grad(scaled, argnums=diff, has_aux=True)(*args)
             else:
@@ -149,7 +174,7 @@ class Reference:
         old = jax.tree.map(lambda v: v, carry)  # merge shares the Variables; update writes them
         model, opt = nnx.merge(gm, carry["model"]), nnx.merge(go, carry["opt"])
         teacher = None if gt is None else nnx.merge(gt, carry["teacher"])
-        loss_fn = _loss_fn(kind)
+        loss_fn = _loss_fn(kind, self.pl)
         diff = nnx.DiffState(kind.argnums, kind.wrt)
         grads, loss = None, jnp.float32(0.0)
         for f in range(kind.forwards):
@@ -157,8 +182,6 @@ class Reference:
             if teacher is not None:
                 args = (teacher, *args)
             value, g = nnx.value_and_grad(loss_fn, argnums=diff)(*args)
-            if axis is not None:
-                g, value = jax.lax.pmean((g, value), axis)
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
             loss = loss + value
         info = {"finite": h.finite(grads, labels), "loss": loss, "norm": h.norm(grads)}
