@@ -46,6 +46,12 @@ def scaled_loss(
 _LOSS_SCALE_KWARG = "__jaxamp_loss_scale_state__"
 
 
+def _looks_like_opt_state(state: Any) -> bool:
+    """Whether ``state`` holds optax states (NamedTuples such as ScaleByAdamState)."""
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, tuple) and hasattr(x, "_fields"))
+    return any(isinstance(x, tuple) and hasattr(x, "_fields") for x in nodes)
+
+
 def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
@@ -89,7 +95,24 @@ def value_and_grad(
     grad_fn = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
 
     def wrapped(state: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        ls = _metrics.find_state(state, "value_and_grad")
+        try:
+            ls = _metrics.get_loss_scale(state)
+        except ValueError as e:
+            if "no LossScaleState" not in str(e):
+                raise ValueError(f"jaxamp.value_and_grad: {e}") from None
+            # The usual slip: the loss's own arguments passed with no state in front.
+            raise ValueError(
+                "jaxamp.value_and_grad: the first argument must be the optimizer state "
+                "(or a LossScaleState) that holds the loss scale, then the loss's own "
+                "arguments: jaxamp.value_and_grad(loss_fn)(opt_state, params, x, y). "
+                f"Got a {type(state).__name__} with no LossScaleState in it"
+                + (
+                    "; if it is the optimizer state, build the optimizer with "
+                    "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale())."
+                    if _looks_like_opt_state(state)
+                    else "."
+                )
+            ) from None
         (_, (loss, aux)), grads = grad_fn(*args, **kwargs, **{_LOSS_SCALE_KWARG: ls})
         return ((loss, aux) if has_aux else loss), grads
 

@@ -369,16 +369,46 @@ def autocast(
       dtype('float32')
     """
     if f is None:
-        return functools.partial(
+        return _Decorator(functools.partial(
             autocast, dtype=dtype, policy=policy, enabled=enabled, rules=rules,
             modules=modules, unknown_higher_order=unknown_higher_order,
-        )  # fmt: skip
+        ))  # fmt: skip
+    if isinstance(f, str):
+        raise TypeError(
+            f"autocast: the first argument is the function to run in mixed precision, got "
+            f"the string {f!r}. jaxamp.autocast takes no device type (torch.autocast's "
+            f"'cuda' / 'cpu'): JAX runs on its default device. Write "
+            "jaxamp.autocast(f, dtype=jnp.float16) (or @jaxamp.autocast(dtype=...) on f)."
+        )
     if not callable(f):
         raise TypeError(f"autocast: f must be callable, got {type(f).__name__}")
     cfg = _build_config(dtype, policy, rules, modules, unknown_higher_order)
     if not enabled:
         return f
     return _make_wrapper(f, cfg)
+
+
+class _Decorator:
+    """``autocast(dtype=...)`` without a function: a decorator, and not a context manager."""
+
+    def __init__(self, bind: Callable[..., Any]) -> None:
+        self._bind = bind
+
+    def __call__(self, f: Callable[..., Any]) -> Callable[..., Any]:
+        return self._bind(f)
+
+    def __enter__(self) -> None:
+        # torch.autocast is a context manager; a JAX program is a traced function.
+        raise TypeError(
+            "jaxamp.autocast is a function transformation, not a context manager: JAX "
+            "traces functions, so autocast wraps the function to run in mixed precision. "
+            "Write f_amp = jaxamp.autocast(f, dtype=jnp.float16) and call f_amp(...), or "
+            "put @jaxamp.autocast(dtype=jnp.float16) on f. Inside it, "
+            "jaxamp.full_precision(g) is torch's autocast(enabled=False)."
+        )
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
 
 
 def _build_config(

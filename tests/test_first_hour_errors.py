@@ -1,0 +1,33 @@
+"""What a PyTorch AMP user types first gets an error that says what to write (issue 35,
+items 6 and 7; each fails on 0.3)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxamp
+
+
+def test_autocast_as_a_context_manager_says_to_wrap_the_function() -> None:
+    with pytest.raises(TypeError, match=r"not a context manager.*jaxamp\.autocast\(f, dtype="):
+        with jaxamp.autocast(dtype=jnp.float16):
+            pass
+    # The decorator form still works.
+    f = jaxamp.autocast(dtype=jnp.float16)(lambda x: x @ x)
+    assert f(jnp.ones((2, 2))).dtype == jnp.float32
+
+
+def test_autocast_with_a_device_type_says_there_is_none() -> None:
+    with pytest.raises(TypeError, match=r"no device type.*jaxamp\.autocast\(f, dtype="):
+        jaxamp.autocast("cuda", dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("first", ["params", "plain optax state"])
+def test_value_and_grad_without_the_state_in_front_says_what_comes_first(first: str) -> None:
+    params = {"w": jnp.ones(2)}
+    state = params if first == "params" else optax.adam(1e-3).init(params)
+    loss = lambda p, x: jnp.sum(p["w"] * x)
+    with pytest.raises(ValueError, match=r"first argument must be the optimizer state"):
+        jaxamp.value_and_grad(loss)(state, jnp.ones(2))
