@@ -52,9 +52,9 @@ conformance: $(STAMP)
 	exit $$st
 
 # Issue 30's differential matrix (tests/matrix): the whole product of training paths,
-# optimizer modes, placements and model states (1404 cells, 1284 run and 120 that must
-# refuse by name), each a fixed sequence and 10 hypothesis-drawn ones, checked after
-# every call against plain optax / Flax; `make test` runs a fixed subset of 16 cells.
+# optimizer modes, placements and model states (1512 cells: 1368 run a fixed sequence
+# and 10 hypothesis-drawn ones, checked after every call against plain optax / Flax;
+# 144 must refuse by name); `make test` runs a fixed subset of 17 cells.
 matrix: $(STAMP)
 	MATRIX_FULL=1 $(MULTIDEVICE) $(PY) -m pytest -q -n 2 -p no:cacheprovider tests/matrix
 

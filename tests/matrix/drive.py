@@ -1,5 +1,31 @@
-"""One example of one cell: a drawn call sequence through the runner, its twin and the
-reference, with every check of ``harness``'s docstring after every call."""
+"""One example of one cell: a call sequence through the runner, its twin and the reference.
+
+A cell is a runner (the jaxamp path under test, compiled once) and a reference
+(plain optax, Flax's ``TrainState`` or Flax's ``nnx.Optimizer`` with the plain
+inner optimizer, compiled once) on one placement. :func:`drive` feeds both the
+same calls. The reference first reports what its own (unscaled) gradients say
+(finite per label, loss, gradient norm); the harness decides from that alone what
+is taken (not a non-finite label, not a spike, not a window holding either) and
+the reference keeps its update only there: on a skipped call the reference does
+nothing. After every call:
+
+- what was not taken is bit for bit as before the call: the params and inner
+  optimizer state of each skipped label, and, when the call did not step, all the
+  model state outside ``wrt`` (BatchStat, RNG counters); a teacher never changes;
+- params, inner optimizer state and model state equal the reference's, to a few
+  ulps per call (``modes.Mode.tolerance`` says why not bit for bit);
+- ``jaxamp.metrics`` equals the loss-scale oracle (API.md §2) and, with spikes,
+  the spike oracle; the step counter, where the path has one, moves as documented;
+- every leaf keeps the sharding it started with;
+- the ``jaxamp.step`` cells' twin (the same program with ``tx.update`` +
+  ``optax.apply_updates``) holds the same bits;
+- under LoRA the optimizer holds no array of a frozen kernel's shape.
+
+At the restore point the state goes through orbax into state built with another
+loss-scale configuration (``modes.OTHER``) by ``jaxamp.checkpoint.restore``; it
+must come back bit for bit and with its shardings, and the run (and every check,
+against the uninterrupted reference and oracles) goes on from it.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +41,9 @@ from tests.matrix.models import Kind
 from tests.matrix.modes import BASE, Mode
 from tests.matrix.placements import N_DEV, Placement
 
-# Paths whose step counter counts calls (Flax's own counters); the nnx optimizer's
-# counts taken updates; the optax paths have none.
+# Paths whose step counter counts calls (Flax's own counters: TrainState.step, Flax's
+# nnx.Optimizer.step); jaxamp.nnx.Optimizer's counts the updates taken; the optax
+# paths have none.
 COUNTS_CALLS = ("train_state", "flax_opt")
 COUNTS_TAKEN = ("nnx", "nnx_flaxgrad")
 
@@ -32,19 +59,7 @@ class Cell:
 
 
 def _take(pl: Placement, flags: list[bool]) -> Any:
-    take = np.asarray(flags, bool)
-    if pl.replicated:
-        take = np.broadcast_to(take, (N_DEV, len(flags)))
-        if pl.name == "pmap":
-            return jax.pmap(lambda t: t)(take)
-        return jax.device_put(
-            take, jax.sharding.NamedSharding(pl.mesh, jax.sharding.PartitionSpec("data"))
-        )
-    return (
-        jax.device_put(take, jax.devices()[0])
-        if pl.name == "one"
-        else jax.device_put(take, jax.sharding.NamedSharding(pl.mesh, jax.sharding.PartitionSpec()))
-    )
+    return pl.put_state(jax.numpy.asarray(flags, bool))
 
 
 def _first(x: Any, pl: Placement) -> np.ndarray:
@@ -121,10 +136,8 @@ def drive(cell: Cell, seq: list[h.Call], restore_at: int | None, reject: Any = _
                     window_ok, window_opt = True, ref.opt(rcarry)
             if cell.path in COUNTS_CALLS:
                 step += 1
-            elif mode.every_k > 1:
-                step += mode.every_k if end and updated[labels[0]] else 0
-            else:
-                step += stepped
+            elif cell.path in COUNTS_TAKEN:  # every_k: k at the end of an applied window
+                step += mode.every_k if end and all(updated.values()) else 0
 
             carry = run.call(carry, *inp)
             got = run.snap(carry)

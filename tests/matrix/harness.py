@@ -1,25 +1,14 @@
-"""The matrix's driver: runs a drawn sequence of calls through a cell and checks every call.
+"""The matrix's parts: the calls (what hypothesis draws), snapshots, comparisons, restore.
 
-A cell is a runner (the jaxamp path under test, compiled once) and a reference
-(plain optax, Flax's ``TrainState`` or Flax's ``nnx.Optimizer`` with the plain
-inner optimizer, compiled once) on one placement. :func:`drive` feeds both the
-same calls; the reference takes only what must be taken (a non-finite call, a
-spike, a window holding either: the reference does nothing), and after every call:
+A call is one update's worth of data: per forward, a batch that is finite or holds
+an +inf, -inf or NaN (which also poisons what the forward writes, BatchStat), or a
+finite batch whose loss term poisons one gradient element (+inf, -inf, NaN); on
+the device or batch slice of one replica; and, with ``spikes=``, possibly a spike.
+``drive.py`` runs calls through a cell and checks each against the reference.
 
-- what was not taken is bit for bit as before the call: the params and inner
-  optimizer state of each skipped label, and (when the step did not step) all the
-  model state the forward wrote (BatchStat, RNG counters); a teacher never changes;
-- params, inner optimizer state and model state equal the reference's (bit for
-  bit where the arithmetic is the same, see ``modes.Mode.exact``);
-- ``jaxamp.metrics`` equals the loss-scale oracle (API.md §2) and, with spikes,
-  the spike oracle; the step counter (if the path has one) moves as documented;
-- every output keeps the sharding its input had;
-- the cell's twin (``jaxamp.step`` against its ``tx.update`` form) is equal bit
-  for bit.
-
-A drawn restore point saves the state through orbax, restores it with
-``jaxamp.checkpoint.restore`` into state built with another loss-scale
-configuration (``modes.OTHER``), and the run goes on from the restored state.
+The references' own parts are here too: their finiteness per label, gradient
+norm (the spike rule's input) and the select that keeps a reference's update
+only where the harness says the call is taken.
 """
 
 from __future__ import annotations
@@ -39,8 +28,7 @@ import jaxamp
 from tests.matrix import modes as modes_lib
 from tests.matrix.models import BATCH, IN, label_of
 
-WORST = [0.0]
-POISONS = ("ok", "x+inf", "x-inf", "xnan", "g+inf", "g-inf", "gnan")
+POISONS = ("x+inf", "x-inf", "xnan", "g+inf", "g-inf", "gnan")
 _VALUE = {"+inf": np.inf, "-inf": -np.inf, "nan": np.nan}
 
 
@@ -51,10 +39,6 @@ class Call:
     poison: tuple[str, ...]
     replica: int = 0
     spike: bool = False
-
-    @property
-    def finite(self) -> bool:
-        return all(p == "ok" for p in self.poison)
 
     def poisoned_labels(self) -> set[str]:
         """Labels whose gradients the poison makes non-finite: all for a poisoned
@@ -69,11 +53,11 @@ class Call:
 
 
 def calls(forwards: int, spikes: bool, max_calls: int) -> st.SearchStrategy[list[Call]]:
-    poison = st.sampled_from(POISONS).filter(lambda p: True)
-    weighted = st.one_of(st.just("ok"), st.just("ok"), poison)
+    """Call sequences: each forward finite 60% of the time (shrinking towards finite)."""
+    poison = st.sampled_from(("ok",) * 9 + POISONS)
     one = st.builds(
         Call,
-        st.tuples(*[weighted] * forwards),
+        st.tuples(*[poison] * forwards),
         st.integers(0, 7),
         st.booleans() if spikes else st.just(False),
     )
@@ -107,6 +91,12 @@ def host(x: Any) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def to_host(tree: Any) -> Any:
+    """``tree`` on the host in one transfer (PRNG keys as their data), its structure kept."""
+    is_key = lambda x: hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return jax.device_get(jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree))
+
+
 def flat(tree: Any) -> dict[str, np.ndarray]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {"/".join(_key(k) for k in path): host(v) for path, v in leaves}
@@ -121,6 +111,10 @@ def _key(k: Any) -> str:
 
 @dataclasses.dataclass
 class Snap:
+    """What a runner or reference holds after a call, on the host: params, the inner
+    optimizer state per label, the model state (everything outside ``wrt``), and for
+    runners the metrics, step counter, teacher, every leaf and its sharding."""
+
     params: dict[str, np.ndarray]
     inner: dict[str, list[np.ndarray]]
     mstate: dict[str, np.ndarray]
@@ -180,7 +174,6 @@ def assert_same(what: str, got: Any, want: Any, rtol: float | None) -> None:
     assert np.array_equal(np.isfinite(g), np.isfinite(w)), f"{what}: finiteness differs"
     scale = max(float(np.max(np.abs(w), initial=0.0)), 1e-30)
     err = float(np.max(np.abs(np.nan_to_num(g - w)), initial=0.0))
-    WORST[0] = max(WORST[0], err / scale / rtol)
     assert err <= rtol * scale, f"{what}: off by {err:.3g} (> {rtol:.3g} x {scale:.3g})"
 
 

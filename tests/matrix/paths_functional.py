@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.core import freeze
 from flax.training import train_state as flax_train_state
@@ -148,24 +149,22 @@ class Runner:
         return {"params": params, "opt": opt, "rest": rest, "teacher": carry["teacher"]}
 
     def snap(self, carry: Any) -> h.Snap:
+        on_host = h.to_host(carry)
         if self.path == "train_state":
-            ts = carry["ts"]
-            params, opt, rest, step = (
-                ts.params,
-                ts.opt_state,
-                dict(ts.rest),
-                int(h.host(ts.step).ravel()[0]),
-            )
+            ts = on_host["ts"]
+            params, opt, rest, step = ts.params, ts.opt_state, dict(ts.rest), ts.step
+            step = int(np.ravel(step)[0])
         else:
-            params, opt, rest, step = carry["params"], carry["opt"], carry["rest"], None
+            params, opt, rest = on_host["params"], on_host["opt"], on_host["rest"]
+            step = None
         return h.Snap(
             params=h.flat(params),
             inner=h.inner_of(opt, self.mode.labels, reference=False),
             mstate=h.flat(rest),
             metrics=h.metrics_of(jax.tree.map(lambda a: a[0], opt) if self.pl.replicated else opt),
-            teacher=h.flat(carry["teacher"]) if carry["teacher"] is not None else None,
+            teacher=None if on_host["teacher"] is None else h.flat(on_host["teacher"]),
             step=step,
-            everything=[h.host(x) for x in jax.tree.leaves(carry)],
+            everything=jax.tree.leaves(on_host),
             shardings=h.shardings(carry),
             opt_shapes=[x.shape for x in jax.tree.leaves(opt)],
         )
@@ -244,11 +243,12 @@ class Reference:
         return {**carry, "opt": opt}
 
     def snap(self, carry: Any) -> h.Snap:
+        on_host = h.to_host(carry)
         if self.path == "train_state":
-            ts = carry["ts"]
+            ts = on_host["ts"]
             params, opt, rest = ts.params, ts.opt_state, ts.rest
         else:
-            params, opt, rest = carry["params"], carry["opt"], carry["rest"]
+            params, opt, rest = on_host["params"], on_host["opt"], on_host["rest"]
         return h.Snap(
             params=h.flat(params),
             inner=h.inner_of(opt, self.mode.labels, reference=True),

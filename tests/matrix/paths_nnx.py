@@ -123,16 +123,18 @@ class Runner:
         model, opt, teacher = carry
         wrt = self.kind.wrt
         everything = nnx.state((model, opt, teacher))
+        on_host = h.to_host(everything)
+        m, o = on_host[0], on_host[1]
         return h.Snap(
-            params=h.flat(_pure(nnx.state(model, wrt))),
-            inner=h.inner_of(_pure(nnx.state(opt))["opt_state"], self.mode.labels, reference=False),
-            mstate=h.flat(_pure(nnx.state(model, nnx.Not(wrt)))),
+            params=h.flat(_pure(nnx.filter_state(m, wrt))),
+            inner=h.inner_of(_pure(o)["opt_state"], self.mode.labels, reference=False),
+            mstate=h.flat(_pure(nnx.filter_state(m, nnx.Not(wrt)))),
             metrics=h.metrics_of(opt.opt_state),
-            teacher=None if teacher is None else h.flat(_pure(nnx.state(teacher))),
-            step=int(opt.step[...]),
-            everything=[h.host(x) for x in jax.tree.leaves(everything)],
+            teacher=None if teacher is None else h.flat(_pure(on_host[2])),
+            step=int(o["step"].get_value()),
+            everything=jax.tree.leaves(on_host),
             shardings=h.shardings(everything),
-            opt_shapes=[x.shape for x in jax.tree.leaves(nnx.state(opt))],
+            opt_shapes=[x.shape for x in jax.tree.leaves(o)],
         )
 
     def restore(self, carry: Any) -> Any:
@@ -205,9 +207,9 @@ class Reference:
         return {**carry, "opt": opt}
 
     def snap(self, carry: Any) -> h.Snap:
-        wrt = self.kind.wrt
+        wrt, on_host = self.kind.wrt, h.to_host(carry)
         return h.Snap(
-            params=h.flat(_pure(nnx.filter_state(carry["model"], wrt))),
-            inner=h.inner_of(_pure(carry["opt"])["opt_state"], self.mode.labels, reference=True),
-            mstate=h.flat(_pure(nnx.filter_state(carry["model"], nnx.Not(wrt)))),
+            params=h.flat(_pure(nnx.filter_state(on_host["model"], wrt))),
+            inner=h.inner_of(_pure(on_host["opt"])["opt_state"], self.mode.labels, reference=True),
+            mstate=h.flat(_pure(nnx.filter_state(on_host["model"], nnx.Not(wrt)))),
         )

@@ -59,6 +59,16 @@ def _mesh(explicit: bool) -> jax.sharding.Mesh:
     return jax.make_mesh((N_DEV,), (AXIS,), axis_types=(AxisType.Auto,))
 
 
+@functools.cache
+def _pmap_sharding() -> jax.sharding.Sharding:
+    """Where pmap puts (and wants) a stacked array: placed there, an input is not moved."""
+    return jax.pmap(lambda t: t)(np.zeros(N_DEV)).sharding
+
+
+def _pmap_put(tree: Any) -> Any:
+    return jax.device_put(tree, _pmap_sharding())
+
+
 def _stack(tree: Any) -> Any:
     return jax.tree.map(lambda a: jnp.stack([a] * N_DEV), tree)
 
@@ -118,7 +128,7 @@ class Placement:
         if self.name == "one":
             return jax.device_put(tree, jax.devices()[0])
         if self.name == "pmap":
-            return jax.pmap(lambda t: t)(_stack(tree))
+            return _pmap_put(_stack(tree))
         if self.name == "shard_map_stacked":
             return jax.device_put(_stack(tree), NamedSharding(self.mesh, P(AXIS)))
         return jax.tree.map(
@@ -135,7 +145,7 @@ class Placement:
             x = np.ascontiguousarray(x.reshape(f, N_DEV, b // N_DEV, n).transpose(1, 0, 2, 3))
             tree = (x, gp, np.full((N_DEV,), amp))
             if self.name == "pmap":
-                return jax.pmap(lambda t: t)(tree)
+                return _pmap_put(tree)
             return jax.device_put(tree, NamedSharding(self.mesh, P(AXIS)))
         if self.name == "one":
             return jax.device_put((x, gp[0], amp), jax.devices()[0])
