@@ -147,7 +147,8 @@ def drive(cell: Cell, seq: list[h.Call], restore_at: int | None, reject: Any = _
                 want_metrics["spike_skipped_steps"] = spikes.skips
                 want_metrics["spike_skipped"] = spikes.last
                 want_metrics["skipped"] = want_metrics["skipped"] or spikes.last
-            assert {k: got.metrics[k].item() for k in want_metrics} == want_metrics, where
+            have = {k: got.metrics[k].item() for k in want_metrics}
+            assert have == want_metrics, f"{where}: metrics {have}, want {want_metrics}"
             if got.step is not None:
                 assert got.step == step, f"{where}: step counter {got.step}, want {step}"
             if twin is not None:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from tests.matrix import cells, drive, harness
 from tests.matrix.modes import BASE
+from tests.matrix.placements import N_DEV
 
 FULL = os.environ.get("MATRIX_FULL") == "1"
 SELECTED = cells.ALL if FULL else cells.CI
@@ -79,13 +80,12 @@ def _refused(path: str, mode: str, placement: str, kind: str) -> None:
     """Flax's own nnx.Optimizer on a model whose forward writes state: a clear error,
     raised while the step is traced, naming what to use instead."""
     cell = cells.build(path, mode, placement, kind)
-    with pytest.raises((TypeError, ValueError)) as e:
-        with cell.pl.context():
-            carry = cell.run.new(BASE)
-            inp = cell.pl.put_input(
-                *harness.arrays(
-                    harness.Call(("ok",) * cell.kind.forwards), 0, cell.kind.forwards, 1
-                )
-            )
+    forwards, replicas = cell.kind.forwards, N_DEV if cell.pl.per_device else 1
+    with cell.pl.context():
+        carry = cell.run.new(BASE)
+        inp = cell.pl.put_input(
+            *harness.arrays(harness.Call(("ok",) * forwards), 0, forwards, replicas)
+        )
+        with pytest.raises((TypeError, ValueError)) as e:
             cell.run.call(carry, *inp)
     assert cells.REFUSAL in str(e.value), str(e.value)
