@@ -9,7 +9,14 @@ benchmarks/RESULTS.md.
 
 from __future__ import annotations
 
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+
+import jaxamp
 
 from . import harness, models
 
@@ -25,3 +32,34 @@ def test_conformance(name: str, dtype: str) -> None:
 def test_ci_runs_every_model_and_both_dtypes() -> None:
     assert set(harness.CI_DTYPE) == set(models.MODELS)
     assert set(harness.CI_DTYPE.values()) == set(harness.DTYPES)
+
+
+def test_raw_features_past_float16_are_reported_not_clipped() -> None:
+    """jraph-gnn's raw node features (up to 3.5e5) leave float16's range.
+
+    Under float16 autocast its outputs are inf / NaN where float32's are finite
+    (the conformance row then wants every step skipped), or they match float32:
+    never finite logits computed from clipped features. When they overflow,
+    ``jaxamp.find_overflow`` names a float16 op of the forward pass, and its
+    advice, followed, removes that overflow.
+    """
+    from tests.test_find_overflow import assert_advice_works
+
+    built = harness.build("jraph-gnn")
+    ref = np.asarray(built.apply(built.params, None, built.batch)[0])
+    amp = jaxamp.autocast(built.apply, dtype=jnp.float16)
+    got = np.asarray(amp(built.params, None, built.batch)[0], np.float64)
+    assert np.isfinite(ref).all()
+    if np.isfinite(got).all():  # then it must be float32's answer, to float16's rounding
+        err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+        assert err <= harness.LOSS_RTOL["float16"], f"finite logits {err:.3g} off: clipped"
+        return
+
+    def loss(params: Any, batch: dict[str, Any]) -> jax.Array:
+        return built.loss(built.apply(params, None, batch)[0], batch)
+
+    report = jaxamp.find_overflow(loss, built.params, built.batch, loss_scale=1.0)
+    assert report.found and report.low_precision and report.pass_ == "forward", str(report)
+    assert report.dtype == "float16" and report.magnitude > float(jnp.finfo(jnp.float16).max)
+    assert report.module_path is not None and report.module_path.startswith("GraphConvNet")
+    assert_advice_works(report, loss, built.params, built.batch)
