@@ -56,8 +56,11 @@ def test_fully_masked_padding_rows_stay_finite(dtype):
     as_argument=st.booleans(),
 )  # fmt: skip
 def test_a_large_finite_constant_never_becomes_inf(value, op, dtype, as_argument):
-    # Any float32 constant or input meeting an activation in any op: float32
-    # keeps it finite, so autocast's casts must too (they saturate).
+    # Any float32 constant meeting an activation in any op: float32 keeps it
+    # finite, so autocast's casts must too (a constant's cast saturates). The
+    # same value as an argument is a run-time value: it is never clipped to a
+    # wrong finite number; where it is cast down (a scalar broadcast into the
+    # activation, as torch casts a 0-dim tensor) it overflows visibly.
     def f(x, w, big):
         h = x @ w  # an activation
         c = jnp.broadcast_to(big, h.shape) if as_argument else jnp.full(h.shape, value, F32)
@@ -72,10 +75,16 @@ def test_a_large_finite_constant_never_becomes_inf(value, op, dtype, as_argument
         return jnp.concatenate([h, c], axis=-1)
 
     x, w, big = jnp.ones((2, 4)), jnp.ones((4, 4)), jnp.float32(value)
-    ref = f(x, w, big)
-    got = jaxamp.autocast(f, dtype=dtype)(x, w, big)
-    assert np.isfinite(np.asarray(ref)).all()
-    assert np.isfinite(np.asarray(got)).all(), (value, op, as_argument)
+    ref = np.asarray(f(x, w, big))
+    got = np.asarray(jaxamp.autocast(f, dtype=dtype)(x, w, big))
+    assert np.isfinite(ref).all()
+    if not as_argument:
+        assert np.isfinite(got).all(), (value, op)
+        return
+    beyond = np.abs(ref) > float(jnp.finfo(dtype).max)
+    ok = np.isfinite(got)
+    assert (ok | beyond).all(), (value, op)  # non-finite only beyond the range
+    np.testing.assert_allclose(got[ok], ref[ok], rtol=1e-2)  # never clipped
 
 
 def _fresh_log_softmax_kl(z):

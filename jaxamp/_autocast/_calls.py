@@ -9,7 +9,7 @@ transformations JAX applies later see an ordinary program.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -19,20 +19,57 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jaxamp import _jax_compat
 from jaxamp._autocast import _rules
-from jaxamp._autocast._casts import bind
+from jaxamp._autocast._casts import bind, cast_all, to_original
 from jaxamp._autocast._interpret import (
     Context,
     Outs,
-    autocast_subjaxpr,
-    cast_all,
     eval_jaxpr,
-    eval_to_original,
     register,
     scope_rules,
-    to_original,
-    traced,
 )
 from jaxamp._autocast._rules import F32, FLOAT32_DTYPE, FLOAT32_FUNCTIONS, NONE, is_float
+
+
+def eval_to_original(
+    jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any], ctx: Context, stack: str = ""
+) -> list[Any]:
+    """Like `eval_jaxpr`, with outputs cast back to the jaxpr's output dtypes."""
+    outs, _ = eval_jaxpr(jaxpr, consts, args, ctx, None, stack)
+    return [
+        ctx.cast(x, v.aval.dtype) if is_float(x.dtype) and x.dtype != v.aval.dtype else x
+        for x, v in zip(outs, jaxpr.outvars, strict=True)
+    ]
+
+
+def traced(body: Callable[..., Any], avals: Sequence[Any], ctx: Context) -> ClosedJaxpr:
+    """``jax.make_jaxpr(body)`` with the trace's axis environment."""
+    return jax.make_jaxpr(body, axis_env=list(ctx.axis_env) or None)(*avals)
+
+
+def autocast_subjaxpr(sub: ClosedJaxpr | Jaxpr, ctx: Context, stack: str) -> ClosedJaxpr | Jaxpr:
+    """An autocast version of `sub` with the same input and output types."""
+
+    def make() -> ClosedJaxpr | Jaxpr:
+        if isinstance(sub, ClosedJaxpr):
+            jaxpr, consts = sub.jaxpr, sub.consts
+        else:
+            jaxpr, consts = sub, ()
+            if jaxpr.constvars:
+                raise NotImplementedError("open inner jaxpr with constvars")
+        sub_ctx = ctx.sub()
+        new = traced(
+            lambda *args: eval_to_original(jaxpr, consts, args, sub_ctx, stack),
+            [v.aval for v in jaxpr.invars],
+            ctx,
+        )
+        if isinstance(sub, ClosedJaxpr):
+            return new
+        if new.consts:
+            raise NotImplementedError("autocast introduced constants in an open inner jaxpr")
+        return new.jaxpr
+
+    return ctx.memo(("sub", id(sub), stack), sub, make)
+
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call", "call")
 

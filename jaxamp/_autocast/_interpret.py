@@ -20,15 +20,29 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jaxamp import _jax_compat
 from jaxamp._autocast import _rules
-from jaxamp._autocast._analysis import Analysis, analyse, residual_free
-from jaxamp._autocast._casts import bind, cast_jit, host_cast
+from jaxamp._autocast._analysis import (
+    Analysis,
+    analyse,
+    broadcast_inputs,
+    pointwise_region,
+    starts_region,
+)
+from jaxamp._autocast._casts import (
+    bind,
+    bind_opmath,
+    bind_region,
+    cast_jit,
+    host_cast,
+    to_original,
+)
 from jaxamp._autocast._rules import (
+    ACT,
     AS_WRITTEN,
+    CONST,
     F32,
     FLOAT32,
     FLOAT32_DTYPE,
@@ -79,7 +93,7 @@ class Context:
     modules: tuple[tuple[str, Any], ...] = ()
     axis_env: tuple[tuple[Any, int], ...] = ()
     # False inside a custom_jvp rule, whose tangent ops must stay linear
-    # (JAX transposes them): its casts are plain casts.
+    # (JAX transposes them): even its constants' casts are plain casts.
     saturate: bool = True
     # Re-bind every equation under its own traceback and name stack (what
     # ``jax.core.eval_jaxpr`` does), so the result's equations point at the
@@ -94,7 +108,7 @@ class Context:
     in_region: bool = False
     # Inner jaxprs already autocast during this trace (key -> (jaxpr, result)).
     cache: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
-    # Casts already made: (id(value), dtype) -> (value, cast).
+    # Casts already made: (id(value), dtype, saturating) -> (value, cast).
     casts: dict[tuple[int, Any], tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     # Resolved per-module rules per name stack.
     scoped: dict[str, tuple[bool, Mapping[str, str]]] = dataclasses.field(default_factory=dict)
@@ -114,19 +128,22 @@ class Context:
         self.cache[key] = (owner, value)
         return value
 
-    def cast(self, x: Any, dtype: Any) -> Any:
-        """A (saturating) cast, made once per (value, dtype) in this trace."""
+    def cast(self, x: Any, dtype: Any, const: bool = False) -> Any:
+        """A cast, made once per (value, dtype) in this trace; saturating for a
+        trace-time constant (`const`), plain (inf beyond the range) otherwise."""
         dtype = np.dtype(dtype)
-        key = (id(x), dtype)
+        saturate = const and self.saturate
+        key = (id(x), dtype, saturate)
         hit = self.casts.get(key)
         if hit is not None and hit[0] is x:
             return hit[1]
         src = np.dtype(x.dtype)
-        y = cast_jit(src, dtype, self.saturate)(x)
+        y = cast_jit(src, dtype, saturate)(x)
         self.casts[key] = (x, y)
         if dtype.itemsize > src.itemsize:
             # An exact upcast: casting the result back down gives `x` again.
-            self.casts[(id(y), src)] = (y, x)
+            for s in (False, True):
+                self.casts[(id(y), src, s)] = (y, x)
         return y
 
 
@@ -150,21 +167,36 @@ def eval_jaxpr(
     mark: dict[Any, int] = {}
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env[v] = x
+        mark[v] = CONST
     args = list(args)
     marks = list(marks) if marks is not None else [NONE] * len(args)
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
         env[v] = x
         mark[v] = m
     facts = (
-        Analysis(frozenset(), frozenset()) if as_written else analyse(jaxpr, ctx, float32_outputs)
+        Analysis(frozenset(), broadcast_inputs(jaxpr))
+        if as_written
+        else analyse(jaxpr, ctx, float32_outputs)
     )
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
 
+    done: set[int] = set()  # equations evaluated as part of a pointwise region
     for i, eqn in enumerate(jaxpr.eqns):
+        if i in done:
+            continue
         invals = [read(v) for v in eqn.invars]
-        inmarks = [NONE if isinstance(v, Literal) else mark.get(v, NONE) for v in eqn.invars]
+        inmarks = [CONST if isinstance(v, Literal) else mark.get(v, NONE) for v in eqn.invars]
+        region = None if as_written else _region(jaxpr, i, eqn, inmarks, ctx, stack)
+        if region is not None:
+            with _jax_compat.eqn_context(eqn):
+                outs = bind_region(jaxpr, region, read, not ctx.in_region)
+            for v, x in zip(region.outputs, outs, strict=True):
+                env[v] = x
+                mark[v] = F32 if is_float(x.dtype) else NONE
+            done.update(region.eqns)
+            continue
         # Each equation binds under the context it was traced under (an
         # auto_axes body runs under another mesh than its caller).
         with _jax_compat.eqn_context(eqn), _source_info(eqn, ctx):
@@ -174,16 +206,53 @@ def eval_jaxpr(
                 inmarks,
                 ctx,
                 i in facts.demanded,
-                i in facts.promote,
+                facts.broadcast[i],
                 stack,
                 as_written,
             )
+        if not eqn.effects and all(
+            m == CONST or _is_mask(v) for v, m in zip(eqn.invars, inmarks, strict=True)
+        ):
+            # Computed from constants and masks alone: still a constant.
+            outmarks = [CONST] * len(outs)
         for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
             env[v] = x
             mark[v] = m
     outvals = [read(v) for v in jaxpr.outvars]
-    outmarks = [NONE if isinstance(v, Literal) else mark.get(v, NONE) for v in jaxpr.outvars]
+    outmarks = [CONST if isinstance(v, Literal) else mark.get(v, NONE) for v in jaxpr.outvars]
     return outvals, outmarks
+
+
+def _is_mask(v: Any) -> bool:
+    """A boolean value: what it selects between is known at trace time."""
+    return getattr(v.aval, "dtype", None) == np.dtype(bool)
+
+
+def _region(jaxpr: Jaxpr, i: int, eqn: Any, inmarks: list[int], ctx: Context, stack: str) -> Any:
+    """The pointwise region `eqn` starts (``_analysis.pointwise_region``), or None.
+
+    A float32-list op of one activation in the compute dtype starts one. Not
+    with ``source_info`` (``find_overflow`` reads each op where it was written;
+    the values are the same without the checkpoint).
+    """
+    if ctx.source_info or not starts_region(eqn):
+        return None
+    (k,) = [j for j, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
+    x = eqn.invars[k]
+    if inmarks[k] != ACT or not is_float(x.aval.dtype) or ctx.dtype.itemsize >= 4:
+        return None
+
+    def rule_of(e: Any) -> str:
+        full, rules = scope_rules(ctx, _join(stack, _jax_compat.name_stack(e)))
+        return AS_WRITTEN if full else rules.get(e.primitive.name, FOLLOW)
+
+    if rule_of(eqn) != FLOAT32:
+        return None
+    return pointwise_region(jaxpr, i, rule_of, ctx, stack)
+
+
+def _join(outer: str, inner: str) -> str:
+    return f"{outer}/{inner}" if outer and inner else outer or inner
 
 
 def _source_info(eqn: Any, ctx: Context) -> Any:
@@ -193,24 +262,6 @@ def _source_info(eqn: Any, ctx: Context) -> Any:
 def _dtype_of(x: Any, v: Any) -> Any:
     # Not np.dtype(...): extended dtypes (PRNG keys) have no numpy equivalent.
     return v.aval.dtype if isinstance(v, Literal) else x.dtype
-
-
-def to_original(vals: list[Any], dtypes: list[Any], invars: list[Any], ctx: Context) -> list[Any]:
-    """Casts floating values back to the dtypes the un-autocast program had."""
-    out = []
-    for x, cur, v in zip(vals, dtypes, invars, strict=True):
-        want = v.aval.dtype
-        if cur != want and is_float(cur) and is_float(want):
-            x = host_cast(x, want) if isinstance(v, Literal) else ctx.cast(x, want)
-        out.append(x)
-    return out
-
-
-def cast_all(xs: Sequence[Any], dtypes: Sequence[Any], ctx: Context) -> list[Any]:
-    return [
-        ctx.cast(x, d) if is_float(d) and is_float(x.dtype) and x.dtype != d else x
-        for x, d in zip(xs, dtypes, strict=True)
-    ]
 
 
 def scope_rules(ctx: Context, stack: str) -> tuple[bool, Mapping[str, str]]:
@@ -249,7 +300,7 @@ def eval_eqn(
     inmarks: list[int],
     ctx: Context,
     demanded: bool,
-    promote: bool,
+    broadcast: Sequence[bool],
     outer_stack: str,
     as_written: bool,
 ) -> Outs:
@@ -285,23 +336,25 @@ def eval_eqn(
         x = invals[0]  # the keep_float32 marker: an identity in float32
         return [x if dtypes[0] == FLOAT32_DTYPE else ctx.cast(x, FLOAT32_DTYPE)], [PIN]
 
-    target, out_mark, hand_on = _rules.choose(
+    target, out_mark = _rules.choose(
         rule,
         [np.dtype(dtypes[i]) for i in floats],
         [inmarks[i] for i in floats],
         [not eqn.invars[i].aval.weak_type for i in floats],
+        [broadcast[i] for i in floats],
         ctx.dtype,
         demanded,
-        promote_f32=promote,
-        residual_free=residual_free(eqn),
         reduction=name in _rules.REDUCTIONS,
     )
-    remat = _stores_upcast(rule, eqn, floats, dtypes, target)
+    if name in _rules.OPMATH_OPS and target == ctx.dtype and target.itemsize < 4:
+        return bind_opmath(eqn, invals[floats[0]], target, ctx, cached), [out_mark] * nout
     args = list(invals)
-    for i in [] if remat else floats:
+    for i in floats:
         if dtypes[i] != target:
-            literal = isinstance(eqn.invars[i], Literal)
-            args[i] = host_cast(invals[i], target) if literal else ctx.cast(invals[i], target)
+            if isinstance(eqn.invars[i], Literal):
+                args[i] = host_cast(invals[i], target)
+            else:
+                args[i] = ctx.cast(invals[i], target, const=inmarks[i] == CONST)
     params = eqn.params
     pref = params.get("preferred_element_type")
     if pref is not None and is_float(pref) and np.dtype(pref) != target:
@@ -314,65 +367,7 @@ def eval_eqn(
             params = dict(params, preferred_element_type=target)
         elif np.dtype(pref).itemsize >= 4:
             out_mark = F32
-    if remat:
-        outs = _from_low_precision(
-            eqn, invals[floats[0]], target, params, cached, prevent_cse=not ctx.in_region
-        )
-    else:
-        outs = bind(eqn, args, params, cached)
-    if hand_on is not None:
-        outs = [ctx.cast(o, hand_on) if is_float(o.dtype) else o for o in outs]
-    return outs, [out_mark] * nout
-
-
-def _stores_upcast(rule: str, eqn: Any, floats: list[int], dtypes: Any, target: Any) -> bool:
-    """A float32-list op of one lower-precision input (gelu's ``x ** 3``, a norm's
-    ``square``): its derivative would keep the float32 copy of the input."""
-    return (
-        rule == FLOAT32
-        and len(eqn.invars) == 1
-        and floats == [0]
-        and not isinstance(eqn.invars[0], Literal)
-        and np.dtype(dtypes[0]).itemsize < np.dtype(target).itemsize
-    )
-
-
-def _from_low_precision(
-    eqn: Any, x: Any, target: Any, params: Any, cached: bool = True, prevent_cse: bool = True
-) -> list[Any]:
-    """The op on ``x`` cast up, rematerialised from ``x`` in the backward pass.
-
-    The result is the same float32 value; the residual is ``x`` in its lower
-    precision (usually kept anyway, as the matmul output it is) instead of a
-    float32 copy: an exact cast up costs nothing to redo. torch.autocast keeps
-    the float32 input of ``pow``; a fused GELU kernel keeps none.
-    """
-
-    def op(low: Any) -> list[Any]:
-        return bind(eqn, [lax.convert_element_type(low, target)], params, cached)
-
-    if not cached:
-        return jax.checkpoint(op, prevent_cse=prevent_cse)(x)
-    try:
-        key = (eqn.primitive, tuple(sorted(params.items())), np.dtype(target), prevent_cse)
-        hash(key)
-    except TypeError:  # unhashable params: traced afresh
-        return jax.checkpoint(op, prevent_cse=prevent_cse)(x)
-    with _jax_compat.eqn_context(eqn):
-        return _upcast_op(*key)(x)
-
-
-@functools.lru_cache(maxsize=512)
-def _upcast_op(primitive: Any, params: tuple[Any, ...], target: np.dtype, prevent_cse: bool) -> Any:
-    """One checkpointed function per (primitive, params, dtype, prevent_cse):
-    everything that changes its answer. JAX caches the trace of a function object,
-    so a model's 48 layers of gelu trace it once, not 48 times (trace + compile)."""
-
-    def op(low: Any) -> Any:
-        out = primitive.bind(lax.convert_element_type(low, target), **dict(params))
-        return list(out) if primitive.multiple_results else [out]
-
-    return jax.checkpoint(op, prevent_cse=prevent_cse)
+    return bind(eqn, args, params, cached), [out_mark] * nout
 
 
 def _unknown_higher_order(name: str, ctx: Context) -> None:
@@ -420,44 +415,3 @@ def _eval_convert(
     if dtypes[0] == new:
         return [x], [PIN if pinned else inmarks[0]]
     return [ctx.cast(x, new)], [PIN if pinned else NONE]
-
-
-def eval_to_original(
-    jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any], ctx: Context, stack: str = ""
-) -> list[Any]:
-    """Like `eval_jaxpr`, with outputs cast back to the jaxpr's output dtypes."""
-    outs, _ = eval_jaxpr(jaxpr, consts, args, ctx, None, stack)
-    return [
-        ctx.cast(x, v.aval.dtype) if is_float(x.dtype) and x.dtype != v.aval.dtype else x
-        for x, v in zip(outs, jaxpr.outvars, strict=True)
-    ]
-
-
-def traced(body: Callable[..., Any], avals: Sequence[Any], ctx: Context) -> ClosedJaxpr:
-    """``jax.make_jaxpr(body)`` with the trace's axis environment."""
-    return jax.make_jaxpr(body, axis_env=list(ctx.axis_env) or None)(*avals)
-
-
-def autocast_subjaxpr(sub: ClosedJaxpr | Jaxpr, ctx: Context, stack: str) -> ClosedJaxpr | Jaxpr:
-    """An autocast version of `sub` with the same input and output types."""
-
-    def make() -> ClosedJaxpr | Jaxpr:
-        if isinstance(sub, ClosedJaxpr):
-            jaxpr, consts = sub.jaxpr, sub.consts
-        else:
-            jaxpr, consts = sub, ()
-            if jaxpr.constvars:
-                raise NotImplementedError("open inner jaxpr with constvars")
-        sub_ctx = ctx.sub()
-        new = traced(
-            lambda *args: eval_to_original(jaxpr, consts, args, sub_ctx, stack),
-            [v.aval for v in jaxpr.invars],
-            ctx,
-        )
-        if isinstance(sub, ClosedJaxpr):
-            return new
-        if new.consts:
-            raise NotImplementedError("autocast introduced constants in an open inner jaxpr")
-        return new.jaxpr
-
-    return ctx.memo(("sub", id(sub), stack), sub, make)

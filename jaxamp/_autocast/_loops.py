@@ -24,15 +24,15 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
+from jaxamp._autocast._calls import traced
 from jaxamp._autocast._casts import SATURATING_CAST_OPS, bind
 from jaxamp._autocast._interpret import (
     Context,
     Outs,
     eval_jaxpr,
     register,
-    traced,
 )
-from jaxamp._autocast._rules import ACT, NONE, PIN, is_float
+from jaxamp._autocast._rules import ACT, CONST, NONE, PIN, is_float
 
 _Form = tuple[Any, int]  # (dtype, mark) of a value entering or leaving a region
 _FREE = "free"  # an output form: whatever the region gives
@@ -110,11 +110,19 @@ def _trace_region(
     return ctx.memo(key, closed, make)
 
 
-def _entry(invals: list[Any], dtypes: list[Any], orig: list[Any], forms: list[Any], ctx: Context):
+def _entry(
+    invals: list[Any],
+    inmarks: list[int],
+    dtypes: list[Any],
+    orig: list[Any],
+    forms: list[Any],
+    ctx: Context,
+) -> list[Any]:
     args = []
-    for x, d, o, f in zip(invals, dtypes, orig, forms, strict=True):
+    for x, m, d, o, f in zip(invals, inmarks, dtypes, orig, forms, strict=True):
         want = o if f is None else f[0]
-        args.append(ctx.cast(x, want) if want is not None and d != want else x)
+        cast = want is not None and d != want
+        args.append(ctx.cast(x, want, const=m == CONST) if cast else x)
     return args
 
 
@@ -149,7 +157,8 @@ def _eval_cond(
         for b, r in zip(branches, free, strict=True)
     )  # fmt: skip
     marks = [NONE if d is None else d[1] for d in decided]
-    return bind(eqn, _entry(invals, dtypes, orig, forms, ctx), dict(params, branches=new)), marks
+    args = _entry(invals, inmarks, dtypes, orig, forms, ctx)
+    return bind(eqn, args, dict(params, branches=new)), marks
 
 
 @register("while")
@@ -175,7 +184,7 @@ def _eval_while(
     new_params = dict(params, body_jaxpr=region.jaxpr, cond_jaxpr=cond.jaxpr)
     got = zip(carry, region.got, strict=True)
     marks = [PIN if g == (orig[i], PIN) else NONE for i, g in got]
-    return bind(eqn, _entry(invals, dtypes, orig, forms, ctx), new_params), marks
+    return bind(eqn, _entry(invals, inmarks, dtypes, orig, forms, ctx), new_params), marks
 
 
 @register("scan")
@@ -187,6 +196,8 @@ def _eval_scan(
     body = params["jaxpr"]  # body inputs: consts, carry, xs
     carry0, ncarry = params["num_consts"], params["num_carry"]
     carry = range(carry0, carry0 + ncarry)
+    for i in carry:  # a carry changes each iteration: no longer a constant
+        forms[i] = None if forms[i] is not None and forms[i][1] == CONST else forms[i]
     nys = len(body.out_avals) - ncarry
     # Each carry changes form at most twice (promoted, then demoted for good),
     # so this ends after at most 2 * ncarry + 1 traces of the body.
@@ -214,5 +225,5 @@ def _eval_scan(
         f[1] if f is not None else PIN if g == (orig[i], PIN) else NONE
         for i, f, g in zip(carry, (forms[i] for i in carry), region.got, strict=False)
     ] + [m for _, m in region.got[ncarry:]]
-    entry = _entry(invals, dtypes, orig, forms, ctx)
+    entry = _entry(invals, inmarks, dtypes, orig, forms, ctx)
     return bind(eqn, entry, dict(params, jaxpr=region.jaxpr)), marks

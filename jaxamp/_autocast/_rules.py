@@ -71,6 +71,12 @@ ELEMENTWISE_OPS: frozenset[str] = frozenset(
     }
 )  # fmt: skip
 
+#: Elementwise ops that XLA computes inexactly in float16: its ``logistic``
+#: (and so ``sigmoid``, ``silu``) flushes every input below -11.09 to 0, where
+#: its expansion's ``exp(-x)`` overflows. On an activation they run in float32
+#: and round once to the activation's dtype, as torch's kernels do ("opmath").
+OPMATH_OPS: frozenset[str] = frozenset({"logistic"})
+
 #: torch.autocast's promote list (``cat``, ``stack``, ``index_put``, ``atan2``,
 #: ...): these run in the widest input dtype and never cast an input down.
 WIDEST_OPS: frozenset[str] = frozenset({"concatenate", "dynamic_update_slice", "atan2"})
@@ -106,13 +112,15 @@ DEFAULT_RULES: Mapping[str, str] = MappingProxyType(
 FLOAT32_FUNCTIONS: frozenset[str] = frozenset({"softmax", "log_softmax", "logsumexp"})
 
 # Value marks, carried beside each value while a jaxpr is evaluated:
-#: parameters, inputs, constants: in the dtype ``f`` gives them.
+#: parameters, inputs and what is computed from them alone: values known only
+#: at run time, in the dtype ``f`` gives them.
 NONE = 0
 #: an activation: a value autocast put in the lower-precision dtype (a matmul's
 #: output and what "follow" ops compute from it).
 ACT = 1
-#: a float32-list op's result: it promotes an activation it meets where that
-#: stores no float32 residual (``_interpret.analyse``), until a "lower" op.
+#: a float32-list op's result (and what it promotes): like torch's type
+#: promotion after a float32-list op, it promotes an activation it meets, until
+#: a "lower" op.
 F32 = 2
 #: float32 by the user's request: an explicit cast to float32 in ``f``, a
 #: ``keep_float32`` marker, a while loop's carry. It promotes everything it
@@ -126,6 +134,11 @@ PIN = 3
 #: do (a BatchNorm of bfloat16 activations loses most of its gradient accuracy
 #: to a bfloat16 ``x - mean``).
 STAT = 4
+#: a trace-time constant: a literal, a constant ``f`` closes over, and what is
+#: computed from constants and boolean masks alone (``jnp.where(mask, 0.0,
+#: -1e9)``). The only values whose casts down saturate: a sentinel such as
+#: ``finfo(float32).min`` must stay finite in float16. Otherwise like NONE.
+CONST = 5
 
 #: The float32-list reductions whose results are statistics.
 REDUCTIONS: frozenset[str] = frozenset({"reduce_sum", "reduce_max", "reduce_prod"})
@@ -146,65 +159,71 @@ def choose(
     dtypes: Sequence[np.dtype],
     marks: Sequence[int],
     strong: Sequence[bool],
+    broadcast: Sequence[bool],
     compute: np.dtype,
     demanded: bool,
-    promote_f32: bool = True,
-    residual_free: bool = False,
     reduction: bool = False,
-) -> tuple[np.dtype, int, np.dtype | None]:
-    """The dtype an equation runs in, the mark of its results, and the dtype its
-    results are handed on in (None: the one it runs in).
+) -> tuple[np.dtype, int]:
+    """The dtype an equation runs in and the mark of its results.
 
     Args:
       rule: the equation's op class (not ``"as_written"``).
       dtypes, marks: the current dtype and mark of each floating input.
       strong: per floating input, False for a weakly typed Python scalar,
         which follows the other inputs as in JAX and PyTorch.
+      broadcast: per floating input, True for a scalar or a vector broadcast
+        into the result (``_analysis.broadcast_inputs``: a bias, a norm
+        scale, a per-row weight, a fill constant).
       compute: the autocast dtype.
-      demanded: every use of the results is float32 (``_demand``).
-      promote_f32: whether a float32 result promotes an activation it meets
-        (``_analysis.analyse``: only where that stores no float32 residual).
-      residual_free: the op keeps no residual for the backward pass. Where a
-        float32 result meets an activation and may not promote it, such an op
-        still runs in float32 and hands its result on in the compute dtype
-        (torch's "opmath"): ``x - mean`` of a BatchNorm is exact before it is
-        rounded once, at no memory cost.
+      demanded: every use of the results is float32 (``_analysis``).
       reduction: the op is one of ``REDUCTIONS``.
+
+    Where a wider value meets an activation in an op outside the float32
+    list, the op follows torch's type promotion (float32), unless every wider
+    input is a parameter or constant broadcast into the activation: those
+    are cast down, as torch's ``Linear`` casts its bias (and torch does not
+    promote with a 0-dim tensor). A wider input of the activation's own size
+    (an input, a target, a mask, a computed float32 result) is never cast
+    down: its value would be rounded, clipped or flushed to 0 where float32
+    and torch keep it.
     """
     kinds = [d for d, s in zip(dtypes, strong, strict=True) if s] or list(dtypes)
     widest = functools.reduce(promote, kinds[1:], kinds[0])
     act_in = any(m == ACT for m in marks)
     pin_in = any(m == PIN for m in marks)
     stat_in = any(m == STAT for m in marks)
-    any_f32 = any(m == F32 for m in marks)
-    f32_in = any_f32 and (promote_f32 or not act_in)
+    f32_in = any(m == F32 for m in marks)
     wide = promote(widest, FLOAT32_DTYPE)
     if rule == LOWER:
         if widest.itemsize > compute.itemsize and widest.itemsize > 4:
-            return widest, NONE, None  # float64 is not cast down
-        return compute, ACT, None
+            return widest, NONE  # float64 is not cast down
+        return compute, ACT
     if rule == FLOAT32:
         if pin_in:
-            return wide, PIN, None
-        stat = reduction or (stat_in and not act_in and not any_f32)
-        return wide, STAT if stat else F32, None
+            return wide, PIN
+        stat = reduction or (stat_in and not act_in and not f32_in)
+        return wide, STAT if stat else F32
     if rule == ELEMENTWISE and demanded:
-        return wide, NONE, None
+        return wide, NONE
     if pin_in:  # the user's float32 promotes what it meets
-        return wide, PIN, None
+        return wide, PIN
     if stat_in:  # a statistic promotes what it meets
-        return wide, F32 if act_in or any_f32 else STAT, None
-    if f32_in:
-        return wide, F32, None
+        return wide, F32 if act_in or f32_in else STAT
+    if f32_in:  # torch's type promotion after a float32-list op
+        return wide, F32
     if rule == WIDEST:
-        return widest, ACT if act_in and widest == compute else NONE, None
+        return widest, ACT if act_in and widest == compute else NONE
     if rule in (ELEMENTWISE, FOLLOW):
         if act_in and widest.itemsize <= 4:
-            if any_f32 and residual_free:
-                return wide, ACT, compute  # opmath: float32 arithmetic, stored low
-            # Parameters and constants meeting an activation are cast down.
-            return compute, ACT, None
-        return widest, NONE, None
+            own = any(
+                s and not b and m in (NONE, CONST) and d.itemsize > compute.itemsize
+                for d, m, s, b in zip(dtypes, marks, strong, broadcast, strict=True)
+            )
+            if own:  # an input, target, mask of the activation's size: promote
+                return wide, F32
+            # Parameters and constants broadcast into an activation are cast down.
+            return compute, ACT
+        return widest, NONE
     raise ValueError(f"autocast: unknown op class {rule!r}")
 
 
