@@ -21,7 +21,6 @@ from jaxamp._autocast._rules import (
     AS_WRITTEN,
     ELEMENTWISE,
     FLOAT32,
-    FLOAT32_OPS,
     FOLLOW,
     LOWER,
     is_float,
@@ -229,7 +228,13 @@ def pointwise_region(
 
 
 def starts_region(eqn: Any) -> bool:
-    """A float32-list pointwise op of one non-literal input (the region's root)."""
-    name = eqn.primitive.name
+    """An op of one non-literal input that carries no jaxpr: a region's root
+    when its rule is ``"float32"`` and that input an activation (the caller
+    checks both). A root need not be pointwise (a ``reduce_max``, an
+    ``eigh``): checkpointed alone, it keeps its low-precision input too."""
     inputs = [v for v in eqn.invars if not isinstance(v, Literal)]
-    return name in FLOAT32_OPS and name in POINTWISE and len(inputs) == 1
+    return (
+        len(inputs) == 1
+        and not eqn.effects
+        and not any(hasattr(p, "jaxpr") or hasattr(p, "eqns") for p in eqn.params.values())
+    )

@@ -210,10 +210,13 @@ def eval_jaxpr(
                 stack,
                 as_written,
             )
-        if not eqn.effects and all(
-            m == CONST or _is_mask(v) for v, m in zip(eqn.invars, inmarks, strict=True)
+        if (
+            not eqn.effects
+            and PIN not in outmarks
+            and all(m == CONST or _is_mask(v) for v, m in zip(eqn.invars, inmarks, strict=True))
         ):
-            # Computed from constants and masks alone: still a constant.
+            # Computed from constants and masks alone: still a constant (unless
+            # the user asked for float32: keep_float32, an explicit cast).
             outmarks = [CONST] * len(outs)
         for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
             env[v] = x
@@ -344,7 +347,6 @@ def eval_eqn(
         [broadcast[i] for i in floats],
         ctx.dtype,
         demanded,
-        reduction=name in _rules.REDUCTIONS,
     )
     if name in _rules.OPMATH_OPS and target == ctx.dtype and target.itemsize < 4:
         return bind_opmath(eqn, invals[floats[0]], target, ctx, cached), [out_mark] * nout

@@ -118,30 +118,23 @@ NONE = 0
 #: an activation: a value autocast put in the lower-precision dtype (a matmul's
 #: output and what "follow" ops compute from it).
 ACT = 1
-#: a float32-list op's result (and what it promotes): like torch's type
-#: promotion after a float32-list op, it promotes an activation it meets, until
-#: a "lower" op.
+#: a float32-list op's result, and what is computed from it, until a "lower"
+#: op: it promotes an activation it meets, as torch's type promotion does
+#: after torch's float32-list ops. Reductions are float32-list ops, so a
+#: normalisation ``(x - mean) * rstd * scale`` or a softmax shift ``x - max``
+#: runs in float32 and rounds once, at the next matmul, as Flax's norm layers
+#: with ``dtype=`` and torch's norm kernels do (a BatchNorm of bfloat16
+#: activations loses most of its gradient accuracy to a bfloat16 ``x - mean``).
 F32 = 2
 #: float32 by the user's request: an explicit cast to float32 in ``f``, a
 #: ``keep_float32`` marker, a while loop's carry. It promotes everything it
 #: meets until a "lower" op.
 PIN = 3
-#: a float32 statistic: a float32 reduction's result (a mean, a variance, a
-#: max) and what is computed from it before it meets an activation
-#: (``rsqrt(var + eps) * scale``). It promotes the activation it meets, so a
-#: normalisation (``(x - mean) * rstd``) or a softmax shift runs in float32 and
-#: rounds once, as Flax's norm layers with ``dtype=`` and torch's norm kernels
-#: do (a BatchNorm of bfloat16 activations loses most of its gradient accuracy
-#: to a bfloat16 ``x - mean``).
-STAT = 4
 #: a trace-time constant: a literal, a constant ``f`` closes over, and what is
 #: computed from constants and boolean masks alone (``jnp.where(mask, 0.0,
 #: -1e9)``). The only values whose casts down saturate: a sentinel such as
 #: ``finfo(float32).min`` must stay finite in float16. Otherwise like NONE.
-CONST = 5
-
-#: The float32-list reductions whose results are statistics.
-REDUCTIONS: frozenset[str] = frozenset({"reduce_sum", "reduce_max", "reduce_prod"})
+CONST = 4
 
 FLOAT32_DTYPE = np.dtype(np.float32)
 
@@ -162,7 +155,6 @@ def choose(
     broadcast: Sequence[bool],
     compute: np.dtype,
     demanded: bool,
-    reduction: bool = False,
 ) -> tuple[np.dtype, int]:
     """The dtype an equation runs in and the mark of its results.
 
@@ -176,7 +168,6 @@ def choose(
         scale, a per-row weight, a fill constant).
       compute: the autocast dtype.
       demanded: every use of the results is float32 (``_analysis``).
-      reduction: the op is one of ``REDUCTIONS``.
 
     Where a wider value meets an activation in an op outside the float32
     list, the op follows torch's type promotion (float32), unless every wider
@@ -191,7 +182,6 @@ def choose(
     widest = functools.reduce(promote, kinds[1:], kinds[0])
     act_in = any(m == ACT for m in marks)
     pin_in = any(m == PIN for m in marks)
-    stat_in = any(m == STAT for m in marks)
     f32_in = any(m == F32 for m in marks)
     wide = promote(widest, FLOAT32_DTYPE)
     if rule == LOWER:
@@ -199,16 +189,11 @@ def choose(
             return widest, NONE  # float64 is not cast down
         return compute, ACT
     if rule == FLOAT32:
-        if pin_in:
-            return wide, PIN
-        stat = reduction or (stat_in and not act_in and not f32_in)
-        return wide, STAT if stat else F32
+        return wide, PIN if pin_in else F32
     if rule == ELEMENTWISE and demanded:
         return wide, NONE
     if pin_in:  # the user's float32 promotes what it meets
         return wide, PIN
-    if stat_in:  # a statistic promotes what it meets
-        return wide, F32 if act_in or f32_in else STAT
     if f32_in:  # torch's type promotion after a float32-list op
         return wide, F32
     if rule == WIDEST:
