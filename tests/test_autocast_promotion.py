@@ -6,7 +6,8 @@ op to float32 (torch's type promotion); only a parameter or constant vector
 broadcast into the activation (a bias, a scale, a fill) is cast down. A cast
 down saturates for trace-time constants only: a run-time value beyond the low
 dtype's range overflows visibly, as float16 arithmetic makes it. Each test here
-fails on jaxamp 0.3.
+fails on jaxamp 0.3, but ``test_constants_still_saturate``, which holds what
+0.3 got right.
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def _final_ran_low(fn, args, dtype):
     return False
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(graph=_graphs, seed=st.integers(0, 2**30))
 def test_random_programs_in_float16_are_within_the_bound_of_torchs_dtypes(graph, seed):
     """Random graphs of activations, float32 inputs, parameters and constants:
