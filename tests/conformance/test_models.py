@@ -34,6 +34,11 @@ def test_ci_runs_every_model_and_both_dtypes() -> None:
     assert set(harness.CI_DTYPE.values()) == set(harness.DTYPES)
 
 
+@pytest.mark.skipif(
+    not harness.FULL,
+    reason="full suite only (make conformance): CI's jraph-gnn float16 row already fails "
+    "on clipped logits; find_overflow's re-runs of the GNN take ~20 s on 2 cores",
+)
 def test_raw_features_past_float16_are_reported_not_clipped() -> None:
     """jraph-gnn's raw node features (up to 3.5e5) leave float16's range.
 
