@@ -101,6 +101,32 @@ def like_sharded(x: Any, other: Any) -> Any:
     return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, spec))
 
 
+def varying_axes(x: Any) -> frozenset[str]:
+    """The shard_map axes ``x``'s type varies over (empty outside shard_map).
+
+    ``aval.manual_axis_type.varying`` since JAX 0.10, ``aval.vma`` from 0.7 to 0.9.
+    """
+    aval = x if isinstance(x, jax.core.AbstractValue | jax.ShapeDtypeStruct) else aval_of(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    varying = getattr(mat, "varying", None) if mat is not None else getattr(aval, "vma", None)
+    return frozenset(varying or ())
+
+
+def like_varying(x: Any, other: Any) -> Any:
+    """``x`` made to vary over the shard_map axes ``other``'s type varies over.
+
+    Inside shard_map (``check_vma``) the two branches of a ``lax.cond`` must agree on
+    them: zeros built in one branch vary over none, the updates of the other over
+    the mapped axis. Marking a value varying is free (no data moves).
+    """
+    missing = tuple(sorted(varying_axes(other) - varying_axes(x)))
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # JAX 0.7 to 0.9
+
+
 def name_stack(eqn: Any) -> str:
     """The ``jax.named_scope`` stack an equation was traced under, as ``a/b/c``.
 

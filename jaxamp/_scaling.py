@@ -149,8 +149,11 @@ def local_finite_groups(
             return flags
         return flags & jnp.stack([leaf_finite(g) for g in groups])
 
-    # Both branches return a value derived from `flags`, so they have one type
-    # under shard_map too (varying over the mapped axes).
+    # Both branches return a value derived from `flags`, so they have one type under
+    # shard_map too (varying over the mapped axes). `scale > 0` always holds (states
+    # are validated); it gives `flags` the state's type as well, which the re-check
+    # reads: a per-device (stacked) state varies where replicated gradients do not.
+    flags = flags & (state.scale > 0)
     return lax.cond(state.scale >= 1, lambda f, g: f, also_unscaled, flags, grads), owners
 
 

@@ -184,15 +184,16 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
 
 def like(old: Any, new_types: Any) -> Any:
-    """``old`` with each leaf in the type of ``new_types`` (abstract values): its dtype
-    and, on an Explicit mesh, its sharding, as ``lax.cond`` wants of two branches."""
+    """``old`` with each leaf in the type of ``new_types`` (abstract values): its dtype,
+    its sharding on an Explicit mesh and the shard_map axes it varies over, as
+    ``lax.cond`` wants of two branches."""
 
     def cast(o: Any, n: Any) -> Any:
         if o is None:
             return o
         if getattr(o, "dtype", None) != n.dtype:
             o = jnp.asarray(o).astype(n.dtype)
-        return _jax_compat.like_sharded(o, n)
+        return _jax_compat.like_varying(_jax_compat.like_sharded(o, n), n)
 
     return jax.tree.map(cast, old, new_types)
 
