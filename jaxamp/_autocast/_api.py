@@ -306,14 +306,16 @@ def autocast(
     Like ``torch.autocast``: matrix products and convolutions run in `dtype`;
     numerically sensitive ops (exp, log, division, sums, softmax, norm
     statistics, losses, linear algebra, FFTs, and the elementwise steps that
-    feed them) in float32; everything else follows its inputs, so the
-    activations between two matmuls stay in `dtype` (a float32 parameter
-    meeting one, like a Dense bias, is cast down). Normalisations and softmax
-    shifts run in float32 (their statistics promote what they meet). An
-    explicit ``x.astype(jnp.float32)`` of a lower-precision value, or
+    feed them) in float32; everything else follows torch's type promotion: a
+    float32 value meeting an activation promotes the op to float32, unless it is
+    a scalar or vector broadcast into it (a Dense bias, a norm scale, a fill),
+    which is cast down, so the activations between two matmuls stay in `dtype`.
+    An explicit ``x.astype(jnp.float32)`` of a lower-precision value, or
     ``jaxamp.keep_float32(x)``, is kept: the ops after it run in float32 until
-    a matmul. Every cast down saturates (``finfo(float32).min`` masks stay
-    finite). The result depends only on `f`'s program and these arguments;
+    a matmul. Only trace-time constants saturate when cast down
+    (``finfo(float32).min`` masks stay finite); a run-time value beyond the
+    dtype's range overflows to inf, where the loss scale and
+    :func:`jaxamp.find_overflow` see it. The result depends only on `f`'s program and these arguments;
     nothing in JAX or in `f` is patched. Parameters stay in their own dtype and
     outputs come back in the dtypes `f` returns without autocast (or the
     policy's ``output_dtype``), so ``autocast(f)`` is a drop-in for `f`. It
