@@ -177,6 +177,12 @@ def checked_alone(leaf: Any) -> bool:
     return leaf.size > SMALL_LEAF or jnp.iscomplexobj(leaf) or _typed_sharded(leaf)
 
 
+def _self_difference_sum(x: jax.Array) -> jax.Array:
+    # float8 is reduced in float32, as in leaf_finite.
+    x = x.astype(jnp.float32) if x.dtype.itemsize == 1 else x
+    return jnp.sum(x - x)
+
+
 def _check_groups(grads: Any) -> tuple[list[jax.Array], list[int | None]]:
     """The floating leaves to check: large ones alone, small ones joined per dtype;
     and each group's leaf index (None for a joined group)."""
@@ -191,8 +197,15 @@ def _check_groups(grads: Any) -> tuple[list[jax.Array], list[int | None]]:
             groups.append(leaf)
             owners.append(i)
         else:
-            small.setdefault(leaf.dtype, []).append(leaf.reshape(-1))
-    groups.extend(jnp.concatenate(xs) if len(xs) > 1 else xs[0] for xs in small.values())
+            small.setdefault(leaf.dtype, []).append(leaf)
+    # A joined group is each small leaf's own ``sum(x - x)`` (NaN iff the leaf has an
+    # inf or NaN), stacked: no array joins the leaves themselves, whose shardings may
+    # differ (a concatenation let XLA's propagation on an Auto mesh shard a replicated
+    # bias's outputs after it).
+    groups.extend(
+        jnp.stack([_self_difference_sum(x) for x in xs]) if len(xs) > 1 else xs[0]
+        for xs in small.values()
+    )
     owners.extend([None] * len(small))
     return groups, owners
 

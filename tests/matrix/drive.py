@@ -73,19 +73,9 @@ def _equivalent(a: Any, b: Any, ndim: int) -> bool:
     return a == b or a.is_equivalent_to(b, ndim)
 
 
-# Known open defect (issue 30's closing note): on an Auto mesh, jaxamp's finite check
-# joins small leaves (one reduction per dtype) and XLA's sharding propagation then
-# shards a replicated small leaf's outputs (an Adam moment of a bias: P() -> P('data')).
-# The values are right; the moves are collected and the cell is reported as an xfail.
-AUTO_MOVES: list[str] = []
-
-
-def check_shardings(what: str, got: h.Snap, want: h.Snap, auto: bool = False) -> None:
+def check_shardings(what: str, got: h.Snap, want: h.Snap) -> None:
     assert len(got.shardings) == len(want.shardings), what
     for i, (a, b, x) in enumerate(zip(got.shardings, want.shardings, want.everything, strict=True)):
-        if auto and not _equivalent(a, b, np.ndim(x)):
-            AUTO_MOVES.append(f"{what}: leaf {i} moved from {b} to {a}")
-            continue
         assert _equivalent(a, b, np.ndim(x)), f"{what}: leaf {i} moved from {b} to {a}"
 
 
@@ -170,7 +160,7 @@ def drive(cell: Cell, seq: list[h.Call], restore_at: int | None, reject: Any = _
                 carry = run.restore(carry)
                 back = run.snap(carry)
                 h.assert_same(f"{where}: restored", back.everything, got.everything, None)
-                check_shardings(f"{where}: restored", back, start, pl.name.startswith("auto"))
+                check_shardings(f"{where}: restored", back, start)
 
 
 def _check(cell, where, got, prev, start, want, updated, stepped, i) -> None:
@@ -191,7 +181,7 @@ def _check(cell, where, got, prev, start, want, updated, stepped, i) -> None:
     h.assert_same(f"{where}: params", got.params, want.params, rtol)
     h.assert_same(f"{where}: inner optimizer state", got.inner, want.inner, rtol)
     h.assert_same(f"{where}: model state", got.mstate, want.mstate, rtol)
-    check_shardings(where, got, start, cell.pl.name.startswith("auto"))
+    check_shardings(where, got, start)
     if cell.kind.name == "lora":  # no copy of the frozen base in the optimizer
         frozen = {v.shape for k, v in got.mstate.items() if k.endswith("kernel")}
         copies = [s for s in got.opt_shapes if s in frozen]
