@@ -317,8 +317,9 @@ def autocast(
     dtype's range overflows to inf, where the loss scale and
     :func:`jaxamp.find_overflow` see it. The result depends only on `f`'s
     program and these arguments; nothing in JAX or in `f` is patched.
-    Parameters stay in their own dtype and outputs come back in the dtypes `f` returns without autocast (or the
-    policy's ``output_dtype``), so ``autocast(f)`` is a drop-in for `f`. It
+    Parameters stay in their own dtype and outputs come back in the dtypes `f`
+    returns without autocast (or the policy's ``output_dtype``), so
+    ``autocast(f)`` is a drop-in for `f`. It
     composes with ``jit``, ``grad`` (backward ops run in the dtype of their
     forward ops), ``vmap``, control flow, ``remat``, custom derivatives, Flax
     linen (also as a decorator on a ``@nn.compact`` method) and nnx modules
