@@ -274,7 +274,8 @@ class _SkipNonfiniteUpdate(_GuardedUpdate):
             out, state = window_step(Window(state.acc, grads), state, mean, window_loss)
             # Reset by replacement: `acc * 0` would keep an overflowed micro-batch's NaN.
             zeros = jax.tree.map(jnp.zeros_like, state.acc)
-            return out, state._replace(acc=zeros, mini_step=jnp.zeros((), jnp.int32))
+            # zeros_like keeps the counter's type: per-device (varying) under shard_map.
+            return out, state._replace(acc=zeros, mini_step=jnp.zeros_like(state.mini_step))
 
         def accumulate(
             shapes: Any, grads: Any, state: SkipNonfiniteState
