@@ -1,14 +1,14 @@
-"""Restoring a spike history (:class:`jaxamp.SpikeState`) saved with another window.
+"""Restoring a spike history ([`jaxamp.SpikeState`][jaxamp.SpikeState]) saved with another window.
 
-A :func:`jaxamp.spike_rule`'s window shapes its state (two rings of ``window``
+A [`jaxamp.spike_rule`][jaxamp.spike_rule]'s window shapes its state (two rings of ``window``
 values), so a checkpoint written with ``window=8`` does not fit an optimizer built
 with ``window=16``, and orbax refuses it with a shape error about padding. The
 history is configuration the user may change on resume, like ``growth_interval``:
-:func:`jaxamp.checkpoint.restore` restores the saved rings as they are and moves
-their newest values into rings of the target's window (``_spikes.resize``). When
-that cannot be done, the error names the spike history and both windows.
+[`jaxamp.checkpoint.restore`][jaxamp.checkpoint.restore] restores the saved rings as they are and
+moves their newest values into rings of the target's window (``_spikes.resize``). When that cannot
+be done, the error names the spike history and both windows.
 
-Spike states are found by their fields, as a :class:`SpikeState` or as a mapping of
+Spike states are found by their fields, as a [`SpikeState`][jaxamp.SpikeState] or as a mapping of
 its fields (``nnx.state`` of an optimizer), so both forms are handled alike.
 """
 

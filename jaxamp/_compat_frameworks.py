@@ -45,9 +45,9 @@ def torch_grad_scaler(
       enabled: as in PyTorch.
 
     Returns:
-      A :class:`LossScaleState` (``no_scale()`` when ``enabled=False``).
+      A [`LossScaleState`][jaxamp.LossScaleState] (``no_scale()`` when ``enabled=False``).
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> float(jaxamp.compat.torch_grad_scaler().scale)
       65536.0
@@ -87,9 +87,9 @@ def megengine_grad_scaler(
       growth_interval: as in MegEngine.
 
     Returns:
-      A :class:`LossScaleState`.
+      A [`LossScaleState`][jaxamp.LossScaleState].
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> jaxamp.compat.megengine_grad_scaler(growth_factor=0).dynamic
       False
@@ -119,9 +119,9 @@ def mindspore_fixed(loss_scale: float = 128.0, drop_overflow_update: bool = True
         every step unchecked (False).
 
     Returns:
-      A static :class:`LossScaleState`.
+      A static [`LossScaleState`][jaxamp.LossScaleState].
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> float(jaxamp.compat.mindspore_fixed().scale)
       128.0
@@ -140,18 +140,18 @@ def mindspore_dynamic(
     Backs off by ``1/scale_factor`` (floor 1) on every overflow, grows by
     ``scale_factor`` after ``scale_window`` clean steps, and treats more than 1000
     overflows in a row as an error (``max_consecutive_nonfinite=1000``, reported by
-    :func:`jaxamp.check_health`). Unlike MindSpore's Python float, the float32 scale
-    stops growing before it would overflow.
+    [`jaxamp.check_health`][jaxamp.check_health]). Unlike MindSpore's Python float, the float32
+    scale stops growing before it would overflow.
 
     Args:
-      init_loss_scale: >= 1.
-      scale_factor: > 1 (a factor of exactly 1 gives a fixed scale, as in MindSpore).
+      init_loss_scale: at least 1.
+      scale_factor: more than 1 (a factor of exactly 1 gives a fixed scale, as in MindSpore).
       scale_window: a positive integer.
 
     Returns:
-      A :class:`LossScaleState`.
+      A [`LossScaleState`][jaxamp.LossScaleState].
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> int(jaxamp.compat.mindspore_dynamic().max_consecutive_nonfinite)
       1000
@@ -205,11 +205,11 @@ def flax_dynamic_scale(
     ``growth_tracker`` (pass a ``DynamicScale``'s ``fin_steps`` and ``scale`` to
     carry its state over). An overflow multiplies by ``backoff_factor`` (floor
     ``minimum_scale``; Flax's default, float32's smallest normal number, is
-    2**-126, jaxamp's own floor) and restarts the count.
+    ``2**-126``, jaxamp's own floor) and restarts the count.
 
-    Deviations: Flax caps the scale at float32's max; here it stops at 2**126.
-    With ``minimum_scale=None`` (or below 2**-126) Flax can shrink the scale to 0;
-    here it stops at 2**-126. Flax takes any values; here ``growth_factor <= 1``,
+    Deviations: Flax caps the scale at float32's max; here it stops at ``2**126``.
+    With ``minimum_scale=None`` (or below ``2**-126``) Flax can shrink the scale to 0;
+    here it stops at ``2**-126``. Flax takes any values; here ``growth_factor <= 1``,
     ``backoff_factor`` outside (0, 1), a negative ``growth_interval`` (Flax would
     never grow), ``fin_steps`` outside [0, growth_interval] and ``scale <
     minimum_scale`` raise.
@@ -223,9 +223,9 @@ def flax_dynamic_scale(
       minimum_scale: as in Flax.
 
     Returns:
-      A dynamic :class:`LossScaleState`.
+      A dynamic [`LossScaleState`][jaxamp.LossScaleState].
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> s = jaxamp.compat.flax_dynamic_scale(growth_interval=1, scale=2.0)
       >>> tuple(float((s := jaxamp.update(s, True)).scale) for _ in range(4))
@@ -269,8 +269,8 @@ def jmp_dynamic_loss_scale(
     an array leaf and survives ``jit``, ``scan`` and checkpoints.
 
     Deviations: jmp keeps the scale when growing would overflow float32 (so it
-    can reach 2**127); here it stops at 2**126, and with ``min_loss_scale`` below
-    2**-126 it stops shrinking at 2**-126. A ``factor`` that is not a power of two
+    can reach ``2**127``); here it stops at ``2**126``, and with ``min_loss_scale`` below
+    ``2**-126`` it stops shrinking at ``2**-126``. A ``factor`` that is not a power of two
     backs off by multiplying with float32 ``1 / factor``, which can differ from
     jmp's division in the last bit. ``period < 1``, ``counter`` outside [0, period),
     ``factor < 1`` and ``loss_scale < min_loss_scale`` raise.
@@ -283,9 +283,9 @@ def jmp_dynamic_loss_scale(
       min_loss_scale: as in jmp.
 
     Returns:
-      A :class:`LossScaleState`.
+      A [`LossScaleState`][jaxamp.LossScaleState].
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> s = jaxamp.compat.jmp_dynamic_loss_scale(2.0**15, period=1)
       >>> float(jaxamp.update(s, True).scale), float(jaxamp.update(s, False).scale)
@@ -321,13 +321,13 @@ def keras_loss_scale_optimizer(
 
     Mapping: the scale doubles after ``dynamic_growth_steps`` clean steps in a row
     and halves on every overflow, which restarts the count. Wrap the inner optax
-    optimizer with :func:`jaxamp.skip_nonfinite` for the rest of what Keras's
+    optimizer with [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] for the rest of what Keras's
     wrapper does (skip the step, unscale the gradients).
 
     Deviations: Keras has no floor and no ceiling: its float32 scale can halve
     down to 0 (after which every unscaled gradient is inf or NaN and training
     cannot recover) or double up to inf. jaxamp keeps the scale in
-    [2**-126, 2**126] and so never reaches 0. Keras checks the scaled gradients and
+    ``[2**-126, 2**126]`` and so never reaches 0. Keras checks the scaled gradients and
     jaxamp the unscaled ones; the two agree unless the scale is below 1.
     ``dynamic_growth_steps < 1`` (Keras would then never grow) raises.
 
@@ -336,9 +336,9 @@ def keras_loss_scale_optimizer(
       dynamic_growth_steps: as in Keras.
 
     Returns:
-      A dynamic :class:`LossScaleState`.
+      A dynamic [`LossScaleState`][jaxamp.LossScaleState].
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> s = jaxamp.compat.keras_loss_scale_optimizer(initial_scale=2.0**-126)
       >>> float(jaxamp.update(s, False).scale) == 2.0**-126  # Keras would reach 0

@@ -38,12 +38,12 @@ def deepspeed_loss_scaler(
     DeepSpeed raises when an overflow asks for a backoff while the scale already
     equals ``min_scale`` (``raise_error_at_min_scale=True``). A jitted step cannot
     raise, so here that overflow counts in ``min_scale_backoffs`` (the scale
-    stays at ``min_scale``) and :func:`jaxamp.check_health` raises
+    stays at ``min_scale``) and [`jaxamp.check_health`][jaxamp.check_health] raises
     ``FloatingPointError`` from then on: call it where you log.
 
     Deviations: DeepSpeed's scale is an unbounded Python float; here it stays in
-    [2**-126, 2**126] (it stops growing at 2**126, and with ``min_scale=0`` stops
-    shrinking at 2**-126). A ``scale_factor`` that is not a power of two backs off
+    ``[2**-126, 2**126]`` (it stops growing at ``2**126``, and with ``min_scale=0`` stops
+    shrinking at ``2**-126``). A ``scale_factor`` that is not a power of two backs off
     by multiplying with float32 ``1 / scale_factor`` rather than dividing, which can
     differ in the last bit. DeepSpeed accepts values it cannot run with; here they
     raise: ``scale_factor <= 1`` (growth would not grow), ``scale_window < 1``
@@ -61,9 +61,9 @@ def deepspeed_loss_scaler(
       raise_error_at_min_scale: as in DeepSpeed.
 
     Returns:
-      A dynamic :class:`LossScaleState`.
+      A dynamic [`LossScaleState`][jaxamp.LossScaleState].
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> s = jaxamp.compat.deepspeed_loss_scaler(init_scale=1.0)
       >>> jaxamp.check_health(s)
@@ -106,26 +106,24 @@ def deepspeed_fp16_config(fp16: Mapping[str, Any]) -> LossScaleState:
     """The ``"fp16"`` block of a DeepSpeed config, as ZeRO stages 1-3 build their scaler.
 
     Follows ``deepspeed/runtime/config.py``: ``enabled`` (default False) off gives
-    :func:`jaxamp.no_scale`; a non-zero ``loss_scale`` gives a fixed scale whose
+    [`jaxamp.no_scale`][jaxamp.no_scale]; a non-zero ``loss_scale`` gives a fixed scale whose
     overflowing steps are still skipped (ZeRO checks every step); ``loss_scale=0``
-    (the default) gives :func:`deepspeed_loss_scaler` with ``init_scale =
-    2**initial_scale_power``, ``scale_window = loss_scale_window``, ``delayed_shift =
-    hysteresis``, ``consecutive_hysteresis`` and ``min_scale = min_loss_scale``.
-    As in DeepSpeed, the config defaults (``initial_scale_power=16``,
-    ``loss_scale_window=1000``, ``hysteresis=2``, ``min_loss_scale=1``) apply only
-    when at least one of those keys is in the block; a block with none of them
-    gets ``DynamicLossScaler``'s own defaults (``2**32``, window 1000, no
-    hysteresis). Other keys are ignored. DeepSpeed's optimizer without ZeRO
-    (``FP16_Optimizer``) uses a different rule (no hysteresis, first growth one
-    step later), which this does not reproduce.
+    (the default) gives [`deepspeed_loss_scaler`][jaxamp.compat.deepspeed_loss_scaler] with
+    ``init_scale = 2**initial_scale_power``, ``scale_window = loss_scale_window``, ``delayed_shift =
+    hysteresis``, ``consecutive_hysteresis`` and ``min_scale = min_loss_scale``. As in DeepSpeed,
+    the config defaults (``initial_scale_power=16``, ``loss_scale_window=1000``, ``hysteresis=2``,
+    ``min_loss_scale=1``) apply only when at least one of those keys is in the block; a block with
+    none of them gets ``DynamicLossScaler``'s own defaults (``2**32``, window 1000, no hysteresis).
+    Other keys are ignored. DeepSpeed's optimizer without ZeRO (``FP16_Optimizer``) uses a different
+    rule (no hysteresis, first growth one step later), which this does not reproduce.
 
     Args:
       fp16: the mapping under ``"fp16"`` in a DeepSpeed config.
 
     Returns:
-      A :class:`LossScaleState`.
+      A [`LossScaleState`][jaxamp.LossScaleState].
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> s = jaxamp.compat.deepspeed_fp16_config({"enabled": True, "loss_scale_window": 500})
       >>> float(s.scale), int(s.growth_interval), int(s.hysteresis)
@@ -208,7 +206,7 @@ def megatron_grad_scaler(
     below zero; jaxamp's stops at 0, which is the same rule.
 
     Deviations: Megatron's float32 scale can grow to inf; here it stops at
-    2**126. A non-integral ``growth_interval`` (which Megatron would never reach)
+    ``2**126``. A non-integral ``growth_interval`` (which Megatron would never reach)
     raises.
 
     Args:
@@ -220,9 +218,9 @@ def megatron_grad_scaler(
       hysteresis: as in Megatron-LM; its asserts raise ``ValueError`` here.
 
     Returns:
-      A dynamic :class:`LossScaleState`.
+      A dynamic [`LossScaleState`][jaxamp.LossScaleState].
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> s = jaxamp.compat.megatron_grad_scaler(initial_scale=8.0)
       >>> [float((s := jaxamp.update(s, False)).scale) for _ in range(3)]  # hysteresis=2
@@ -279,7 +277,7 @@ def apex_loss_scaler(
     ``loss_scale=<number>``: a fixed scale, and, as in Apex, nothing is checked and
     no step is skipped (``static_scale(loss_scale, skip_nonfinite=False)``).
 
-    Deviations: with ``min_loss_scale=None`` the scale stops shrinking at 2**-126
+    Deviations: with ``min_loss_scale=None`` the scale stops shrinking at ``2**-126``
     (Apex's Python float goes on to 0). ``amp.initialize`` turns a numeric string
     such as ``"128.0"`` into a float; here pass the number. ``scale_window < 1`` and
     ``init_scale < min_loss_scale`` raise.
@@ -293,9 +291,9 @@ def apex_loss_scaler(
       max_loss_scale: as in Apex.
 
     Returns:
-      A :class:`LossScaleState`, dynamic or static.
+      A [`LossScaleState`][jaxamp.LossScaleState], dynamic or static.
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> s = jaxamp.compat.apex_loss_scaler()
       >>> float(s.scale), int(s.growth_interval), float(s.max_scale)

@@ -116,16 +116,16 @@ def paddle_grad_scaler(
       growth_interval: PyTorch's name for ``incr_every_n_steps``.
       enabled: PyTorch's name for ``enable``.
       defaults: ``"paddle2"`` (the signature's defaults, Paddle 2's ``GradScaler``
-        ones: 2**15 / 1000 / 2) or ``"paddle3"``
+        ones: ``2**15`` / 1000 / 2) or ``"paddle3"``
         (Paddle 3's ``GradScaler``: ``init_loss_scaling=2**16``,
         ``incr_every_n_steps=2000``, ``decr_every_n_nan_or_inf=1``). Values you
         pass always win.
 
     Returns:
-      A :class:`LossScaleState`: dynamic, static (``use_dynamic_loss_scaling=False``)
-      or ``no_scale()`` (``enable=False``).
+      A [`LossScaleState`][jaxamp.LossScaleState]: dynamic, static
+      (``use_dynamic_loss_scaling=False``) or ``no_scale()`` (``enable=False``).
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> int(jaxamp.compat.paddle_grad_scaler().hysteresis)
       2

@@ -55,14 +55,14 @@ def check_in_sync(opt_state_or_loss_scale_state: Any) -> None:
     raises the same error, so none is left waiting.
 
     Args:
-      opt_state_or_loss_scale_state: a :class:`LossScaleState` or an optax state
+      opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
         containing one; replicated, or stacked along a leading device axis (pmap).
 
     Raises:
       RuntimeError: naming the fields that differ and each process's value.
       ValueError: if the state holds no loss-scale state, or several.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
       >>> jaxamp.check_in_sync(tx.init({"w": jnp.ones(2)}))  # one process, one device: quiet

@@ -1,8 +1,8 @@
 """``jaxamp.explain``: why steps were skipped, in words, from the optimizer state alone.
 
-Host side, like :func:`jaxamp.check_health`: it reads the small per-leaf record
-(:class:`jaxamp.NonfiniteLeaves`) and the spike counters the guarded step keeps on
-the device, and names leaves by their key paths in ``params``.
+Host side, like [`jaxamp.check_health`][jaxamp.check_health]: it reads the small per-leaf record
+([`jaxamp.NonfiniteLeaves`][jaxamp.NonfiniteLeaves]) and the spike counters the guarded step keeps
+on the device, and names leaves by their key paths in ``params``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _STATES = (SkipNonfiniteState, MultiTransformState)
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    """What :func:`jaxamp.explain` found; ``str()`` of it says it in words.
+    """What [`jaxamp.explain`][jaxamp.explain] found; ``str()`` of it says it in words.
 
     Attributes:
       skipped_steps: steps skipped so far because their gradients held inf or NaN.
@@ -182,26 +182,27 @@ def _check_layout(record: NonfiniteLeaves, lead: tuple[int, ...], params: Any) -
 def explain(opt_state: Any, params: Any = None) -> Explanation:
     """Which gradient leaves overflowed on the last skipped step, and how often each has.
 
-    Reads what :func:`jaxamp.skip_nonfinite` / :func:`jaxamp.multi_transform`
-    keep in their state at no cost to a finite step. Host side: call it where
-    you log (it reads a few small arrays from the device), not inside ``jit``.
+    Reads what [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] /
+    [`jaxamp.multi_transform`][jaxamp.multi_transform] keep in their state at no cost to a finite
+    step. Host side: call it where you log (it reads a few small arrays from the device), not inside
+    ``jit``.
 
     Args:
       opt_state: an optimizer state containing one ``skip_nonfinite`` or
         ``multi_transform`` state (any nesting), a ``TrainState`` (then leave out
-        ``params``), or a :class:`jaxamp.nnx.Optimizer` (then pass the model).
+        ``params``), or a [`jaxamp.nnx.Optimizer`][jaxamp.nnx.Optimizer] (then pass the model).
       params: the params the optimizer updates (names the leaves by key path);
         for an nnx optimizer, the model.
 
     Returns:
-      An :class:`Explanation`; ``print`` it for the sentence.
+      An [`Explanation`][jaxamp.Explanation]; ``print`` it for the sentence.
 
     Raises:
       ValueError: no such state, or ``params`` other than the optimizer was
         initialised with (another number of leaves, or other key paths or shapes),
         naming the first leaf that differs.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
       >>> params = {"dense": {"kernel": jnp.ones(2), "bias": jnp.ones(1)}}

@@ -73,13 +73,14 @@ def find_overflow(
       loss_fn: the loss function as the train step calls it (returns a scalar
         floating loss).
       *args: its positional arguments (parameters, batch, ...).
-      loss_scale: the loss scale to test: a number, a :class:`jaxamp.LossScaleState`,
-        or the optimizer state holding one (its current scale).
+      loss_scale: the loss scale to test: a number, a
+        [`jaxamp.LossScaleState`][jaxamp.LossScaleState], or the optimizer state holding one (its
+        current scale).
       dtype: autocast's lower-precision dtype, ``jnp.float16`` or ``jnp.bfloat16``.
       argnums: which positional arguments the gradient is taken with respect
         to (an int or a sequence of ints, negative ones counted from the end).
-      rules: autocast's per-primitive rules (as in :func:`jaxamp.autocast`).
-      modules: autocast's per-module rules (as in :func:`jaxamp.autocast`).
+      rules: autocast's per-primitive rules (as in [`jaxamp.autocast`][jaxamp.autocast]).
+      modules: autocast's per-module rules (as in [`jaxamp.autocast`][jaxamp.autocast]).
       autocast: False runs `loss_fn` as written, without ``jaxamp.autocast``:
         for a loss that casts itself (a model built with ``dtype=jnp.float16``,
         ``x.astype(jnp.float16)`` by hand), whose overflows autocast would move
@@ -88,7 +89,7 @@ def find_overflow(
       **kwargs: keyword arguments of `loss_fn` (not differentiated).
 
     Returns:
-      An :class:`OverflowReport`; ``report.found`` is False when nothing
+      An [`OverflowReport`][jaxamp.OverflowReport]; ``report.found`` is False when nothing
       overflowed, and ``print(report)`` explains the finding.
 
     Raises:
@@ -99,7 +100,7 @@ def find_overflow(
         range, `loss_scale` is not a positive finite number, or `rules` /
         `modules` are invalid (as in ``autocast``).
 
-    Example:
+    Examples:
       >>> def loss_fn(w, x):
       ...   return jnp.mean(x @ w)
       >>> w = jnp.full((4, 4), 300.0)

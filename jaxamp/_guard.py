@@ -2,7 +2,7 @@
 
 Every public path that can skip an update (``skip_nonfinite``'s ``update``,
 ``multi_transform``'s ``update``, ``jaxamp.step`` with either, with or without
-``finite=``) goes through :func:`guarded`. A grads value flows like this::
+``finite=``) goes through ``guarded``. A grads value flows like this::
 
     scaled grads ──unscale──▶ check (one fused reduction per leaf, agreed over
          │                    axis_name) ──▶ finite
@@ -188,7 +188,7 @@ class Spikes(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    """What :func:`guarded` returns.
+    """What ``guarded`` returns.
 
     Attributes:
       outs: per part, its updates (or new params with ``to_params``).
@@ -229,7 +229,7 @@ def guarded(
         updated in the parts' skip branches.
 
     Returns:
-      An :class:`Outcome`; the scale advances with "every part finite".
+      An ``Outcome``; the scale advances with "every part finite".
     """
     sizes = [len(jax.tree.leaves((p.prepare or (lambda g: g))(p.grads))) for p in parts]
     # Per part: the check's agreed flags (None: the skip branch reads every leaf),

@@ -9,7 +9,7 @@ through, so a finite step runs no op for it and pays only for carrying it:
 finite check itself (it reads each large leaf on its own, every step); only the
 small leaves, which the check reads joined per dtype, are read again, in the skip
 branch (reading the large ones there cost the optax path 6.5 MB of temp on the
-bench model: XLA kept more buffers live across the cond). :func:`jaxamp.explain`
+bench model: XLA kept more buffers live across the cond). [`jaxamp.explain`][jaxamp.explain]
 turns the record into words on the host.
 """
 
@@ -57,8 +57,8 @@ class Layout:
 
     Kept in the record's tree structure, not in its leaves: a checkpoint stores
     nothing of it, and a restored record takes it from the restore target, as a
-    :class:`jaxamp.LossScaleState` takes its mode. Compared and hashed by a digest,
-    so a large model's layout costs a jit cache lookup one small hash.
+    [`jaxamp.LossScaleState`][jaxamp.LossScaleState] takes its mode. Compared and hashed by a
+    digest, so a large model's layout costs a jit cache lookup one small hash.
     """
 
     __slots__ = ("_digest", "entries")
@@ -83,10 +83,10 @@ class Layout:
 class NonfiniteLeaves(NamedTuple):
     """Which gradient leaves held inf or NaN, one entry per leaf of the params.
 
-    Entries follow ``jax.tree.leaves(params)``; :func:`jaxamp.explain` names them
+    Entries follow ``jax.tree.leaves(params)``; [`jaxamp.explain`][jaxamp.explain] names them
     by key path, and refuses params of another layout than ``tx.init`` saw. One
     int32 vector: a leaf's magnitude is on how many non-finite steps it was
-    non-finite so far (saturating at 2**31 - 1), and its sign is negative if it was
+    non-finite so far (saturating at ``2**31 - 1``), and its sign is negative if it was
     non-finite on the last one. (A leaf non-finite on the last
     step has been counted, so the two facts fit one number; one small array is one
     buffer a step carries, and no state says "last" with a count of zero.)
@@ -102,7 +102,7 @@ class NonfiniteLeaves(NamedTuple):
       count: int32[n_leaves] (derived), on how many non-finite steps each leaf was
         non-finite so far.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
       >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}

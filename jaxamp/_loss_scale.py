@@ -4,7 +4,7 @@ The state is a frozen dataclass registered as a pytree. Every number in it, the
 configuration included, is an array *leaf*: it survives ``jit``, ``scan`` and
 orbax checkpoints with the counters, and ``state.replace(growth_factor=4.0)``
 changes it at run time without recompiling (unlike jmp, whose ``min_loss_scale``
-is aux data and is lost through ``jit``). Only the :class:`Mode` is static, because
+is aux data and is lost through ``jit``). Only the [`Mode`][jaxamp.Mode] is static, because
 it changes the program; nothing static is derived from the leaves, so nothing can
 go stale through ``replace``, unflattening or a checkpoint restore.
 
@@ -44,11 +44,12 @@ DEFAULT_PINNED_STREAK = 100
 
 
 class Mode(enum.StrEnum):
-    """How a :class:`LossScaleState` acts; each mode is one meaningful combination.
+    """How a [`LossScaleState`][jaxamp.LossScaleState] acts; each mode is one meaningful
+    combination.
 
     A ``StrEnum``, so ``state.mode == "dynamic"`` works.
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> jaxamp.static_scale(8.0).mode == "static", jaxamp.no_scale().mode.value
       (True, 'disabled')
@@ -121,10 +122,11 @@ FIELD_NAMES: tuple[str, ...] = tuple(_FIELDS)
 class LossScaleState:
     """Loss-scale state: counters, run-time configuration and mode.
 
-    Build it with :func:`dynamic_scale`, :func:`static_scale`, :func:`no_scale` or a
-    :mod:`jaxamp.compat` constructor, and change it with :meth:`replace`; both
-    validate every field. Unflattening (``jax.tree.map``, orbax placeholders)
-    validates nothing, so trees of sizes or ``ShapeDtypeStruct`` work.
+    Build it with [`dynamic_scale`][jaxamp.dynamic_scale], [`static_scale`][jaxamp.static_scale],
+    [`no_scale`][jaxamp.no_scale] or a [`jaxamp.compat`][jaxamp.compat] constructor, and change it
+    with [`replace`][jaxamp.LossScaleState.replace]; both validate every field. Unflattening
+    (``jax.tree.map``, orbax placeholders) validates nothing, so trees of sizes or
+    ``ShapeDtypeStruct`` work.
 
     Attributes:
       scale: float32, the current loss scale.
@@ -133,17 +135,21 @@ class LossScaleState:
       nonfinite_streak: int32, consecutive non-finite steps (reset by a finite step).
       skipped_steps: int32, total steps whose update was skipped.
       min_scale_backoffs: int32, backoffs that found the scale already at its floor.
-      growth_factor, backoff_factor, min_scale, max_scale: float32 configuration.
-      growth_interval, hysteresis: int32 configuration.
+      growth_factor: float32 configuration.
+      backoff_factor: float32 configuration.
+      min_scale: float32 configuration.
+      max_scale: float32 configuration.
+      growth_interval: int32 configuration.
+      hysteresis: int32 configuration.
       hysteresis_refill: int32 index into ``("growth", "finite", "finite_and_backoff")``:
-        what restores the hysteresis allowance (see :func:`dynamic_scale`).
-      max_consecutive_nonfinite: int32; -1 is None (:func:`check_health`'s default
-        rule), 2**31 - 1 is ``math.inf`` (never raise).
-      raise_at_min_scale: bool; :func:`check_health` raises once a backoff found the
-        scale at its floor (DeepSpeed's ``raise_error_at_min_scale``).
-      mode: static, a :class:`Mode`.
+        what restores the hysteresis allowance (see [`dynamic_scale`][jaxamp.dynamic_scale]).
+      max_consecutive_nonfinite: int32; -1 is None ([`check_health`][jaxamp.check_health]'s default
+        rule), ``2**31 - 1`` is ``math.inf`` (never raise).
+      raise_at_min_scale: bool; [`check_health`][jaxamp.check_health] raises once a backoff found
+        the scale at its floor (DeepSpeed's ``raise_error_at_min_scale``).
+      mode: static, a [`Mode`][jaxamp.Mode].
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> s = jaxamp.dynamic_scale(init_scale=2.0**10).replace(growth_interval=500)
       >>> float(s.scale), int(s.growth_interval), s.mode
@@ -172,12 +178,13 @@ class LossScaleState:
 
     @property
     def dynamic(self) -> bool:
-        """Whether :func:`update` moves the scale."""
+        """Whether [`update`][jaxamp.update] moves the scale."""
         return self.mode is Mode.DYNAMIC
 
     @property
     def enabled(self) -> bool:
-        """Whether :func:`scale` and :func:`unscale_and_check` scale at all."""
+        """Whether [`scale`][jaxamp.scale] and [`unscale_and_check`][jaxamp.unscale_and_check] scale
+        at all."""
         return self.mode.scales
 
     @property
@@ -192,7 +199,7 @@ class LossScaleState:
         the constructors' arguments and stored as a fresh array of the field's
         dtype, so the state keeps its leaf types through ``jit`` and ``scan``; the
         result must be a consistent state (``min_scale <= max_scale``, the scale
-        within its bounds, counters >= 0). ``mode=`` switches the :class:`Mode`.
+        within its bounds, counters >= 0). ``mode=`` switches the [`Mode`][jaxamp.Mode].
 
         Raises:
           TypeError: an unknown field, or a value of the wrong type.
@@ -333,17 +340,17 @@ def dynamic_scale(
     """Dynamic loss scaling: grow after clean stretches, back off on overflow.
 
     Args:
-      init_scale: the starting scale; within [min_scale, max_scale] and [2**-126, 2**126].
+      init_scale: the starting scale; within [min_scale, max_scale] and ``[2**-126, 2**126]``.
       growth_factor: multiplier (> 1) applied after ``growth_interval`` finite steps in a row.
       backoff_factor: multiplier in (0, 1) applied on overflow.
       growth_interval: finite steps in a row (>= 1) before each growth.
       hysteresis: non-finite steps (>= 1) tolerated before a backoff (Megatron's and
         DeepSpeed's ``hysteresis``, Paddle's ``decr_every_n_nan_or_inf``).
       min_scale: lower bound of the scale (>= 0); the default of 1 keeps the scale
-        from ever going below 1. The scale never drops below 2**-126 in any case.
-      max_scale: upper bound of the scale (inf allowed; the scale never exceeds 2**126).
+        from ever going below 1. The scale never drops below ``2**-126`` in any case.
+      max_scale: upper bound of the scale (inf allowed; the scale never exceeds ``2**126``).
       max_consecutive_nonfinite: more than this many non-finite steps in a row make
-        :func:`check_health` raise. ``None``: the default rule, more than 100 in a
+        [`check_health`][jaxamp.check_health] raise. ``None``: the default rule, more than 100 in a
         row once the scale is at its floor (``max(min_scale, 2**-126)``), where
         backing off cannot help any more. ``math.inf`` (or ``2**31 - 1``): never.
       hysteresis_refill: what restores the hysteresis allowance:
@@ -351,16 +358,16 @@ def dynamic_scale(
         consecutive overflows count; Paddle), ``"finite"`` (every finite step, not a
         backoff: DeepSpeed's ``consecutive_hysteresis=True``) or ``"growth"`` (only
         a growth: Megatron-LM, DeepSpeed's default). Irrelevant when ``hysteresis=1``.
-      raise_at_min_scale: if True, :func:`check_health` raises once an overflow asks
-        for a backoff while the scale is already at ``min_scale`` (DeepSpeed).
+      raise_at_min_scale: if True, [`check_health`][jaxamp.check_health] raises once an overflow
+        asks for a backoff while the scale is already at ``min_scale`` (DeepSpeed).
 
     Returns:
-      A :class:`LossScaleState`.
+      A [`LossScaleState`][jaxamp.LossScaleState].
 
     Raises:
       ValueError / TypeError: naming the first argument outside its allowed range or type.
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> state = jaxamp.dynamic_scale(init_scale=2.0**12, growth_interval=100)
       >>> float(jaxamp.update(state, False).scale)
@@ -386,15 +393,16 @@ def static_scale(scale: float = 2.0**15, skip_nonfinite: bool = True) -> LossSca
     """A fixed loss scale that never changes.
 
     Args:
-      scale: the loss scale, in [2**-126, 2**126].
+      scale: the loss scale, in ``[2**-126, 2**126]``.
       skip_nonfinite: if True, gradients are checked and non-finite steps skipped;
         if False, nothing is checked and every step is applied (MindSpore's
         ``drop_overflow_update=False``).
 
     Returns:
-      A :class:`LossScaleState` whose :func:`update` moves only the counters.
+      A [`LossScaleState`][jaxamp.LossScaleState] whose [`update`][jaxamp.update] moves only the
+      counters.
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> float(jaxamp.update(jaxamp.static_scale(128.0), False).scale)
       128.0
@@ -407,15 +415,15 @@ def static_scale(scale: float = 2.0**15, skip_nonfinite: bool = True) -> LossSca
 def no_scale() -> LossScaleState:
     """Disabled loss scaling: scale 1, every function is a pass-through.
 
-    Like ``torch.amp.GradScaler(enabled=False)``: :func:`scale` and
-    :func:`unscale_and_check` return their input unchanged (``finite`` is always
-    True, nothing is checked, no step is skipped); :func:`update` moves only the
+    Like ``torch.amp.GradScaler(enabled=False)``: [`scale`][jaxamp.scale] and
+    [`unscale_and_check`][jaxamp.unscale_and_check] return their input unchanged (``finite`` is
+    always True, nothing is checked, no step is skipped); [`update`][jaxamp.update] moves only the
     counters.
 
     Returns:
-      A :class:`LossScaleState`.
+      A [`LossScaleState`][jaxamp.LossScaleState].
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp
       >>> jaxamp.scale(jaxamp.no_scale(), jnp.array(3.0))
       Array(3., dtype=float32, weak_type=True)

@@ -4,9 +4,9 @@ Both are optax transformations placed *last* in a chain. Each computes, in
 float32, the low-precision value it wants a param to take (``new``) and returns
 the update ``new - p`` in float32. ``optax.apply_updates`` then computes
 ``(p + (new - p)).astype(p.dtype)``: the difference of two bfloat16 values is
-exact in float32 unless one is more than 2**15 times the other (float16: 2**12),
+exact in float32 unless one is more than ``2**15`` times the other (float16: ``2**12``),
 so the sum is ``new`` exactly and the cast changes nothing. Because the choice is
-carried by ordinary updates, ``optax.apply_updates``, :func:`jaxamp.step` (which
+carried by ordinary updates, ``optax.apply_updates``, [`jaxamp.step`][jaxamp.step] (which
 fuses the add into its ``lax.cond``) and a skipped step (zero updates, or the
 params passed through, with the whole inner state kept) need no special case.
 
@@ -46,8 +46,8 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
 
     Each element goes to one of its two neighbours in ``dtype``, ``down <= x <
     up``, and to ``up`` with probability ``(x - down) / (up - down)``; so the
-    expected result is ``x`` exactly (that probability is a multiple of 2**-16 for
-    bfloat16, 2**-13 for float16, and the uniform draw has 2**-23 resolution, so
+    expected result is ``x`` exactly (that probability is a multiple of ``2**-16`` for
+    bfloat16, ``2**-13`` for float16, and the uniform draw has ``2**-23`` resolution, so
     it is not rounded). A value of ``dtype`` comes back unchanged; inf and NaN pass
     through; a finite value beyond ``dtype``'s range saturates to its largest
     finite value (never rounds up to inf). The draws are ``jax.random.uniform(key,
@@ -64,7 +64,7 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     Returns:
       An array of ``dtype`` and ``x``'s shape.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, jaxamp
       >>> x = jnp.full(10_000, 1.0 + 2.0**-10)  # a quarter of the way to the next bfloat16
       >>> r = jaxamp.stochastic_round(x, jnp.bfloat16, jax.random.key(0))
@@ -125,13 +125,13 @@ def _exact_update(new: jax.Array, p: jax.Array) -> jax.Array:
 
 
 class StochasticRoundingState(NamedTuple):
-    """State of :func:`stochastic_rounding`.
+    """State of [`stochastic_rounding`][jaxamp.stochastic_rounding].
 
     Attributes:
       key: the raw data (uint32) of the PRNG key the next step draws from; each
         step splits it, so the run is a deterministic function of the initial key.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, jaxamp
       >>> tx = jaxamp.stochastic_rounding(jax.random.key(0))
       >>> tx.init({"w": jnp.ones(2, jnp.bfloat16)}).key.dtype
@@ -171,10 +171,10 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformation:
     gradients, not updates. Neither can be detected; both train like plain
     bfloat16 params, or worse. For each bfloat16 or float16 param it computes
     ``p + u`` in float32 and rounds it to the param's dtype with
-    :func:`stochastic_round`, so that an update smaller than half an ulp of the
+    [`stochastic_round`][jaxamp.stochastic_round], so that an update smaller than half an ulp of the
     weight moves it with the right probability instead of vanishing: unbiased,
     with no extra buffer. The returned updates are float32 and make
-    ``optax.apply_updates`` (and :func:`jaxamp.step`) produce the rounded values
+    ``optax.apply_updates`` (and [`jaxamp.step`][jaxamp.step]) produce the rounded values
     exactly. Params of other dtypes (float32 norms, integer counters) get their
     updates unchanged.
 
@@ -185,16 +185,16 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformation:
     stay identical with no communication (do not fold in the device index).
     Under ``jit`` with params sharded over a mesh the bits depend only on the key
     and the global shape, so the result is the same for any sharding. A skipped
-    step (:func:`jaxamp.skip_nonfinite`) keeps the key, so it repeats nothing.
+    step ([`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite]) keeps the key, so it repeats nothing.
 
     Args:
       key: a PRNG key (``jax.random.key(seed)`` or ``jax.random.PRNGKey(seed)``).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a
-      :class:`StochasticRoundingState`.
+      [`StochasticRoundingState`][jaxamp.StochasticRoundingState].
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxamp
       >>> tx = optax.chain(optax.sgd(1e-4), jaxamp.stochastic_rounding(jax.random.key(0)))
       >>> params = {"w": jnp.ones(10_000, jnp.bfloat16)}
@@ -237,13 +237,13 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformation:
 
 
 class KahanSummationState(NamedTuple):
-    """State of :func:`kahan_summation`.
+    """State of [`kahan_summation`][jaxamp.kahan_summation].
 
     Attributes:
       compensation: per bfloat16 / float16 param, an array of its shape and dtype
         holding what rounding the param has lost so far (``None`` for other params).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp
       >>> state = jaxamp.kahan_summation().init({"w": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2)})
       >>> state.compensation["w"].dtype, state.compensation["b"]
@@ -256,21 +256,20 @@ class KahanSummationState(NamedTuple):
 def kahan_summation() -> optax.GradientTransformation:
     """Applies updates to bfloat16 / float16 params with Kahan-compensated summation.
 
-    Place it last in the chain (as :func:`stochastic_rounding`: a transformation
-    after it changes the update it chose, silently). The state holds a compensation
-    buffer of each low-precision param's shape and dtype (2 bytes per bfloat16
-    param). Each step
-    adds the update and the compensation to the param in float32, rounds to the
-    nearest low-precision value, and keeps what that rounding lost in the buffer
-    for the next step: small updates accumulate until they move the weight,
-    deterministically. The returned updates are float32 and make
-    ``optax.apply_updates`` (and :func:`jaxamp.step`) produce those values
+    Place it last in the chain (as [`stochastic_rounding`][jaxamp.stochastic_rounding]: a
+    transformation after it changes the update it chose, silently). The state holds a compensation
+    buffer of each low-precision param's shape and dtype (2 bytes per bfloat16 param). Each step
+    adds the update and the compensation to the param in float32, rounds to the nearest
+    low-precision value, and keeps what that rounding lost in the buffer for the next step: small
+    updates accumulate until they move the weight, deterministically. The returned updates are
+    float32 and make ``optax.apply_updates`` (and [`jaxamp.step`][jaxamp.step]) produce those values
     exactly. Params of other dtypes get their updates unchanged.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a :class:`KahanSummationState`.
+      An ``optax.GradientTransformation`` whose state is a
+      [`KahanSummationState`][jaxamp.KahanSummationState].
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = optax.chain(optax.sgd(1e-3), jaxamp.kahan_summation())
       >>> params = {"w": jnp.ones(1, jnp.bfloat16)}

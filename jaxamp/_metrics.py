@@ -23,14 +23,15 @@ __all__ = ["check_health", "get_loss_scale", "metrics"]
 
 
 def get_loss_scale(opt_state: Any) -> LossScaleState:
-    """Finds the :class:`LossScaleState` inside an optimizer state.
+    """Finds the [`LossScaleState`][jaxamp.LossScaleState] inside an optimizer state.
 
     Looks through any nesting (``optax.chain``, ``MultiSteps``,
     ``multi_transform``, ``inject_hyperparams``, Flax ``TrainState``).
 
     Args:
       opt_state: an optax state that contains exactly one loss-scale state (from
-        :func:`jaxamp.skip_nonfinite` or :func:`jaxamp.multi_transform`).
+        [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] or
+        [`jaxamp.multi_transform`][jaxamp.multi_transform]).
 
     Returns:
       The loss-scale state; use ``.scale`` to scale the loss of the next step.
@@ -38,7 +39,7 @@ def get_loss_scale(opt_state: Any) -> LossScaleState:
     Raises:
       ValueError: if there is none, or more than one.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = optax.MultiSteps(jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale()), 4)
       >>> float(jaxamp.get_loss_scale(tx.init({"w": jnp.ones(2)})).scale)
@@ -92,18 +93,18 @@ def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
     Jit-safe: returns arrays, never pulls them to the host.
 
     Args:
-      opt_state_or_loss_scale_state: a :class:`LossScaleState` or an optax state
-        containing one (from :func:`jaxamp.skip_nonfinite`).
+      opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
+        containing one (from [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite]).
 
     Returns:
       A dict of scalar arrays: ``loss_scale``, ``growth_tracker``,
       ``nonfinite_streak``, ``skipped_steps`` (steps skipped for non-finite
       gradients) and ``skipped`` (bool: the last step was skipped). With a
-      :func:`jaxamp.spike_rule`, also ``spike_skipped_steps`` (steps skipped as
+      [`jaxamp.spike_rule`][jaxamp.spike_rule], also ``spike_skipped_steps`` (steps skipped as
       spikes, counted apart) and ``spike_skipped`` (the last step was one);
       ``skipped`` is then True for either reason.
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> sorted(jaxamp.metrics(jaxamp.dynamic_scale()))
       ['growth_tracker', 'loss_scale', 'nonfinite_streak', 'skipped', 'skipped_steps']
@@ -126,7 +127,7 @@ def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
 
 
 def find_spike_state(opt_state: Any) -> SpikeState | None:
-    """The one :class:`jaxamp.SpikeState` inside an optimizer state, or None."""
+    """The one [`jaxamp.SpikeState`][jaxamp.SpikeState] inside an optimizer state, or None."""
     if isinstance(opt_state, LossScaleState):
         return None
     found = [
@@ -144,11 +145,11 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
     changes but the batches and the loss scale. Training has stopped recovering
     when the streak outlasts what the scale can do about it:
 
-    - ``max_consecutive_nonfinite=None`` (the default, in :func:`dynamic_scale`,
-      the ``compat`` constructors and :func:`jaxamp.skip_nonfinite`): more than
+    - ``max_consecutive_nonfinite=None`` (the default, in [`dynamic_scale`][jaxamp.dynamic_scale],
+      the ``compat`` constructors and [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite]): more than
       100 non-finite steps in a row while the scale can go no lower, at its floor
       ``max(min_scale, 2**-126)`` (PyTorch's scale, with no floor, stops at
-      2**-126 ~ 1.2e-38) or fixed (:func:`static_scale`, the bfloat16 case).
+      ``2**-126 ~ 1.2e-38``) or fixed ([`static_scale`][jaxamp.static_scale], the bfloat16 case).
       While the scale is still backing off, a streak is the scale searching.
     - ``max_consecutive_nonfinite=N``: more than N in a row, whatever the scale
       (MindSpore's ``DynamicLossScaleManager`` is ``N=1000``).
@@ -161,14 +162,14 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
     ``pmap``) are checked on every replica.
 
     Args:
-      opt_state_or_loss_scale_state: a :class:`LossScaleState` or an optax state
+      opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
         containing one.
 
     Raises:
       FloatingPointError: saying how many steps in a row were skipped and what the
         scale is, by the rules above.
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> s = jaxamp.dynamic_scale(max_consecutive_nonfinite=1)
       >>> jaxamp.check_health(jaxamp.update(s, False))  # one in a row: tolerated

@@ -47,7 +47,7 @@ def stepped(opt_state: Any) -> jax.Array:
     Returns:
       A bool scalar array: True if the step was taken.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
       >>> params = {"w": jnp.ones(2)}
@@ -95,9 +95,9 @@ def where_stepped(opt_state: Any, new: Any, old: Any) -> Any:
     statistics, Flax mutable collections, nnx ``BatchStat`` and other non-``Param``
     Variables, fp8 amax histories) must not be written by a skipped step: a batch
     whose gradients overflowed has statistics that overflowed too, and writing them
-    would poison every later evaluation. Call this after :func:`jaxamp.step` (or
-    ``tx.update``) with the new optimizer state. :class:`jaxamp.TrainState` does it
-    for the keyword arguments of ``apply_gradients``. See :func:`stepped` for what
+    would poison every later evaluation. Call this after [`jaxamp.step`][jaxamp.step] (or
+    ``tx.update``) with the new optimizer state. [`jaxamp.TrainState`][jaxamp.TrainState] does it
+    for the keyword arguments of ``apply_gradients``. See [`stepped`][jaxamp.stepped] for what
     "taken" means under ``every_k`` and ``multi_transform`` (any partition skipped:
     the model state is kept).
 
@@ -109,7 +109,7 @@ def where_stepped(opt_state: Any, new: Any, old: Any) -> Any:
     Returns:
       ``new`` or ``old``, selected on the device (no host sync).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
       >>> params, stats = {"w": jnp.ones(2)}, {"mean": jnp.zeros(2)}

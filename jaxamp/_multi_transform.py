@@ -1,7 +1,7 @@
 """``multi_transform``: several optimizers sharing one loss scale, each skipped on its own.
 
 The same guarded core as ``skip_nonfinite`` (``_guard.guarded``), with one part
-per label; :func:`jaxamp.step` runs it with the parameter update fused in.
+per label; [`jaxamp.step`][jaxamp.step] runs it with the parameter update fused in.
 """
 
 from __future__ import annotations
@@ -34,15 +34,16 @@ __all__ = ["MultiTransformState", "multi_transform"]
 
 
 class MultiTransformState(NamedTuple):
-    """State of :func:`multi_transform`: one inner state per label, one shared loss scale.
+    """State of [`multi_transform`][jaxamp.multi_transform]: one inner state per label, one shared
+    loss scale.
 
     Attributes:
       inner_states: label -> that label's optimizer state.
-      loss_scale: the shared :class:`jaxamp.LossScaleState`.
-      nonfinite_leaves: a :class:`jaxamp.NonfiniteLeaves` over all the params.
-      spikes: with ``spikes=``, the :class:`jaxamp.SpikeState` (``None`` otherwise).
+      loss_scale: the shared [`jaxamp.LossScaleState`][jaxamp.LossScaleState].
+      nonfinite_leaves: a [`jaxamp.NonfiniteLeaves`][jaxamp.NonfiniteLeaves] over all the params.
+      spikes: with ``spikes=``, the [`jaxamp.SpikeState`][jaxamp.SpikeState] (``None`` otherwise).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> opts = {"a": optax.sgd(0.1), "b": optax.adam(0.1)}
       >>> tx = jaxamp.multi_transform(opts, {"x": "a", "y": "b"})
@@ -171,17 +172,17 @@ def multi_transform(
       transforms: a mapping from label to optax transformation.
       param_labels: a tree of labels with the params' structure (or a prefix of
         it), or a function of the params returning one.
-      loss_scale: the shared :class:`LossScaleState`; ``None`` only skips.
-      max_consecutive_nonfinite: as in :func:`skip_nonfinite`.
-      axis_name: as in :func:`skip_nonfinite`.
-      spikes: as in :func:`skip_nonfinite`: a spike skips every partition.
+      loss_scale: the shared [`LossScaleState`][jaxamp.LossScaleState]; ``None`` only skips.
+      max_consecutive_nonfinite: as in [`skip_nonfinite`][jaxamp.skip_nonfinite].
+      axis_name: as in [`skip_nonfinite`][jaxamp.skip_nonfinite].
+      spikes: as in [`skip_nonfinite`][jaxamp.skip_nonfinite]: a spike skips every partition.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`MultiTransformState`; extra arguments are forwarded to every
+      [`MultiTransformState`][jaxamp.MultiTransformState]; extra arguments are forwarded to every
       transformation.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.multi_transform(
       ...     {"body": optax.sgd(1.0), "head": optax.sgd(1.0)},

@@ -1,4 +1,5 @@
-"""What :func:`jaxamp.find_overflow` says: the report, and advice checked before it is given.
+"""What [`jaxamp.find_overflow`][jaxamp.find_overflow] says: the report, and advice checked before
+it is given.
 
 Every piece of advice is a setting ``find_overflow`` can run again (a smaller
 loss scale, a per-module or per-primitive autocast rule, bfloat16): it is given
@@ -32,7 +33,8 @@ Probe = Callable[..., "OverflowReport"]
 
 @dataclasses.dataclass(frozen=True)
 class OverflowReport:
-    """What :func:`jaxamp.find_overflow` found: the first op that overflowed, if any.
+    """What [`jaxamp.find_overflow`][jaxamp.find_overflow] found: the first op that overflowed, if
+    any.
 
     Attributes:
       found: whether some op made an inf or NaN from finite inputs.
@@ -46,7 +48,9 @@ class OverflowReport:
         ``Block_1/Mlp_0/Dense_0``, nnx ``blocks/0/mlp``), or None outside modules.
       module_class: the class of that module where known (nnx), else None.
       name_stack: the op's full ``jax.named_scope`` stack, for reference.
-      file, line, function: the innermost source frame outside JAX, Flax,
+      file: the innermost source frame outside JAX, Flax,
+      line: the innermost source frame outside JAX, Flax,
+      function: the innermost source frame outside JAX, Flax,
         optax, chex and jaxamp (the user's or the model package's code).
       scan_iterations: the iteration index of each ``scan`` / ``while`` loop
         around the op, outermost first (``()`` outside loops).
@@ -62,7 +66,8 @@ class OverflowReport:
         cannot enter: the overflow is somewhere inside it.
       suggested_loss_scale: for a backward overflow caused by the loss scale, a
         scale under which the loss, run again, no longer overflows there.
-      suggested_modules, suggested_rules: the ``modules=`` / ``rules=`` to pass
+      suggested_modules: the ``modules=`` / ``rules=`` to pass
+      suggested_rules: the ``modules=`` / ``rules=`` to pass
         to ``autocast`` (the caller's own, plus one ``"float32"`` entry) under
         which the loss, run again, no longer overflows at this op; None when
         that did not help or was not tried.

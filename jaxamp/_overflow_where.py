@@ -1,7 +1,7 @@
 """Where an equation came from: its Flax module path and the user's source line.
 
 Read from what JAX records on each equation (its name stack and traceback), for
-:func:`jaxamp.find_overflow`'s report.
+[`jaxamp.find_overflow`][jaxamp.find_overflow]'s report.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Mixed-precision casting policies.
 
-A :class:`Policy` names three floating dtypes: the dtype parameters are stored
+A [`Policy`][jaxamp.Policy] names three floating dtypes: the dtype parameters are stored
 in (``param_dtype``), the dtype matrix products and convolutions run in
 (``compute_dtype``) and the dtype a model hands back (``output_dtype``). It is
 a small immutable value: hashable, usable as a static argument to ``jax.jit``,
@@ -112,7 +112,7 @@ class Policy:
       param_dtype: dtype parameters are kept in (and updated in by the
         optimizer). Usually float32.
       compute_dtype: dtype matrix products and convolutions run in; the
-        ``dtype`` that :func:`jaxamp.autocast` uses when given this policy.
+        ``dtype`` that [`jaxamp.autocast`][jaxamp.autocast] uses when given this policy.
       output_dtype: dtype floating outputs are returned in.
 
     ``Policy()`` is float32 params and outputs with float16 compute (like
@@ -120,7 +120,7 @@ class Policy:
     ``numpy.dtype`` objects and must be floating. A ``Policy`` is hashable, so it
     can be a static argument of ``jax.jit`` or a field of a Flax module.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp
       >>> policy = jaxamp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
       >>> policy
@@ -181,13 +181,13 @@ class Policy:
           spec: the policy string.
 
         Returns:
-          The parsed :class:`Policy`.
+          The parsed [`Policy`][jaxamp.Policy].
 
         Raises:
           ValueError: if any part of the string is not understood; the message
             names that part.
 
-        Example:
+        Examples:
           >>> jaxamp.Policy.from_string("p=f32,c=f16,o=f32").compute_dtype
           dtype('float16')
         """
@@ -230,7 +230,7 @@ class Policy:
         Returns:
           A string such as ``"p=f32,c=bf16,o=f32"``.
 
-        Example:
+        Examples:
           >>> jaxamp.Policy.from_string("half").to_string()
           'p=f32,c=f16,o=f32'
         """
@@ -252,7 +252,7 @@ class Policy:
         Returns:
           A pytree of the same structure.
 
-        Example:
+        Examples:
           >>> params = policy.cast_to_param(params)
         """
         return _cast_tree(tree, self.param_dtype)
@@ -266,7 +266,7 @@ class Policy:
         Returns:
           A pytree of the same structure.
 
-        Example:
+        Examples:
           >>> x = policy.cast_to_compute(x)
         """
         return _cast_tree(tree, self.compute_dtype)
@@ -280,7 +280,7 @@ class Policy:
         Returns:
           A pytree of the same structure.
 
-        Example:
+        Examples:
           >>> logits = policy.cast_to_output(logits)
         """
         return _cast_tree(tree, self.output_dtype)
@@ -292,9 +292,9 @@ class Policy:
           dtype: the new output dtype.
 
         Returns:
-          A new :class:`Policy`.
+          A new [`Policy`][jaxamp.Policy].
 
-        Example:
+        Examples:
           >>> policy.with_output_dtype(jnp.bfloat16)
           Policy(param_dtype=float32, compute_dtype=float16, output_dtype=bfloat16)
         """
@@ -310,7 +310,7 @@ class Policy:
         Returns:
           ``{"dtype": compute_dtype, "param_dtype": param_dtype}``.
 
-        Example:
+        Examples:
           >>> layer = flax.linen.Dense(128, **policy.flax_kwargs())
           >>> linear = flax.nnx.Linear(64, 128, rngs=rngs, **policy.flax_kwargs())
         """

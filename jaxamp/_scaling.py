@@ -1,10 +1,10 @@
 """Loss scaling's pure functions: scale, unscale, check for inf / NaN, update.
 
-Each takes a :class:`~jaxamp.LossScaleState` and returns arrays or a new state;
+Each takes a [`LossScaleState`][jaxamp.LossScaleState] and returns arrays or a new state;
 XLA compiles them into the step. The finite check reads each large gradient leaf
 on its own and the small ones joined per dtype (one reduction each).
 
-The dynamic rule, applied by :func:`update` once per step::
+The dynamic rule, applied by [`update`][jaxamp.update] once per step::
 
     if finite:
         nonfinite_streak = 0
@@ -75,7 +75,7 @@ def scale(state: LossScaleState, tree: Any) -> Any:
     Returns:
       ``tree`` with floating leaves multiplied by ``state.scale``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp
       >>> jaxamp.scale(jaxamp.static_scale(8.0), jnp.array(0.5, jnp.float16))
       Array(4., dtype=float16)
@@ -128,7 +128,7 @@ def local_finite(
 def local_finite_groups(
     state: LossScaleState, grads: Any, prepare: Callable[[Any], Any] | None = None
 ) -> tuple[jax.Array | None, list[int | None]]:
-    """:func:`local_finite` per check group: ``(flags, owners)``.
+    """``local_finite`` per check group: ``(flags, owners)``.
 
     ``flags`` is bool[n_groups] (None if unchecked); ``owners[k]`` is the index (in
     ``jax.tree.leaves(prepare(grads))``) of the one large leaf group ``k`` checks,
@@ -225,9 +225,9 @@ def unscale_and_check(
     Returns:
       ``(grads, finite)``: the unscaled gradients and a ``bool[]`` that is False if
       any unscaled floating leaf holds an inf or NaN. A state that checks nothing
-      (``static_scale(..., skip_nonfinite=False)``, :func:`no_scale`) returns True.
+      (``static_scale(..., skip_nonfinite=False)``, [`no_scale`][jaxamp.no_scale]) returns True.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp
       >>> g, finite = jaxamp.unscale_and_check(jaxamp.static_scale(4.0), jnp.array([2.0, 8.0]))
       >>> g, bool(finite)
@@ -265,18 +265,18 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
     backs off to ``max(scale * backoff_factor, min_scale)`` and the allowance is
     restored.
 
-    The scale stays within [2**-126, 2**126]. A static or disabled state moves only
+    The scale stays within ``[2**-126, 2**126]``. A static or disabled state moves only
     the counters. Every leaf of the result is a new array (none is shared with
     ``state``), so either may be donated.
 
     Args:
       state: the current state.
-      finite: a bool scalar (usually from :func:`unscale_and_check`).
+      finite: a bool scalar (usually from [`unscale_and_check`][jaxamp.unscale_and_check]).
 
     Returns:
-      The next :class:`LossScaleState`.
+      The next [`LossScaleState`][jaxamp.LossScaleState].
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> s = jaxamp.dynamic_scale(init_scale=4.0, growth_interval=1)
       >>> float(jaxamp.update(s, True).scale), float(jaxamp.update(s, False).scale)

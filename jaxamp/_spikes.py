@@ -47,7 +47,7 @@ _STD_FLOOR = 1e-4
 
 @dataclasses.dataclass(frozen=True)
 class SpikeRule:
-    """When a finite step is a spike; build it with :func:`jaxamp.spike_rule`.
+    """When a finite step is a spike; build it with [`jaxamp.spike_rule`][jaxamp.spike_rule].
 
     Static configuration (it shapes the state): part of the transformation, not of
     its state.
@@ -61,7 +61,7 @@ class SpikeRule:
 
 
 class SpikeState(NamedTuple):
-    """The history a :class:`SpikeRule` decides from, and its counters.
+    """The history a [`SpikeRule`][jaxamp.SpikeRule] decides from, and its counters.
 
     Attributes:
       losses: float32[window], a ring of the last finite steps' losses.
@@ -73,7 +73,7 @@ class SpikeState(NamedTuple):
       pending: with ``every_k > 1``, float32, the sum of this window's losses so
         far (``None`` otherwise).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), spikes=jaxamp.spike_rule(window=8))
       >>> s = tx.init({"w": jnp.ones(2)}).spikes
@@ -99,21 +99,22 @@ def spike_rule(
 ) -> SpikeRule:
     """A rule that skips a step whose loss or gradient norm spikes (see below).
 
-    Pass it as ``spikes=`` to :func:`jaxamp.skip_nonfinite` or
-    :func:`jaxamp.multi_transform`, and the (unscaled) loss as ``value=`` to each
-    update (``tx.update(grads, state, params, value=loss)``, ``jaxamp.step(...,
-    value=loss)``). A step is a spike when, with at least ``warmup`` finite steps
-    in the history of the last ``window``, its loss exceeds the history's mean
-    by more than ``sigmas`` standard deviations (at least 1e-4 of the mean: a
-    history that never moved has none), or its gradient norm does.
-    Defaults are OLMo-core's (128 steps, 6 sigmas, half a window of warm-up). A
-    spike is skipped as a whole, like a non-finite step, in the same ``lax.cond``,
-    but never moves the loss scale; it is counted apart in
-    :func:`jaxamp.metrics` (``spike_skipped_steps``).
+    Pass it as ``spikes=`` to [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] or
+    [`jaxamp.multi_transform`][jaxamp.multi_transform], and the (unscaled) loss as ``value=`` to
+    each update (``tx.update(grads, state, params, value=loss)``, ``jaxamp.step(..., value=loss)``).
+    A step is a spike when, with at least ``warmup`` finite steps in the history of the last
+    ``window``, its loss exceeds the history's mean by more than ``sigmas`` standard deviations (at
+    least 1e-4 of the mean: a history that never moved has none), or its gradient norm does.
+    Defaults are OLMo-core's (128 steps, 6 sigmas, half a window of warm-up). A spike is skipped as
+    a whole, like a non-finite step, in the same ``lax.cond``, but never moves the loss scale; it is
+    counted apart in [`jaxamp.metrics`][jaxamp.metrics] (``spike_skipped_steps``).
+
+    Numbers may be Python, NumPy or 0-d JAX scalars (integers for ``window`` and ``warmup``, reals
+    for ``sigmas``), concrete (not traced); they are stored as Python numbers.
 
     Args:
       window: steps of history (an int >= 2). It shapes the optimizer state;
-        :func:`jaxamp.checkpoint.restore` moves a history saved with another
+        [`jaxamp.checkpoint.restore`][jaxamp.checkpoint.restore] moves a history saved with another
         window into this one, keeping its newest values.
       sigmas: how many standard deviations above the mean is a spike (> 0).
       warmup: finite steps recorded before any step can be a spike; default
@@ -121,17 +122,14 @@ def spike_rule(
       loss: judge the loss (then every update needs ``value=``).
       grad_norm: judge the global gradient norm.
 
-      Numbers may be Python, NumPy or 0-d JAX scalars (integers for ``window``
-      and ``warmup``, reals for ``sigmas``), concrete (not traced); they are
-      stored as Python numbers.
-
     Returns:
-      A :class:`SpikeRule`.
+      A [`SpikeRule`][jaxamp.SpikeRule].
 
     Raises:
-      TypeError, ValueError: an argument of the wrong type or out of range, named.
+      TypeError: an argument of the wrong type, named.
+      ValueError: an argument out of range, named.
 
-    Example:
+    Examples:
       >>> import jaxamp
       >>> jaxamp.spike_rule(window=64, sigmas=5.0)
       SpikeRule(window=64, sigmas=5.0, warmup=32, loss=True, grad_norm=True)

@@ -60,17 +60,17 @@ def _keep_if_skipped(taken: jax.Array, name: str, new: Any, old: Any) -> Any:
 
 
 class TrainState(train_state.TrainState):
-    """``flax.training.train_state.TrainState`` that steps with :func:`jaxamp.step`.
+    """``flax.training.train_state.TrainState`` that steps with [`jaxamp.step`][jaxamp.step].
 
     Build it with ``TrainState.create(apply_fn=..., params=..., tx=tx)`` where
-    ``tx`` is a :func:`jaxamp.skip_nonfinite` (or :func:`jaxamp.multi_transform`)
-    transformation; scale the loss with ``state.loss_scale`` (or use
-    :func:`jaxamp.value_and_grad`) and pass the scaled gradients to
-    ``apply_gradients``. Flax's fp8 metadata (the ``_overwrite_with_gradient``
-    collection) is handled as Flax's own ``TrainState`` does: overwritten with its
-    "gradients", never unscaled, checked or seen by the optimizer.
+    ``tx`` is a [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] (or
+    [`jaxamp.multi_transform`][jaxamp.multi_transform]) transformation; scale the loss with
+    ``state.loss_scale`` (or use [`jaxamp.value_and_grad`][jaxamp.value_and_grad]) and pass the
+    scaled gradients to ``apply_gradients``. Flax's fp8 metadata (the ``_overwrite_with_gradient``
+    collection) is handled as Flax's own ``TrainState`` does: overwritten with its "gradients",
+    never unscaled, checked or seen by the optimizer.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
       >>> state = jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
@@ -96,15 +96,15 @@ class TrainState(train_state.TrainState):
 
         Args:
           grads: gradients of the scaled loss, shaped like ``params``.
-          finite: as in :func:`jaxamp.step`: the gradients were already unscaled and
+          finite: as in [`jaxamp.step`][jaxamp.step]: the gradients were already unscaled and
             checked, and this is the verdict.
           extra_args: keyword arguments forwarded to the optimizer (e.g. ``value=``).
           **kwargs: other fields to ``replace``, as in Flax (e.g. ``batch_stats=``):
             their array leaves are written only if the step is taken
-            (:func:`jaxamp.where_stepped`), so a skipped step keeps the old BatchNorm
-            statistics. Static fields (``pytree_node=False``) and values with no
-            array leaf are configuration: replaced as given, as Flax does. A plain
-            ``dict`` for a ``FrozenDict`` field is stored as given, as Flax does.
+            ([`jaxamp.where_stepped`][jaxamp.where_stepped]), so a skipped step keeps the old
+            BatchNorm statistics. Static fields (``pytree_node=False``) and values with no array
+            leaf are configuration: replaced as given, as Flax does. A plain ``dict`` for a
+            ``FrozenDict`` field is stored as given, as Flax does.
 
         Returns:
           The next state. On a skipped step params, ``opt_state`` (but for its

@@ -3,7 +3,7 @@
 Each transformation is a plain ``optax.GradientTransformationExtraArgs`` whose
 ``update`` is a small object holding the transformation's parts as fields (equinox
 style), so that ``tx._replace(...)`` and pytree round trips keep them and
-:func:`step` can run the same guarded core (``_guard.guarded``) with the
+[`step`][jaxamp.step] can run the same guarded core (``_guard.guarded``) with the
 parameter update fused in.
 """
 
@@ -28,21 +28,21 @@ __all__ = ["SkipNonfiniteState", "skip_nonfinite", "step"]
 
 
 class SkipNonfiniteState(NamedTuple):
-    """State of :func:`skip_nonfinite`.
+    """State of [`skip_nonfinite`][jaxamp.skip_nonfinite].
 
     Attributes:
       inner_state: the inner optimizer's state.
-      loss_scale: the :class:`jaxamp.LossScaleState`.
+      loss_scale: the [`jaxamp.LossScaleState`][jaxamp.LossScaleState].
       acc: with ``every_k > 1``, the sum of the window's scaled gradients so far
         (``None`` otherwise).
       mini_step: with ``every_k > 1``, an int32 count of the calls in this window
         so far (``None`` otherwise).
-      nonfinite_leaves: a :class:`jaxamp.NonfiniteLeaves`: which gradient leaves
+      nonfinite_leaves: a [`jaxamp.NonfiniteLeaves`][jaxamp.NonfiniteLeaves]: which gradient leaves
         were non-finite on the last skipped step, and how often each has been
-        (read it with :func:`jaxamp.explain`).
-      spikes: with ``spikes=``, the :class:`jaxamp.SpikeState` (``None`` otherwise).
+        (read it with [`jaxamp.explain`][jaxamp.explain]).
+      spikes: with ``spikes=``, the [`jaxamp.SpikeState`][jaxamp.SpikeState] (``None`` otherwise).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale(), every_k=2)
       >>> state = tx.init({"w": jnp.ones(2)})
@@ -172,7 +172,7 @@ def _check_spike_state(rule: Any, state: Any, fn: str) -> None:
 
 
 class _GuardedUpdate:
-    """An update function that :func:`step` can also run with the param update fused in."""
+    """An update function that [`step`][jaxamp.step] can also run with the param update fused in."""
 
     def __call__(
         self,
@@ -310,7 +310,7 @@ def skip_nonfinite(
     them, and runs ``inner.update`` on the unscaled gradients only if every value
     is finite. A skipped step returns all-zero updates and the inner state
     unchanged, bit for bit (so optax schedules and step counts do not advance). The
-    loss scale then advances with :func:`jaxamp.update`. Clipping, weight decay and
+    loss scale then advances with [`jaxamp.update`][jaxamp.update]. Clipping, weight decay and
     schedules inside ``inner`` see true (unscaled) gradients, like
     ``scaler.unscale_(optimizer)`` before clipping in PyTorch.
 
@@ -323,27 +323,28 @@ def skip_nonfinite(
 
     Args:
       inner: the optimizer to protect (any optax transformation or chain).
-      loss_scale: a :class:`LossScaleState`; ``None`` skips non-finite steps
+      loss_scale: a [`LossScaleState`][jaxamp.LossScaleState]; ``None`` skips non-finite steps
         without scaling (the bfloat16 case).
       every_k: micro-batches per optimizer step (an int >= 1).
       max_consecutive_nonfinite: more than this many skipped steps in a row make
-        :func:`jaxamp.check_health` raise ``FloatingPointError``; ``None`` keeps the
-        loss-scale state's setting (by default: more than 100 in a row once the
-        scale can go no lower), ``math.inf`` never raises. The step itself is
-        always skipped: a non-finite update is never applied.
+        [`jaxamp.check_health`][jaxamp.check_health] raise ``FloatingPointError``; ``None`` keeps
+        the loss-scale state's setting (by default: more than 100 in a row once the scale can go no
+        lower), ``math.inf`` never raises. The step itself is always skipped: a non-finite update is
+        never applied.
       axis_name: mapped axis name(s) (``pmap`` / ``shard_map``) over which the
         finiteness check is agreed, so every device skips together. Not needed
         under ``jax.jit`` with sharded arrays, where the check is a global reduction.
-      spikes: a :func:`jaxamp.spike_rule`: also skip a finite step whose loss
+      spikes: a [`jaxamp.spike_rule`][jaxamp.spike_rule]: also skip a finite step whose loss
         (``value=``) or gradient norm spikes, in the same ``lax.cond``; the scale
         does not move for it. With ``every_k``, a window's mean loss is judged.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra arguments (``value=``,
-      ...) are forwarded to ``inner``. Its state is a :class:`SkipNonfiniteState`;
-      after a skipped step :func:`jaxamp.explain` names the non-finite leaves.
+      ...) are forwarded to ``inner``. Its state is a
+      [`SkipNonfiniteState`][jaxamp.SkipNonfiniteState]; after a skipped step
+      [`jaxamp.explain`][jaxamp.explain] names the non-finite leaves.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.skip_nonfinite(optax.adam(1e-3), jaxamp.dynamic_scale())
       >>> params = {"w": jnp.ones(3)}
@@ -390,31 +391,31 @@ def step(
 ) -> tuple[Any, Any]:
     """One optimizer step: ``tx.update`` and ``optax.apply_updates`` fused.
 
-    PyTorch's ``scaler.step(optimizer)``. For a :func:`skip_nonfinite` or
-    :func:`multi_transform` transformation the results equal ``tx.update``
+    PyTorch's ``scaler.step(optimizer)``. For a [`skip_nonfinite`][jaxamp.skip_nonfinite] or
+    [`multi_transform`][jaxamp.multi_transform] transformation the results equal ``tx.update``
     followed by ``optax.apply_updates`` bit for bit, but a non-finite step is
     skipped as a whole (params and inner state pass through a ``lax.cond``), so no
     zero updates and no second copy of the optimizer state are materialised. Any
     other transformation takes the plain ``update`` + ``apply_updates`` path.
 
     Args:
-      tx: the optimizer, ideally one :func:`skip_nonfinite` or
-        :func:`multi_transform` returned.
+      tx: the optimizer, ideally one [`skip_nonfinite`][jaxamp.skip_nonfinite] or
+        [`multi_transform`][jaxamp.multi_transform] returned.
       grads: the (scaled) gradients; with ``finite=``, already unscaled.
       opt_state: ``tx``'s state.
       params: the parameters.
       finite: PyTorch's ``unscale_`` then ``step``: a bool scalar saying that
         ``grads`` were already unscaled and checked (by
-        :func:`jaxamp.unscale_and_check`, then clipped or edited). They are not
-        unscaled or checked again; the step is skipped where ``finite`` is False,
-        and the scale updates with it.
+        [`jaxamp.unscale_and_check`][jaxamp.unscale_and_check], then clipped or edited). They are
+        not unscaled or checked again; the step is skipped where ``finite`` is False, and the scale
+        updates with it.
       **extra_args: forwarded to the inner optimizer (e.g. ``value=`` for
         ``optax.contrib.reduce_on_plateau``).
 
     Returns:
       ``(new_params, new_opt_state)``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.5), jaxamp.static_scale(2.0))
       >>> params = {"w": jnp.ones(2)}

@@ -25,7 +25,7 @@ INT32_MAX = 2**31 - 1
 
 
 def saturating_inc(x: jax.Array, by: Any = 1) -> jax.Array:
-    """``x + by`` for an int32 counter, staying at 2**31 - 1 instead of wrapping negative."""
+    """``x + by`` for an int32 counter, staying at ``2**31 - 1`` instead of wrapping negative."""
     return jnp.where(x < INT32_MAX, x + jnp.asarray(by, jnp.int32), x)
 
 
@@ -122,7 +122,7 @@ def all_finite(tree: Any, *, axis_name: Any = None) -> jax.Array:
     Returns:
       A ``bool[]`` scalar array (``True`` for an empty tree).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp
       >>> bool(jaxamp.all_finite({"a": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
       False
@@ -138,7 +138,7 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     """Leafwise ``pred ? on_true : on_false`` over two pytrees of one structure.
 
     A device-side select (``lax.select``), so it never syncs with the host. For
-    skipping an optimizer step prefer :func:`jaxamp.step`, which skips the whole
+    skipping an optimizer step prefer [`jaxamp.step`][jaxamp.step], which skips the whole
     update instead of computing it and selecting it away.
 
     Args:
@@ -149,7 +149,7 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     Returns:
       A pytree like ``on_true``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp
       >>> jaxamp.select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
       {'w': Array([0., 0.], dtype=float32)}

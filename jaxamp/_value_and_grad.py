@@ -74,9 +74,9 @@ def value_and_grad(
     Returns:
       A function ``(state, *args, **kwargs) -> (value, grads)`` (``((value, aux),
       grads)`` with ``has_aux``): the loss as ``fun`` computed it and the gradients
-      of the scaled loss, ready for :func:`jaxamp.step` or ``tx.update``.
+      of the scaled loss, ready for [`jaxamp.step`][jaxamp.step] or ``tx.update``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxamp
       >>> loss_fn = lambda w, x: jnp.sum(w * x)
       >>> value, grads = jaxamp.value_and_grad(loss_fn)(jaxamp.static_scale(8.0), jnp.ones(2), 3.0)

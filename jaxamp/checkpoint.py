@@ -1,11 +1,11 @@
 """Orbax checkpointing of jaxamp training states: orbax's restore, checked on both sides.
 
-Nothing special is needed to *save*: a :class:`jaxamp.LossScaleState` is a pytree
+Nothing special is needed to *save*: a [`jaxamp.LossScaleState`][jaxamp.LossScaleState] is a pytree
 whose counters and numeric configuration (``growth_factor``, ``hysteresis``,
 ``min_scale``, ``max_scale``, ...) are all array leaves, so ``ocp.StandardCheckpointer``
 and ``ocp.CheckpointManager`` with ``ocp.args.StandardSave`` write it with the rest of
 the optimizer state, and a restored state continues bit for bit. Only the
-:class:`jaxamp.Mode` (``"dynamic"``, ``"static"``, ...) is static: it is not stored
+[`jaxamp.Mode`][jaxamp.Mode] (``"dynamic"``, ``"static"``, ...) is static: it is not stored
 and comes from the restore target.
 
 **Restoring into another configuration.** Every number comes from the
@@ -17,9 +17,9 @@ nothing derived from its numbers (whether the scale can drop below 1 is read
 from the scale at run time), so nothing can go stale. To change the
 configuration of a restored run, ``replace`` the restored state (validated like
 the constructors), e.g. ``ls.replace(growth_interval=500)``. A spike history
-saved with another window is moved into the target's (see :func:`restore`).
+saved with another window is moved into the target's (see [`restore`][jaxamp.checkpoint.restore]).
 
-:func:`restore` is orbax's restore with a check on each side:
+[`restore`][jaxamp.checkpoint.restore] is orbax's restore with a check on each side:
 
 - before: nothing. Orbax restores first, so a missing or corrupted checkpoint
   (a deleted or truncated ``_METADATA``, ``manifest.ocdbt`` or ``d/*`` file)
@@ -30,7 +30,7 @@ saved with another window is moved into the target's (see :func:`restore`).
   It reads no metadata on a successful restore (but a checkpointer's, silently,
   when the target holds a spike history), so it logs nothing that plain orbax
   does not.
-- after: every :class:`jaxamp.LossScaleState` in the result is validated like
+- after: every [`jaxamp.LossScaleState`][jaxamp.LossScaleState] in the result is validated like
   the constructors' arguments (a hand-edited checkpoint with a negative counter,
   a zero or infinite scale or ``min_scale > max_scale`` raises a ``ValueError``
   naming the field and the checkpoint). Only those scalars are read back to the
@@ -104,7 +104,7 @@ def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") 
 
     Compares structure only (orbax itself checks shapes and dtypes on restore).
     Above all it catches a checkpoint written without a loss-scale state (a plain
-    optax optimizer) being restored into a :func:`jaxamp.skip_nonfinite` state.
+    optax optimizer) being restored into a [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] state.
 
     Args:
       saved: what orbax's ``metadata`` returns for the checkpoint
@@ -120,7 +120,7 @@ def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") 
         or, when ``saved`` describes no tree (orbax could not read the metadata of
         a missing or corrupted checkpoint), saying so.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> params = {"w": jnp.ones(2)}
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
@@ -187,11 +187,11 @@ def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") 
 def _explain_failure(read_metadata: Any, target: Any, where: str, error: Exception) -> None:
     """After orbax failed: the clear missing-leaves error, if that is what happened.
 
-    Raises :func:`check_restorable`'s ``ValueError`` (chained to orbax's error) only
-    when the checkpoint's metadata can be read and lacks leaves the target needs.
-    A missing or corrupted checkpoint has no readable metadata (orbax's ``metadata``
-    then raises, or describes no tree), and returns here, so that orbax's own
-    error comes through unchanged.
+    Raises [`check_restorable`][jaxamp.checkpoint.check_restorable]'s ``ValueError`` (chained to
+    orbax's error) only when the checkpoint's metadata can be read and lacks leaves the target
+    needs. A missing or corrupted checkpoint has no readable metadata (orbax's ``metadata`` then
+    raises, or describes no tree), and returns here, so that orbax's own error comes through
+    unchanged.
     """
     try:
         saved = read_metadata()
@@ -310,14 +310,14 @@ def restore(
     leaves a ``sharding`` to restore sharded arrays onto a mesh, which may have a
     different number of devices than the one that saved.
 
-    Every number of a restored :class:`jaxamp.LossScaleState` (counters *and*
+    Every number of a restored [`jaxamp.LossScaleState`][jaxamp.LossScaleState] (counters *and*
     configuration: ``growth_factor``, ``min_scale``, ``max_scale``, ...) comes from
     the checkpoint; only its static ``mode`` comes from ``target``. A target built
     with another configuration therefore restores the saved run's configuration,
     not its own; nothing derived is stored, so nothing goes stale. Change a
     restored configuration with ``state.replace(...)``.
 
-    A spike history (:func:`jaxamp.spike_rule`) saved with another window than
+    A spike history ([`jaxamp.spike_rule`][jaxamp.spike_rule]) saved with another window than
     the target's is restored as saved and moved into the target's window: the
     newest ``min(recorded, window)`` values are kept. Into a smaller window, the
     run continues exactly as one built with that window would have; into a larger
@@ -335,16 +335,15 @@ def restore(
 
     Raises:
       ValueError: if the checkpoint lacks leaves the target needs, e.g. no
-        loss-scale state (see :func:`check_restorable`); if a spike history of
-        another window cannot be moved into the target's (naming both windows);
-        or if a restored
-        loss-scale state is invalid (a negative counter, a scale of 0 or inf,
-        ``min_scale > max_scale``, ...), naming the field and the checkpoint.
+        loss-scale state (see [`check_restorable`][jaxamp.checkpoint.check_restorable]); if a spike
+        history of another window cannot be moved into the target's (naming both windows); or if a
+        restored loss-scale state is invalid (a negative counter, a scale of 0 or inf, ``min_scale >
+        max_scale``, ...), naming the field and the checkpoint.
       FileNotFoundError: if a manager holds no checkpoint.
       Exception: orbax's own error, unchanged, for a missing directory or step
         and for a corrupted checkpoint.
 
-    Example:
+    Examples:
       >>> import tempfile, jax, jax.numpy as jnp, optax, orbax.checkpoint as ocp, jaxamp
       >>> params = {"w": jnp.ones(2)}
       >>> tx = jaxamp.skip_nonfinite(optax.adam(1e-3), jaxamp.dynamic_scale())

@@ -1,13 +1,12 @@
 """Flax NNX: an ``nnx.Optimizer`` that skips a non-finite step as a whole.
 
-``jaxamp.nnx.Optimizer`` is ``flax.nnx.Optimizer`` with :func:`jaxamp.step` inside
+``jaxamp.nnx.Optimizer`` is ``flax.nnx.Optimizer`` with [`jaxamp.step`][jaxamp.step] inside
 ``update``: one ``lax.cond`` around the inner update and the parameter write, so
 a skipped step leaves the ``wrt`` Variables and the optimizer state as they were,
 and ``optimizer.step`` counts only the steps taken. The model state the forward
 pass wrote (``BatchStat`` and every other Variable outside ``wrt``) is put back
-on a skipped step too: :func:`value_and_grad` records it before the forward, and
-``update`` restores it where the step was skipped. The loss scale is
-``optimizer.loss_scale``.
+on a skipped step too: [`value_and_grad`][jaxamp.nnx.value_and_grad] records it before the forward,
+and ``update`` restores it where the step was skipped. The loss scale is ``optimizer.loss_scale``.
 
 Requires the Flax NNX optimizer interface of flax >= 0.11
 (``Optimizer(model, tx, wrt=...)``, ``update(model, grads)``).
@@ -46,9 +45,9 @@ def _flax_version() -> tuple[int, ...]:
 class Optimizer(nnx.Optimizer):
     """``nnx.Optimizer`` whose ``update`` skips a non-finite step as a whole.
 
-    Build it as Flax's, with a :func:`jaxamp.skip_nonfinite` (or
-    :func:`jaxamp.multi_transform`) transformation; take the gradients of the
-    scaled loss with :func:`jaxamp.nnx.value_and_grad` (or Flax's own
+    Build it as Flax's, with a [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] (or
+    [`jaxamp.multi_transform`][jaxamp.multi_transform]) transformation; take the gradients of the
+    scaled loss with [`jaxamp.nnx.value_and_grad`][jaxamp.nnx.value_and_grad] (or Flax's own
     ``nnx.value_and_grad`` of ``loss * optimizer.loss_scale.scale``); then
     ``optimizer.update(model, grads)``.
 
@@ -57,18 +56,17 @@ class Optimizer(nnx.Optimizer):
     this step wrote keep their values. That model state is every Variable outside
     ``wrt`` that is neither an ``nnx.Param`` nor an ``nnx.Intermediate``
     (``BatchStat``, RNG counters and keys, caches). The optimizer keeps a copy of
-    it as it was before the step's first forward: :func:`value_and_grad` records
-    it there (once per step, from the module it differentiates, so neither a
-    second forward nor a teacher passed first changes what is recorded). Without
-    that record (gradients from Flax's own ``nnx.grad``) the copy is the model
-    state as the last update left it; if something else writes that state between
-    updates (a load, an EMA written after the update, another optimizer's step on
-    the same model), call :meth:`keep` after it. Params outside ``wrt`` (a frozen
-    base under LoRA) are not copied: a forward does not write them.
-    ``optimizer.step`` counts the calls applied: with ``every_k=k`` it moves by k
-    when a window is applied, not at all for a skipped window.
+    it as it was before the step's first forward: [`value_and_grad`][jaxamp.nnx.value_and_grad]
+    records it there (once per step, from the module it differentiates, so neither a second forward
+    nor a teacher passed first changes what is recorded). Without that record (gradients from Flax's
+    own ``nnx.grad``) the copy is the model state as the last update left it; if something else
+    writes that state between updates (a load, an EMA written after the update, another optimizer's
+    step on the same model), call [`keep`][jaxamp.nnx.Optimizer.keep] after it. Params outside
+    ``wrt`` (a frozen base under LoRA) are not copied: a forward does not write them.
+    ``optimizer.step`` counts the calls applied: with ``every_k=k`` it moves by k when a window is
+    applied, not at all for a skipped window.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> from flax import nnx
       >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
@@ -126,10 +124,10 @@ class Optimizer(nnx.Optimizer):
         """Records ``model``'s state now as what a skipped step puts back.
 
         Only the first record since the last update counts: it is the state before
-        the step's first forward. :func:`value_and_grad` calls it; call it yourself
-        when the gradients come from Flax's own ``nnx.grad`` and something besides
-        the forward wrote the model state since the last update (loaded statistics,
-        an EMA, another optimizer's step), before the forward.
+        the step's first forward. [`value_and_grad`][jaxamp.nnx.value_and_grad] calls it; call it
+        yourself when the gradients come from Flax's own ``nnx.grad`` and something besides the
+        forward wrote the model state since the last update (loaded statistics, an EMA, another
+        optimizer's step), before the forward.
         """
         now = self._checked(model, "keep")
         armed = self.armed[...]
@@ -154,11 +152,13 @@ class Optimizer(nnx.Optimizer):
         return written
 
     def update(self, model: nnx.Module, grads: Any, /, **kwargs: Any) -> Any:
-        """One fused, guarded step (:func:`jaxamp.step`); a skip changes nothing but counters.
+        """One fused, guarded step ([`jaxamp.step`][jaxamp.step]); a skip changes nothing but
+        counters.
 
         Args:
           model: the model; its ``wrt`` Variables are updated in place.
-          grads: gradients of the *scaled* loss, e.g. from :func:`value_and_grad`.
+          grads: gradients of the *scaled* loss, e.g. from
+            [`value_and_grad`][jaxamp.nnx.value_and_grad].
           **kwargs: extra arguments for the inner optimizer (``value=``, ...).
 
         Returns:
@@ -213,7 +213,7 @@ def value_and_grad(
 ) -> Callable[..., Any]:
     """``nnx.value_and_grad`` of the *scaled* loss, returning the loss as ``f`` computed it.
 
-    The returned function takes the :class:`Optimizer` (or an optimizer state /
+    The returned function takes the [`Optimizer`][jaxamp.nnx.Optimizer] (or an optimizer state /
     ``LossScaleState``) first, then ``f``'s arguments; ``argnums`` (ints or
     ``nnx.DiffState``) and ``has_aux`` mean what they mean to ``nnx.value_and_grad``.
 
@@ -227,7 +227,7 @@ def value_and_grad(
       ``(optimizer, *args, **kwargs) -> (loss, grads)`` (``((loss, aux), grads)``
       with ``has_aux``), the gradients of the scaled loss, for ``optimizer.update``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
       >>> from flax import nnx
       >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))

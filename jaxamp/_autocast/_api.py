@@ -315,7 +315,7 @@ def autocast(
     a matmul. Only trace-time constants saturate when cast down
     (``finfo(float32).min`` masks stay finite); a run-time value beyond the
     dtype's range overflows to inf, where the loss scale and
-    :func:`jaxamp.find_overflow` see it. The result depends only on `f`'s
+    [`jaxamp.find_overflow`][jaxamp.find_overflow] see it. The result depends only on `f`'s
     program and these arguments; nothing in JAX or in `f` is patched.
     Parameters stay in their own dtype and outputs come back in the dtypes `f`
     returns without autocast (or the policy's ``output_dtype``), so
@@ -334,7 +334,7 @@ def autocast(
         or a linen method. Without it, returns a decorator.
       dtype: the lower-precision dtype (``jnp.float16`` or ``jnp.bfloat16``).
         Defaults to float16 (bfloat16 on TPU).
-      policy: a :class:`jaxamp.Policy` (or policy string) instead of `dtype`:
+      policy: a [`jaxamp.Policy`][jaxamp.Policy] (or policy string) instead of `dtype`:
         its ``compute_dtype`` is the lower-precision dtype and floating
         outputs are cast to its ``output_dtype``.
       enabled: if False, return `f` itself.
@@ -364,7 +364,7 @@ def autocast(
       ValueError: if `dtype` is not floating, both `dtype` and `policy` are
         given, or a rule names an unknown primitive or op class.
 
-    Example:
+    Examples:
       >>> model = flax.linen.Dense(16)
       >>> params = model.init(jax.random.key(0), jnp.ones((2, 8)))
       >>> y = jaxamp.autocast(model.apply, dtype=jnp.float16)(params, jnp.ones((2, 8)))
@@ -475,7 +475,7 @@ def full_precision(g: Callable[..., Any]) -> Callable[..., Any]:
     Raises:
       TypeError: if `g` is not callable.
 
-    Example:
+    Examples:
       >>> @jaxamp.full_precision
       ... def loss_fn(logits, labels):
       ...   return optax.softmax_cross_entropy(logits, labels).mean()
@@ -509,7 +509,7 @@ def keep_float32(tree: Any) -> Any:
     Returns:
       `tree` with every floating leaf in float32.
 
-    Example:
+    Examples:
       >>> def loss_fn(params, x, y):
       ...   logits = jaxamp.keep_float32(model.apply(params, x))
       ...   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
