@@ -1,33 +1,59 @@
 """jaxamp: automatic mixed precision for JAX, Flax and optax.
 
-The modules are private; everything public is re-exported here (and in the
-``jaxamp.compat``, ``jaxamp.checkpoint`` and ``jaxamp.nnx`` namespaces).
+Everything public is re-exported here from the subpackages, one per concept
+(``loss_scale``, ``skip``, ``casting``, ``checkpoint``), and in the ``jaxamp.compat``,
+``jaxamp.checkpoint`` and ``jaxamp.nnx`` namespaces.
 """
 
 from jaxamp import checkpoint, compat, nnx
-from jaxamp._autocast import DEFAULT_RULES, autocast, full_precision, keep_float32
-from jaxamp._distributed import check_in_sync
-from jaxamp._explain import Explanation, explain
-from jaxamp._find_overflow import OverflowReport, find_overflow
-from jaxamp._leaf_stats import NonfiniteLeaves
-from jaxamp._loss_scale import LossScaleState, Mode, dynamic_scale, no_scale, static_scale
-from jaxamp._low_precision_params import (
+from jaxamp._utils.tree import all_finite, select_tree
+from jaxamp.casting import (
+    DEFAULT_RULES,
+    OverflowReport,
+    Policy,
+    autocast,
+    find_overflow,
+    full_precision,
+    keep_float32,
+)
+from jaxamp.loss_scale import (
+    LossScaleState,
+    Mode,
+    check_health,
+    check_in_sync,
+    dynamic_scale,
+    get_loss_scale,
+    metrics,
+    no_scale,
+    scale,
+    static_scale,
+    unscale_and_check,
+    update,
+)
+from jaxamp.low_precision_params import (
     KahanSummationState,
     StochasticRoundingState,
     kahan_summation,
     stochastic_round,
     stochastic_rounding,
 )
-from jaxamp._metrics import check_health, get_loss_scale, metrics
-from jaxamp._model_state import stepped, where_stepped
-from jaxamp._multi_transform import MultiTransformState, multi_transform
-from jaxamp._policy import Policy
-from jaxamp._scaling import scale, unscale_and_check, update
-from jaxamp._spikes import SpikeRule, SpikeState, spike_rule
-from jaxamp._train_state import TrainState
-from jaxamp._transform import SkipNonfiniteState, skip_nonfinite, step
-from jaxamp._tree import all_finite, select_tree
-from jaxamp._value_and_grad import value_and_grad
+from jaxamp.skip import (
+    Explanation,
+    MultiTransformState,
+    NonfiniteLeaves,
+    SkipNonfiniteState,
+    SpikeRule,
+    SpikeState,
+    TrainState,
+    explain,
+    multi_transform,
+    skip_nonfinite,
+    spike_rule,
+    step,
+    stepped,
+    value_and_grad,
+    where_stepped,
+)
 
 __version__ = "0.3.0"
 

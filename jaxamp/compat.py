@@ -13,7 +13,7 @@ The constructors live in private modules (``_compat_frameworks``,
 settings (``_compat_table``); this module is their public namespace.
 """
 
-from jaxamp._compat_frameworks import (
+from jaxamp.loss_scale._compat_frameworks import (
     flax_dynamic_scale,
     jmp_dynamic_loss_scale,
     keras_loss_scale_optimizer,
@@ -23,7 +23,7 @@ from jaxamp._compat_frameworks import (
     paddle_grad_scaler,
     torch_grad_scaler,
 )
-from jaxamp._compat_large_scale import (
+from jaxamp.loss_scale._compat_large_scale import (
     apex_loss_scaler,
     deepspeed_fp16_config,
     deepspeed_loss_scaler,

@@ -20,8 +20,8 @@ from flax import nnx
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import jaxamp
-from jaxamp import _jax_compat
-from jaxamp._autocast import DEFAULT_RULES, FLOAT32_OPS, LOWER_PRECISION_OPS
+from jaxamp._utils import jax_compat
+from jaxamp.casting import DEFAULT_RULES, FLOAT32_OPS, LOWER_PRECISION_OPS
 from tests.helpers import tanh_proj
 
 F16 = jnp.float16
@@ -289,7 +289,7 @@ def test_scan_with_weak_typed_carry():
 
 
 @pytest.mark.skipif(
-    not _jax_compat.CUSTOM_VJP_ENTERED,
+    not jax_compat.CUSTOM_VJP_ENTERED,
     reason="JAX 0.5 writes custom_vjp as custom_vjp_call_jaxpr, which autocast runs as "
     "written (with a warning); see test_old_jax_custom_vjp_runs_as_written_with_a_warning",
 )
@@ -309,7 +309,7 @@ def test_custom_vjp_and_custom_jvp():
     assert gx.dtype == F32 and _rel_err(gx, rx) < 1e-2 and _rel_err(gw, rw) < 1e-2
 
 
-@pytest.mark.skipif(_jax_compat.CUSTOM_VJP_ENTERED, reason="JAX 0.5 only")
+@pytest.mark.skipif(jax_compat.CUSTOM_VJP_ENTERED, reason="JAX 0.5 only")
 def test_old_jax_custom_vjp_runs_as_written_with_a_warning():
     x, w = _normal((4, 8)), _normal((8, 8), jax.random.key(1), 0.3)
 
@@ -476,7 +476,7 @@ def test_scatter_runs_as_written():
         _assert_all(g, x, x, prim="scatter-add", dtype=F32)
 
 
-@pytest.mark.skipif(not _jax_compat.HAS_SHARD_MAP, reason="jax.shard_map is JAX >= 0.7")
+@pytest.mark.skipif(not jax_compat.HAS_SHARD_MAP, reason="jax.shard_map is JAX >= 0.7")
 def test_shard_map():
     from jax.sharding import PartitionSpec as P
 

@@ -23,7 +23,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.numpy import matmul
 
 import jaxamp
-from jaxamp import _jax_compat
+from jaxamp._utils import jax_compat
 from tests.helpers import tanh_proj
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
@@ -530,7 +530,7 @@ def _jproj_jvp(primals, tangents):
 
 
 _OLD_VJP = pytest.mark.skipif(
-    not _jax_compat.CUSTOM_VJP_ENTERED,
+    not jax_compat.CUSTOM_VJP_ENTERED,
     reason="JAX 0.5: custom_vjp runs as written under autocast (warned)",
 )
 

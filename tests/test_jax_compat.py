@@ -1,7 +1,7 @@
-"""Checks of the non-public JAX behaviour isolated in jaxamp/_jax_compat.py.
+"""Checks of the non-public JAX behaviour isolated in jaxamp/_utils/jax_compat.py.
 
 If one of these fails after a JAX upgrade, autocast needs updating: fix
-_jax_compat.py rather than silencing the test.
+_utils/jax_compat.py rather than silencing the test.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.sharding import PartitionSpec as P
 
-from jaxamp import _jax_compat
+from jaxamp._utils import jax_compat
 
 
 def test_named_scope_reaches_equations():
@@ -21,11 +21,11 @@ def test_named_scope_reaches_equations():
             return jnp.sin(x)
 
     eqn = jax.make_jaxpr(f)(1.0).jaxpr.eqns[0]
-    assert "outer_marker" in _jax_compat.name_stack(eqn)
+    assert "outer_marker" in jax_compat.name_stack(eqn)
     # Transformations keep the scope name visible in the equations they emit.
     grad_jaxpr = jax.make_jaxpr(jax.grad(f))(1.0)
     assert all(
-        "outer_marker" in _jax_compat.name_stack(e)
+        "outer_marker" in jax_compat.name_stack(e)
         for e in grad_jaxpr.jaxpr.eqns
         if e.primitive.name in ("sin", "cos")
     )
@@ -43,8 +43,8 @@ def test_bind_reproduces_every_equation():
         env = {closed.jaxpr.invars[0]: x}
         for eqn in closed.jaxpr.eqns:
             args = [v.val if isinstance(v, Literal) else env[v] for v in eqn.invars]
-            outs = _jax_compat.outputs_as_list(
-                eqn.primitive, _jax_compat.bind(eqn.primitive, args, eqn.params)
+            outs = jax_compat.outputs_as_list(
+                eqn.primitive, jax_compat.bind(eqn.primitive, args, eqn.params)
             )
             env.update(zip(eqn.outvars, outs, strict=True))
         return env[closed.jaxpr.outvars[0]]
@@ -71,10 +71,10 @@ def test_shard_map_availability_matches_version():
     # jaxamp enters shard_map through the public jax.shard_map (JAX >= 0.7).
     major, minor = (int(p) for p in jax.__version__.split(".")[:2])
     if (major, minor) >= (0, 7):
-        assert _jax_compat.HAS_SHARD_MAP
+        assert jax_compat.HAS_SHARD_MAP
 
 
-@pytest.mark.skipif(not _jax_compat.HAS_SHARD_MAP, reason="jax.shard_map is JAX >= 0.7")
+@pytest.mark.skipif(not jax_compat.HAS_SHARD_MAP, reason="jax.shard_map is JAX >= 0.7")
 def test_shard_map_call():
     from jax.sharding import PartitionSpec as P
 
@@ -84,7 +84,7 @@ def test_shard_map_call():
     eqn = closed.jaxpr.eqns[0]
     assert eqn.primitive.name == "shard_map"
     body = eqn.params["jaxpr"]
-    out = _jax_compat.shard_map_call(
+    out = jax_compat.shard_map_call(
         lambda *xs: jax.core.eval_jaxpr(body, (), *xs), [jnp.ones(4)], eqn.params
     )
     assert jnp.allclose(out[0], 2.0)
@@ -101,7 +101,7 @@ def test_eqn_context_restores_the_mesh_an_equation_was_traced_under():
         (mul,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "mul"]
         inner = mul.invars[0].aval.sharding.mesh
         assert inner != jax.sharding.get_abstract_mesh()  # Auto inside, Explicit outside
-        with _jax_compat.eqn_context(mul):
+        with jax_compat.eqn_context(mul):
             assert jax.sharding.get_abstract_mesh() == inner
 
 
@@ -112,7 +112,7 @@ def test_custom_rule_params():
 
     g.defjvp(lambda p, t: (jnp.sin(p[0]), jnp.cos(p[0]) * t[0]))
     eqn = jax.make_jaxpr(g)(1.0).jaxpr.eqns[0]
-    rule, consts, out_zeros = _jax_compat.custom_jvp_rule(eqn.params, 1)
+    rule, consts, out_zeros = jax_compat.custom_jvp_rule(eqn.params, 1)
     assert len(rule.invars) == 2 and out_zeros == [False]
 
     @jax.custom_vjp
@@ -122,12 +122,12 @@ def test_custom_rule_params():
     h.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda r, ct: (r * ct,))
     eqn = jax.make_jaxpr(h)(1.0).jaxpr.eqns[0]
     # CUSTOM_VJP_ENTERED says which form this JAX writes.
-    expected = "custom_vjp_call" if _jax_compat.CUSTOM_VJP_ENTERED else "custom_vjp_call_jaxpr"
+    expected = "custom_vjp_call" if jax_compat.CUSTOM_VJP_ENTERED else "custom_vjp_call_jaxpr"
     assert eqn.primitive.name == expected
-    if not _jax_compat.CUSTOM_VJP_ENTERED:
+    if not jax_compat.CUSTOM_VJP_ENTERED:
         return  # JAX 0.5: autocast runs it as written and reads none of its params
-    fwd, consts, out_trees = _jax_compat.custom_vjp_fwd(eqn.params, [True])
+    fwd, consts, out_trees = jax_compat.custom_vjp_fwd(eqn.params, [True])
     out_tree, res_tree, forwards = out_trees()
     assert out_tree.num_leaves == 1 and len(forwards) == res_tree.num_leaves == 1
-    bwd = _jax_compat.custom_vjp_bwd(eqn.params)
+    bwd = jax_compat.custom_vjp_bwd(eqn.params)
     assert float(bwd(jnp.float32(2.0), jnp.float32(3.0))[0]) == 6.0

@@ -439,7 +439,7 @@ def test_the_default_rule_can_be_turned_off_or_replaced():
 
 def test_the_state_keeps_its_03_layout():
     # No field added: a 0.3 checkpoint restores, and its None (-1) is the default rule.
-    assert jaxamp._loss_scale.FIELD_NAMES == (
+    assert jaxamp.loss_scale._state.FIELD_NAMES == (
         "scale",
         "growth_tracker",
         "hysteresis_tracker",

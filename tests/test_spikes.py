@@ -31,7 +31,7 @@ def _grads(g):
 
 
 class Reference:
-    """The rule in plain Python (float64), written from the docstring of jaxamp._spikes."""
+    """The rule in plain Python (float64), written from the docstring of jaxamp.skip._spikes."""
 
     def __init__(self, window, sigmas, warmup, loss=True, grad_norm=True):
         self.window, self.sigmas, self.warmup = window, sigmas, warmup

@@ -98,7 +98,7 @@ def test_when_the_window_cannot_be_changed_the_error_names_both(tmp_path, monkey
     params = {"w": jnp.zeros(N)}
     restore = _save(tmp_path, _tx(8).init(params), manager=False)
     # As if moving the history into the other window had failed too.
-    monkeypatch.setattr("jaxamp._checkpoint_spikes.restore_other_windows", lambda *a: None)
+    monkeypatch.setattr("jaxamp.checkpoint._spike_windows.restore_other_windows", lambda *a: None)
     with pytest.raises(ValueError) as info:
         restore(jax.eval_shape(_tx(16).init, params))
     message = str(info.value)

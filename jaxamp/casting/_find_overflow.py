@@ -1,0 +1,258 @@
+"""``jaxamp.find_overflow``: which op made the inf, on request, outside the train step.
+
+The loss function is traced once, as training runs it (``autocast``, the loss
+times the loss scale, its gradient), into one jaxpr whose equations keep the
+user's tracebacks and module scopes (``_api.debugging_autocast``). The
+evaluator (``_overflow_eval``) then runs that jaxpr eagerly, one equation at a
+time, and stops at the first one that overflowed; ``_overflow_report`` turns
+that equation into a report (forward or backward, module path, source line,
+how large the value would have been in float32) and checks each piece of
+advice by tracing and running the loss again with it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._utils.tree import wide_dtype
+from jaxamp.casting import _overflow_eval, _overflow_report
+from jaxamp.casting._api import debugging_autocast
+from jaxamp.casting._interpret import AUTOCAST_SCOPE
+from jaxamp.casting._overflow_eval import is_float
+from jaxamp.casting._overflow_report import OverflowReport
+from jaxamp.loss_scale._lookup import get_loss_scale
+
+__all__ = ["OverflowReport", "find_overflow"]
+
+_LOW_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+def find_overflow(
+    loss_fn: Callable[..., Any],
+    *args: Any,
+    loss_scale: float = 2.0**15,
+    dtype: Any = jnp.float16,
+    argnums: int | Sequence[int] = 0,
+    rules: Mapping[Any, str] | None = None,
+    modules: Mapping[str, Any] | None = None,
+    autocast: bool = True,
+    **kwargs: Any,
+) -> OverflowReport:
+    """Finds the first op whose float16 / bfloat16 result overflowed, forward or backward.
+
+    Runs ``loss_fn(*args, **kwargs)`` once more as mixed-precision training
+    does: under ``jaxamp.autocast(loss_fn, dtype=dtype, rules=rules,
+    modules=modules)``, the loss multiplied by `loss_scale`, and its gradient
+    with respect to ``args[argnums]``. It evaluates that program eagerly, one
+    op at a time (entering ``jit``, ``scan``, ``while``, ``cond``, ``remat``,
+    custom derivatives and ``shard_map`` bodies, each op of a body on every
+    device's block), and reports the first op, in execution order (forward
+    before backward), whose lower-precision result holds an inf or NaN while
+    all its floating inputs were finite. If no lower-precision op overflowed
+    but a float32 op made a non-finite value from finite inputs, that one is
+    reported instead. Call it outside ``jit`` on concrete values, e.g. when the
+    loss scale keeps dropping; it is slow (every op is dispatched on its own)
+    and meant for debugging, not for the train step.
+
+    The advice is checked before it is given: the loss is run again with each
+    suggestion (a smaller loss scale; a ``modules=`` or ``rules=`` entry
+    running the module, the op, or the op a cast feeds in float32; bfloat16),
+    and only those after which this op no longer overflows are suggested
+    (``report.suggested_loss_scale``, ``suggested_modules``,
+    ``suggested_rules``, ``suggested_dtype``). When none does, the advice says
+    so and gives the op and its magnitude. A float32 op is called the
+    program's own overflow only if the program without autocast makes it too.
+
+    Args:
+      loss_fn: the loss function as the train step calls it (returns a scalar
+        floating loss).
+      *args: its positional arguments (parameters, batch, ...).
+      loss_scale: the loss scale to test: a number, a
+        [`jaxamp.LossScaleState`][jaxamp.LossScaleState], or the optimizer state holding one (its
+        current scale).
+      dtype: autocast's lower-precision dtype, ``jnp.float16`` or ``jnp.bfloat16``.
+      argnums: which positional arguments the gradient is taken with respect
+        to (an int or a sequence of ints, negative ones counted from the end).
+      rules: autocast's per-primitive rules (as in [`jaxamp.autocast`][jaxamp.autocast]).
+      modules: autocast's per-module rules (as in [`jaxamp.autocast`][jaxamp.autocast]).
+      autocast: False runs `loss_fn` as written, without ``jaxamp.autocast``:
+        for a loss that casts itself (a model built with ``dtype=jnp.float16``,
+        ``x.astype(jnp.float16)`` by hand), whose overflows autocast would move
+        (it runs sums, ``exp`` and norms in float32). `dtype`, `rules` and
+        `modules` then only name the report's compute dtype.
+      **kwargs: keyword arguments of `loss_fn` (not differentiated).
+
+    Returns:
+      An [`OverflowReport`][jaxamp.OverflowReport]; ``report.found`` is False when nothing
+      overflowed, and ``print(report)`` explains the finding.
+
+    Raises:
+      TypeError: if `loss_fn` is not callable, returns something other than a
+        scalar floating loss, `argnums` is not an int or a sequence of ints, or
+        an argument is a tracer (``find_overflow`` called inside ``jit``).
+      ValueError: if `dtype` is not float16 or bfloat16, `argnums` is out of
+        range, `loss_scale` is not a positive finite number, or `rules` /
+        `modules` are invalid (as in ``autocast``).
+
+    Examples:
+      >>> def loss_fn(w, x):
+      ...   return jnp.mean(x @ w)
+      >>> w = jnp.full((4, 4), 300.0)
+      >>> report = jaxamp.find_overflow(loss_fn, w, jnp.full((2, 4), 100.0))
+      >>> report.found, report.primitive, report.pass_, report.dtype
+      (True, 'dot_general', 'forward', 'float16')
+      >>> jaxamp.find_overflow(loss_fn, w / 1000, jnp.ones((2, 4)), loss_scale=1.0).found
+      False
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"find_overflow: loss_fn must be callable, got {type(loss_fn).__name__}")
+    low = _check_dtype(dtype)
+    loss_scale = _check_loss_scale(loss_scale)
+    diff = _check_argnums(argnums, len(args))
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    arg_of = _leaf_owners(args, kwargs)
+    for x in leaves:
+        if isinstance(x, jax.core.Tracer):
+            raise TypeError(
+                "find_overflow: the arguments must be concrete arrays; call it outside "
+                "jax.jit / jax.grad (it evaluates the program eagerly, op by op)"
+            )
+    dynamic = [
+        i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray | np.generic)
+    ]
+    wrt = [i for i in dynamic if arg_of[i] in diff and is_float(leaves[i])]
+    rest = [i for i in dynamic if i not in set(wrt)]
+    if not isinstance(autocast, bool):
+        raise TypeError(f"find_overflow: autocast must be a bool, got {autocast!r}")
+    wrt_vals = [leaves[i] for i in wrt]
+    rest_vals = [leaves[i] for i in rest]
+    inputs = jax.tree_util.tree_leaves((wrt_vals, rest_vals))
+
+    def trace(low: np.dtype, rules: Any, modules: Any, autocast: bool) -> Any:
+        """The jaxpr of the scaled loss's value and gradient, the scale an input,
+        so that a smaller scale is checked without tracing again."""
+        target = loss_fn
+        if not autocast:
+            # Equations traced under autocast's own scope run as written (that is how
+            # an autocast nested in another is left alone); the debugging wrapper
+            # still keeps their source lines and names nnx modules.
+            def target(*a: Any, **k: Any) -> Any:
+                with jax.named_scope(AUTOCAST_SCOPE):
+                    return loss_fn(*a, **k)
+
+        amp = debugging_autocast(target, low, rules, modules)
+
+        def scaled(wrt_vals: list[Any], rest_vals: list[Any], scale: Any) -> Any:
+            full = list(leaves)
+            for i, x in zip([*wrt, *rest], [*wrt_vals, *rest_vals], strict=True):
+                full[i] = x
+            a, k = jax.tree_util.tree_unflatten(treedef, full)
+            loss = amp(*a, **k)
+            if not isinstance(loss, jax.Array) or loss.shape != () or not is_float(loss):
+                got = (
+                    f"{loss.dtype}{list(loss.shape)}"
+                    if isinstance(loss, jax.Array)
+                    else type(loss).__name__
+                )
+                raise TypeError(
+                    f"find_overflow: loss_fn must return a scalar floating loss, got {got}"
+                )
+            wide = wide_dtype(loss.dtype)  # as jaxamp.scale multiplies
+            return (loss.astype(wide) * scale.astype(wide)).astype(loss.dtype)
+
+        scale0 = jnp.asarray(loss_scale, jnp.float32)
+        return jax.make_jaxpr(jax.value_and_grad(scaled))(wrt_vals, rest_vals, scale0)
+
+    closed, cache = trace(low, rules, modules, autocast), {}
+
+    def probe(scale: float, **overrides: Any) -> OverflowReport:
+        """The loss run again at `scale`, with `overrides` (dtype=, rules=, modules=,
+        autocast=) in place of the caller's: the report, without advice."""
+        settings = {"dtype": low, "rules": rules, "modules": modules, "autocast": autocast}
+        settings.update(overrides)
+        program, programs_cache = closed, cache
+        if overrides:
+            dt = np.dtype(settings["dtype"])
+            program = trace(dt, settings["rules"], settings["modules"], settings["autocast"])
+            programs_cache = {}
+        args = [*inputs, jnp.asarray(scale, jnp.float32)]
+        finding = _overflow_eval.find(program, args, programs_cache)
+        return _overflow_report.build(finding, np.dtype(settings["dtype"]), scale)
+
+    finding = _overflow_eval.find(closed, [*inputs, jnp.asarray(loss_scale, jnp.float32)], cache)
+    report = _overflow_report.build(finding, low, loss_scale)
+    return _overflow_report.advise(report, finding, probe, rules, modules, autocast)
+
+
+# --------------------------------------------------------------------------
+# Arguments.
+# --------------------------------------------------------------------------
+
+
+def _check_dtype(dtype: Any) -> np.dtype:
+    try:
+        resolved = np.dtype(jnp.dtype(dtype))
+    except TypeError as e:
+        raise ValueError(f"find_overflow: dtype={dtype!r} is not a dtype") from e
+    if resolved not in _LOW_DTYPES:
+        raise ValueError(
+            f"find_overflow: dtype must be jnp.float16 or jnp.bfloat16, got {resolved.name}"
+        )
+    return resolved
+
+
+def _check_loss_scale(loss_scale: Any) -> float:
+    if not isinstance(loss_scale, int | float | np.number | jax.Array | np.ndarray):
+        # A LossScaleState, or an optimizer state holding one (as metrics takes).
+        try:
+            scale = get_loss_scale(loss_scale).scale
+        except (TypeError, ValueError):
+            raise TypeError(
+                "find_overflow: loss_scale must be a number, a jaxamp.LossScaleState or an "
+                f"optimizer state holding one, got a {type(loss_scale).__name__}"
+            ) from None
+        # A pmap-replicated state holds one equal copy per device.
+        loss_scale = np.max(jax.device_get(scale))
+    if np.size(loss_scale) != 1:
+        raise ValueError(
+            f"find_overflow: loss_scale must be one number, got shape {np.shape(loss_scale)}"
+        )
+    try:
+        value = float(np.asarray(jax.device_get(loss_scale)).reshape(()))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"find_overflow: loss_scale must be a number, got {loss_scale!r}") from e
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"find_overflow: loss_scale must be positive and finite, got {value}")
+    return value
+
+
+def _check_argnums(argnums: Any, nargs: int) -> set[int]:
+    many = isinstance(argnums, Sequence) and not isinstance(argnums, str)
+    nums = list(argnums) if many else [argnums]
+    if not nums or not all(isinstance(n, int) and not isinstance(n, bool) for n in nums):
+        raise TypeError(
+            f"find_overflow: argnums must be an int or a sequence of ints, got {argnums!r}"
+        )
+    out = set()
+    for n in nums:
+        if not -nargs <= n < nargs:
+            raise ValueError(
+                f"find_overflow: argnums={argnums!r} is out of range for {nargs} positional "
+                f"argument{'s' if nargs != 1 else ''} of loss_fn"
+            )
+        out.add(n % nargs)
+    return out
+
+
+def _leaf_owners(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+    """The positional argument each leaf of ``(args, kwargs)`` belongs to (-1: kwargs)."""
+    owners: list[int] = []
+    for i, a in enumerate(args):
+        owners += [i] * len(jax.tree_util.tree_leaves(a))
+    return owners + [-1] * len(jax.tree_util.tree_leaves(kwargs))

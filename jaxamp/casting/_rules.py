@@ -1,0 +1,317 @@
+"""autocast's op table and the one pure function that picks an equation's dtype.
+
+The table is data (``DEFAULT_RULES``: primitive name -> op class), like the
+rule dicts of ``jax.experimental.jet``; ``choose`` reads it. Nothing here
+touches a trace: the interpreter (``_interpret``) asks ``choose`` for a dtype
+and then casts and binds.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._utils.tree import is_float_dtype
+
+LOWER = "lower"
+FLOAT32 = "float32"
+ELEMENTWISE = "elementwise"
+FOLLOW = "follow"
+WIDEST = "widest"
+AS_WRITTEN = "as_written"
+OP_CLASSES = (LOWER, FLOAT32, ELEMENTWISE, FOLLOW, WIDEST, AS_WRITTEN)
+
+#: Matrix products and convolutions, and so everything built on them (``@``,
+#: ``einsum``, ``Dense``, ``Conv``, attention projections, RNN cells).
+LOWER_PRECISION_OPS: frozenset[str] = frozenset(
+    {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
+)
+
+#: Numerically sensitive ops, run in float32 even when fed float16/bfloat16.
+#: Sums, products and cumulative sums/products cover mean, variance, norms and
+#: losses; ``reduce_max`` makes softmax / log-softmax / logsumexp subtract their
+#: maximum in float32. ``square`` is ``pow(x, 2)`` (float32 in torch.autocast).
+#: Linear algebra and FFTs have no float16 kernels (torch runs ``linalg_*`` and
+#: ``fft_*`` in float32 too).
+FLOAT32_OPS: frozenset[str] = frozenset(
+    {
+        # elementwise
+        "exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "square",
+        "rsqrt", "div", "erf_inv", "tan", "sinh", "cosh", "asin", "acos",
+        "lgamma", "digamma", "polygamma", "igamma", "igammac", "igamma_grad_a",
+        "random_gamma_grad", "zeta", "bessel_i0e", "bessel_i1e",
+        # reductions
+        "reduce_sum", "reduce_prod", "reduce_max", "cumsum", "cumprod",
+        "cumlogsumexp",
+        # linear algebra and FFT
+        "cholesky", "cholesky_update", "eig", "eigh", "lu", "qr", "svd",
+        "triangular_solve", "householder_product", "geqrf", "geqp3", "schur",
+        "hessenberg", "tridiagonal", "tridiagonal_solve", "fft",
+    }
+)  # fmt: skip
+
+#: Elementwise and data-movement ops that run in float32 when all their
+#: results feed float32-list ops (or ``f``'s float32 outputs).
+ELEMENTWISE_OPS: frozenset[str] = frozenset(
+    {
+        "add", "sub", "mul", "neg", "abs", "sign", "max", "min", "select_n",
+        "clamp", "sqrt", "cbrt", "tanh", "logistic", "sin", "cos", "erf",
+        "erfc", "floor", "ceil", "round", "rem", "nextafter", "copy", "copy_p",
+        "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
+        "slice", "dynamic_slice", "gather", "pad", "rev", "reduce_precision",
+        "convert_element_type",
+    }
+)  # fmt: skip
+
+#: Elementwise ops that XLA computes inexactly in float16: its ``logistic``
+#: (and so ``sigmoid``, ``silu``) flushes every input below -11.09 to 0, where
+#: its expansion's ``exp(-x)`` overflows. On an activation they run in float32
+#: and round once to the activation's dtype, as torch's kernels do ("opmath").
+OPMATH_OPS: frozenset[str] = frozenset({"logistic"})
+
+#: torch.autocast's promote list (``cat``, ``stack``, ``index_put``, ``atan2``,
+#: ...): these run in the widest input dtype and never cast an input down.
+WIDEST_OPS: frozenset[str] = frozenset({"concatenate", "dynamic_update_slice", "atan2"})
+
+#: Ops that run in the dtypes the un-autocast function gave them: their
+#: semantics or their params (a combiner jaxpr, a callback's result types, a
+#: bit width) are tied to the original dtype. ``custom_linear_solve`` (behind
+#: ``jnp.linalg.solve``) keeps its matvec and its solver in one precision.
+AS_WRITTEN_OPS: frozenset[str] = frozenset(
+    {
+        "bitcast_convert_type", "pure_callback", "io_callback", "debug_callback",
+        "scatter", "scatter-add", "scatter_add", "scatter-sub", "scatter_sub",
+        "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
+        "scatter_max", "scatter-apply", "scatter_apply", "reduce", "reduce_window",
+        "select_and_scatter", "select_and_scatter_add", "select_and_gather_add",
+        "custom_linear_solve",
+    }
+)  # fmt: skip
+
+#: Primitive name -> op class. Primitives not listed are ``"follow"``.
+DEFAULT_RULES: Mapping[str, str] = MappingProxyType(
+    {
+        **{name: ELEMENTWISE for name in sorted(ELEMENTWISE_OPS)},
+        **{name: WIDEST for name in sorted(WIDEST_OPS)},
+        **{name: LOWER for name in sorted(LOWER_PRECISION_OPS)},
+        **{name: FLOAT32 for name in sorted(FLOAT32_OPS)},
+        **{name: AS_WRITTEN for name in sorted(AS_WRITTEN_OPS)},
+    }
+)
+
+#: Library functions that torch runs as float32-list ops, where JAX writes
+#: them as named nested jits (``jax.nn.log_softmax``): run wholly in float32.
+FLOAT32_FUNCTIONS: frozenset[str] = frozenset({"softmax", "log_softmax", "logsumexp"})
+
+# Value marks, carried beside each value while a jaxpr is evaluated:
+#: parameters, inputs and what is computed from them alone: values known only
+#: at run time, in the dtype ``f`` gives them.
+NONE = 0
+#: an activation: a value autocast put in the lower-precision dtype (a matmul's
+#: output and what "follow" ops compute from it).
+ACT = 1
+#: a float32-list op's result, and what is computed from it, until a "lower"
+#: op: it promotes an activation it meets, as torch's type promotion does
+#: after torch's float32-list ops. Reductions are float32-list ops, so a
+#: normalisation ``(x - mean) * rstd * scale`` or a softmax shift ``x - max``
+#: runs in float32 and rounds once, at the next matmul, as Flax's norm layers
+#: with ``dtype=`` and torch's norm kernels do (a BatchNorm of bfloat16
+#: activations loses most of its gradient accuracy to a bfloat16 ``x - mean``).
+F32 = 2
+#: float32 by the user's request: an explicit cast to float32 in ``f``, a
+#: ``keep_float32`` marker, a while loop's carry. It promotes everything it
+#: meets until a "lower" op.
+PIN = 3
+#: a trace-time constant: a literal, a constant ``f`` closes over, and what is
+#: computed from constants and boolean masks alone (``jnp.where(mask, 0.0,
+#: -1e9)``). The only values whose casts down saturate: a sentinel such as
+#: ``finfo(float32).min`` must stay finite in float16. Otherwise like NONE.
+CONST = 4
+
+FLOAT32_DTYPE = np.dtype(np.float32)
+
+
+is_float = is_float_dtype  # autocast casts real floating values only
+
+
+@functools.cache
+def promote(a: np.dtype, b: np.dtype) -> np.dtype:
+    return np.dtype(jnp.promote_types(a, b))
+
+
+def choose(
+    rule: str,
+    dtypes: Sequence[np.dtype],
+    marks: Sequence[int],
+    strong: Sequence[bool],
+    broadcast: Sequence[bool],
+    compute: np.dtype,
+    demanded: bool,
+) -> tuple[np.dtype, int]:
+    """The dtype an equation runs in and the mark of its results.
+
+    Args:
+      rule: the equation's op class (not ``"as_written"``).
+      dtypes, marks: the current dtype and mark of each floating input.
+      strong: per floating input, False for a weakly typed Python scalar,
+        which follows the other inputs as in JAX and PyTorch.
+      broadcast: per floating input, True for a scalar or a vector broadcast
+        into the result (``_analysis.broadcast_inputs``: a bias, a norm
+        scale, a per-row weight, a fill constant).
+      compute: the autocast dtype.
+      demanded: every use of the results is float32 (``_analysis``).
+
+    Where a wider value meets an activation in an op outside the float32
+    list, the op follows torch's type promotion (float32), unless every wider
+    input is a parameter or constant broadcast into the activation: those
+    are cast down, as torch's ``Linear`` casts its bias (and torch does not
+    promote with a 0-dim tensor). A wider input of the activation's own size
+    (an input, a target, a mask, a computed float32 result) is never cast
+    down: its value would be rounded, clipped or flushed to 0 where float32
+    and torch keep it.
+    """
+    kinds = [d for d, s in zip(dtypes, strong, strict=True) if s] or list(dtypes)
+    widest = functools.reduce(promote, kinds[1:], kinds[0])
+    act_in = any(m == ACT for m in marks)
+    pin_in = any(m == PIN for m in marks)
+    f32_in = any(m == F32 for m in marks)
+    wide = promote(widest, FLOAT32_DTYPE)
+    if rule == LOWER:
+        if widest.itemsize > compute.itemsize and widest.itemsize > 4:
+            return widest, NONE  # float64 is not cast down
+        return compute, ACT
+    if rule == FLOAT32:
+        return wide, PIN if pin_in else F32
+    if rule == ELEMENTWISE and demanded:
+        return wide, NONE
+    if pin_in:  # the user's float32 promotes what it meets
+        return wide, PIN
+    if f32_in:  # torch's type promotion after a float32-list op
+        return wide, F32
+    if rule == WIDEST:
+        return widest, ACT if act_in and widest == compute else NONE
+    if rule in (ELEMENTWISE, FOLLOW):
+        if act_in and widest.itemsize <= 4:
+            own = any(
+                s and not b and m in (NONE, CONST) and d.itemsize > compute.itemsize
+                for d, m, s, b in zip(dtypes, marks, strong, broadcast, strict=True)
+            )
+            if own:  # an input, target, mask of the activation's size: promote
+                return wide, F32
+            # Parameters and constants broadcast into an activation are cast down.
+            return compute, ACT
+        return widest, NONE
+    raise ValueError(f"autocast: unknown op class {rule!r}")
+
+
+# --------------------------------------------------------------------------
+# Resolving the user's rules and module patterns (construction-time checks).
+# --------------------------------------------------------------------------
+
+
+@functools.cache
+def _known_primitives() -> frozenset[str]:
+    from jaxamp.casting._interpret import HANDLERS
+
+    names = set(DEFAULT_RULES) | set(HANDLERS)
+    try:
+        from jax.extend.core import primitives
+
+        for value in vars(primitives).values():
+            name = getattr(value, "name", None)
+            if isinstance(name, str) and hasattr(value, "bind"):
+                names.add(name)
+    except ImportError:  # pragma: no cover - older jax.extend
+        pass
+    for value in vars(lax).values():
+        name = getattr(value, "name", None)
+        if isinstance(name, str) and hasattr(value, "bind"):
+            names.add(name)
+    return frozenset(names)
+
+
+def _check_class(where: str, value: Any) -> None:
+    if value not in OP_CLASSES:
+        raise ValueError(f"autocast: {where}={value!r}; expected one of {OP_CLASSES}")
+
+
+def resolve_rules(rules: Mapping[Any, str] | None, where: str = "rules") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in (rules or {}).items():
+        if isinstance(key, str):
+            name = key
+            if name not in _known_primitives():
+                known = sorted(_known_primitives())
+                close = sorted((k for k in known if k.startswith(name)), key=len)[:3]
+                close += [k for k in difflib.get_close_matches(name, known, n=3) if k not in close]
+                hint = f" Closest known names: {', '.join(close)}." if close else ""
+                raise ValueError(
+                    f"autocast: {where} names an unknown primitive {name!r}.{hint} Keys are "
+                    "primitive names as in jax.make_jaxpr output (see jaxamp.DEFAULT_RULES), "
+                    "or the primitive objects themselves."
+                )
+        else:
+            name = getattr(key, "name", None)
+            if not isinstance(name, str):
+                raise TypeError(f"autocast: {where} keys must be primitive names, got {key!r}")
+        _check_class(f"{where}[{name!r}]", value)
+        out[name] = value
+    return out
+
+
+def resolve_modules(modules: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    resolved = []
+    for pattern, value in (modules or {}).items():
+        if not isinstance(pattern, str) or not pattern:
+            raise TypeError(f"autocast: modules keys must be module name patterns, got {pattern!r}")
+        if isinstance(value, str):
+            if value != FLOAT32:
+                raise ValueError(
+                    f"autocast: modules[{pattern!r}]={value!r}; expected 'float32' (run the "
+                    "module in full precision) or a mapping of primitive rules"
+                )
+            resolved.append((pattern, FLOAT32))
+        elif isinstance(value, Mapping):
+            resolved.append((pattern, resolve_rules(value, f"modules[{pattern!r}]")))
+        else:
+            raise TypeError(
+                f"autocast: modules[{pattern!r}] must be 'float32' or a mapping of primitive "
+                f"rules, got {type(value).__name__}"
+            )
+    return tuple(resolved)
+
+
+def module_match(pattern: str, parts: list[str]) -> bool:
+    """Whether `pattern` names a module on the name stack `parts`.
+
+    A pattern matches a module path ("Block_0/LayerNorm_1", nnx "blocks/0/ln"),
+    a module name, or a class name (linen auto-names are ``Class_N``; a
+    ``[Class]`` scope names the class of the module whose scope precedes it).
+    """
+    names = []
+    for p in parts:
+        name, _, cls = p.partition("[")
+        if name:
+            names.append(name)
+        if cls:
+            names.append(cls.rstrip("]"))
+        head, _, tail = name.rpartition("_")
+        if head and tail.isdigit():
+            names.append(head)
+    if "/" in pattern:
+        # A path names a module: its rule covers the ops of its submodules too.
+        path = [n for n in (p.partition("[")[0] for p in parts) if n]
+        for i in range(len(path), 0, -1):
+            prefix = "/".join(path[:i])
+            if fnmatch.fnmatchcase(prefix, pattern) or fnmatch.fnmatchcase(prefix, "*/" + pattern):
+                return True
+        return False
+    return any(fnmatch.fnmatchcase(n, pattern) for n in names)

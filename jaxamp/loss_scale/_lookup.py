@@ -1,0 +1,227 @@
+"""Reading loss-scale state out of an optimizer state: find it, report it, check health."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp.loss_scale._state import (
+    _FIELDS,
+    DEFAULT_PINNED_STREAK,
+    DEFAULT_RULE,
+    SCALE_MIN,
+    LossScaleState,
+    Mode,
+)
+from jaxamp.skip._spikes import SpikeState
+
+__all__ = ["check_health", "get_loss_scale", "metrics"]
+
+
+def get_loss_scale(opt_state: Any) -> LossScaleState:
+    """Finds the [`LossScaleState`][jaxamp.LossScaleState] inside an optimizer state.
+
+    Looks through any nesting (``optax.chain``, ``MultiSteps``,
+    ``multi_transform``, ``inject_hyperparams``, Flax ``TrainState``).
+
+    Args:
+      opt_state: an optax state that contains exactly one loss-scale state (from
+        [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] or
+        [`jaxamp.multi_transform`][jaxamp.multi_transform]).
+
+    Returns:
+      The loss-scale state; use ``.scale`` to scale the loss of the next step.
+
+    Raises:
+      ValueError: if there is none, or more than one.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = optax.MultiSteps(jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale()), 4)
+      >>> float(jaxamp.get_loss_scale(tx.init({"w": jnp.ones(2)})).scale)
+      32768.0
+    """
+    if isinstance(opt_state, LossScaleState):
+        return _plain(opt_state)
+    found = [
+        x
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
+        if isinstance(x, LossScaleState)
+    ]
+    if not found:
+        raise ValueError(
+            "no LossScaleState found in the optimizer state. Build the optimizer with "
+            "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale()) and pass its state."
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"found {len(found)} LossScaleStates in the optimizer state; wrap the whole "
+            "optimizer in one jaxamp.skip_nonfinite (or use jaxamp.multi_transform), or "
+            "pass the sub-state you mean."
+        )
+    return _plain(found[0])
+
+
+def _plain(state: LossScaleState) -> LossScaleState:
+    """The state with array fields: a Flax nnx optimizer wraps each in a Variable
+    (``nnx.OptArray``), a pytree of one leaf; logged or JSON-encoded, that fails."""
+    fields = {f: getattr(state, f) for f in _FIELDS}
+    wrapped = {f: v for f, v in fields.items() if not isinstance(v, jax.Array | np.ndarray)}
+    if not wrapped:
+        return state
+    plain = {}
+    for f, v in wrapped.items():
+        leaves = jax.tree.leaves(v)
+        plain[f] = leaves[0] if len(leaves) == 1 else v
+    return dataclasses.replace(state, **plain)
+
+
+def find_state(obj: Any, fn: str) -> LossScaleState:
+    try:
+        return get_loss_scale(obj)
+    except ValueError as e:
+        raise ValueError(f"jaxamp.{fn}: {e}") from None
+
+
+def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
+    """Scalars to log: loss scale, counters and whether the last step was skipped.
+
+    Jit-safe: returns arrays, never pulls them to the host.
+
+    Args:
+      opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
+        containing one (from [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite]).
+
+    Returns:
+      A dict of scalar arrays: ``loss_scale``, ``growth_tracker``,
+      ``nonfinite_streak``, ``skipped_steps`` (steps skipped for non-finite
+      gradients) and ``skipped`` (bool: the last step was skipped). With a
+      [`jaxamp.spike_rule`][jaxamp.spike_rule], also ``spike_skipped_steps`` (steps skipped as
+      spikes, counted apart) and ``spike_skipped`` (the last step was one);
+      ``skipped`` is then True for either reason.
+
+    Examples:
+      >>> import jaxamp
+      >>> sorted(jaxamp.metrics(jaxamp.dynamic_scale()))
+      ['growth_tracker', 'loss_scale', 'nonfinite_streak', 'skipped', 'skipped_steps']
+    """
+    s = find_state(opt_state_or_loss_scale_state, "metrics")
+    out = {
+        "loss_scale": s.scale,
+        "growth_tracker": s.growth_tracker,
+        "nonfinite_streak": s.nonfinite_streak,
+        "skipped_steps": s.skipped_steps,
+        # streak != 0 without a Python constant: eagerly, that would be a host transfer.
+        "skipped": s.nonfinite_streak.astype(jnp.bool_),
+    }
+    spikes = find_spike_state(opt_state_or_loss_scale_state)
+    if spikes is not None:
+        out["spike_skipped_steps"] = jnp.asarray(spikes.skips)
+        out["spike_skipped"] = jnp.asarray(spikes.skipped)
+        out["skipped"] = out["skipped"] | out["spike_skipped"]
+    return out
+
+
+def find_spike_state(opt_state: Any) -> SpikeState | None:
+    """The one [`jaxamp.SpikeState`][jaxamp.SpikeState] inside an optimizer state, or None."""
+    if isinstance(opt_state, LossScaleState):
+        return None
+    found = [
+        x
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SpikeState))
+        if isinstance(x, SpikeState)
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def check_health(opt_state_or_loss_scale_state: Any) -> None:
+    """Raises if training stopped recovering from non-finite gradients.
+
+    A non-finite step is skipped as a whole, so during a streak of them nothing
+    changes but the batches and the loss scale. Training has stopped recovering
+    when the streak outlasts what the scale can do about it:
+
+    - ``max_consecutive_nonfinite=None`` (the default, in [`dynamic_scale`][jaxamp.dynamic_scale],
+      the ``compat`` constructors and [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite]): more than
+      100 non-finite steps in a row while the scale can go no lower, at its floor
+      ``max(min_scale, 2**-126)`` (PyTorch's scale, with no floor, stops at
+      ``2**-126 ~ 1.2e-38``) or fixed ([`static_scale`][jaxamp.static_scale], the bfloat16 case).
+      While the scale is still backing off, a streak is the scale searching.
+    - ``max_consecutive_nonfinite=N``: more than N in a row, whatever the scale
+      (MindSpore's ``DynamicLossScaleManager`` is ``N=1000``).
+    - ``max_consecutive_nonfinite=math.inf`` (or ``2**31 - 1``): never.
+    - ``raise_at_min_scale=True`` (DeepSpeed): also once an overflow asked for a
+      backoff while the scale was at ``min_scale``.
+
+    Host side: it reads a few scalars from the device, so call it where you log,
+    not inside a jitted step. Replicated states (a leading device axis, as with
+    ``pmap``) are checked on every replica.
+
+    Args:
+      opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
+        containing one.
+
+    Raises:
+      FloatingPointError: saying how many steps in a row were skipped and what the
+        scale is, by the rules above.
+
+    Examples:
+      >>> import jaxamp
+      >>> s = jaxamp.dynamic_scale(max_consecutive_nonfinite=1)
+      >>> jaxamp.check_health(jaxamp.update(s, False))  # one in a row: tolerated
+      >>> s = jaxamp.dynamic_scale(init_scale=4.0)
+      >>> for _ in range(102):  # 4 -> 2 -> 1, then 100 more at the floor
+      ...     s = jaxamp.update(s, False)
+      >>> jaxamp.check_health(s)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      FloatingPointError: 102 steps in a row were skipped ... scale is now 1, at its floor, ...
+    """
+    s = find_state(opt_state_or_loss_scale_state, "check_health")
+    host = jax.device_get(
+        (
+            s.max_consecutive_nonfinite,
+            s.nonfinite_streak,
+            s.scale,
+            s.min_scale,
+            s.raise_at_min_scale,
+            s.min_scale_backoffs,
+        )
+    )
+    limit, streak, scale_now, floor, at_min, stuck = (np.asarray(x) for x in host)
+    if np.any(at_min) and np.max(stuck) > 0:
+        raise FloatingPointError(
+            f"an overflow asked for a backoff while the loss scale was already at its minimum "
+            f"({float(np.min(scale_now)):g}), {int(np.max(stuck))} time(s) "
+            "(raise_at_min_scale, DeepSpeed's raise_error_at_min_scale). Look for a NaN in the "
+            "loss or the data, or run the offending ops in float32 (jaxamp.full_precision)."
+        )
+    # Element-wise, so that a replicated state is judged replica by replica.
+    if s.mode is Mode.DYNAMIC:
+        pinned = scale_now <= np.maximum(floor, np.float32(SCALE_MIN))
+    else:
+        pinned = np.ones_like(streak, bool)
+    default = limit == DEFAULT_RULE
+    over = np.where(default, pinned & (streak > DEFAULT_PINNED_STREAK), streak > limit)
+    if not np.any(over):
+        return
+    worst = np.unravel_index(np.argmax(np.where(over, streak, -1)), np.shape(streak))
+    n, now = int(streak[worst]), float(scale_now[worst])
+    if default[worst]:
+        where = "at its floor" if s.mode is Mode.DYNAMIC else "fixed"
+        why = (
+            f"; the loss scale is now {now:g}, {where}, so backing off cannot help (check_health's "
+            f"default: more than {DEFAULT_PINNED_STREAK} in a row with the scale at its floor or "
+            "fixed; set max_consecutive_nonfinite=N to choose N, or math.inf to never raise)"
+        )
+    else:
+        why = f" (max_consecutive_nonfinite={int(limit[worst])}); the loss scale is now {now:g}"
+    raise FloatingPointError(
+        f"{n} steps in a row were skipped because their gradients held inf or NaN{why}. "
+        "Training is not recovering: look for a NaN in the loss or the data, lower the "
+        "learning rate, or run the offending ops in float32 (jaxamp.full_precision)."
+    )

@@ -1,0 +1,72 @@
+"""The nnx model state a forward writes, and the one optimizer that cannot keep it.
+
+A skipped step must leave everything the step wrote as it was (API.md §7, §8). In
+NNX the forward writes model state in place (``BatchStat``, RNG counters); only an
+optimizer that sees the model can put it back, and Flax's own ``nnx.Optimizer``
+hands a jaxamp ``tx`` the params alone.
+"""
+
+from __future__ import annotations
+
+from types import FrameType
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxamp._utils.tree import render_path
+
+
+def pure(tree: Any) -> Any:
+    """An nnx State as plain arrays (``nnx.as_pure``; ``to_pure_dict`` before Flax 0.12)."""
+    return nnx.as_pure(tree) if hasattr(nnx, "as_pure") else nnx.to_pure_dict(tree)
+
+
+def forward_written(wrt: Any) -> Any:
+    """The nnx filter of what a forward can write: outside ``wrt``, not a Param or Intermediate.
+
+    ``nnx.Intermediate`` (values ``sow``n by the forward) is an output, not state the
+    next step reads; Params outside ``wrt`` (a frozen base under LoRA) are read, not
+    written, so no optimizer needs a copy of them.
+    """
+    return nnx.All(nnx.Not(wrt), nnx.Not(nnx.Param), nnx.Not(nnx.Intermediate))
+
+
+def refuse_flax_optimizer(frame: FrameType | None) -> None:
+    """Raises if ``tx.update`` runs inside Flax's ``nnx.Optimizer.update`` for a model
+    that holds state a forward can write, which a skipped step would keep.
+
+    ``frame`` is the caller's. Flax's ``update(self, model, grads)`` has the optimizer
+    and the model in its locals; it may call this ``tx`` through wrappers
+    (``optax.chain``, ``MultiSteps``), so a few frames up are looked at. jaxamp's own
+    ``jaxamp.nnx.Optimizer`` never comes here: it runs the guarded step directly and
+    takes no wrapped ``tx``.
+    """
+    for _ in range(_FRAMES_UP):
+        if frame is None:
+            return
+        caller, model = frame.f_locals.get("self"), frame.f_locals.get("model")
+        if isinstance(caller, nnx.Optimizer) and isinstance(model, nnx.Module):
+            _refuse(caller, model)
+            return
+        frame = frame.f_back
+
+
+# optax.chain, MultiSteps, inject_hyperparams and multi_transform each add a frame or two.
+_FRAMES_UP = 12
+
+
+def _refuse(optimizer: Any, model: nnx.Module) -> None:
+    written = pure(nnx.state(model, forward_written(optimizer.wrt)))
+    paths = [render_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(written)[0]]
+    if not paths:
+        return
+    shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+    raise TypeError(
+        f"Flax's nnx.Optimizer cannot keep this model's state on a step jaxamp skips: the "
+        f"model holds state a forward can write ({shown}), and Flax's optimizer hands the "
+        "jaxamp tx the params alone, so a non-finite batch's statistics would stay. Build "
+        "it with jaxamp.nnx.Optimizer(model, tx, wrt=...) instead: the same arguments and "
+        "update(model, grads), and a skipped step puts that state back (and does not count "
+        "in optimizer.step)."
+    )

@@ -1,0 +1,225 @@
+"""Which gradient leaves were non-finite: a per-leaf record kept in the optimizer state.
+
+One int32 vector with an entry per leaf of the params (in ``jax.tree.leaves``
+order): on how many non-finite steps the leaf held an inf or NaN, negative if it
+did on the last one. It is updated inside the guarded step's skip branch
+(``_guard``), which runs only when a step is skipped; the taken branch hands it
+through, so a finite step runs no op for it and pays only for carrying it:
+``4 * n_leaves`` bytes of state, one buffer. Large leaves' flags come from the
+finite check itself (it reads each large leaf on its own, every step); only the
+small leaves, which the check reads joined per dtype, are read again, in the skip
+branch (reading the large ones there cost the optax path 6.5 MB of temp on the
+bench model: XLA kept more buffers live across the cond). [`jaxamp.explain`][jaxamp.explain]
+turns the record into words on the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._utils.tree import INT32_MAX, is_float_leaf, leaf_finite, render_path, saturating_inc
+
+__all__ = ["NonfiniteLeaves"]
+
+
+def leaf_layout(tree: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """``(key path, shape)`` of each leaf of ``tree``, in ``jax.tree.leaves`` order.
+
+    An nnx ``Variable`` is named by where it sits (``up.kernel``), not by its own
+    attribute (``up.kernel.value``): the name a user reads in the model, and the one
+    an nnx optimizer's pure state gives.
+    """
+    nnx = sys.modules.get("flax.nnx")  # no nnx imported: no Variable can be in the tree
+    var = getattr(nnx, "Variable", None)
+    is_var = None if var is None else (lambda x: isinstance(x, var))
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_var)[0]:
+        inner = [((), leaf)]
+        if is_var is not None and is_var(leaf):
+            # Drop the Variable's own key (its value attribute) from each inner path.
+            inner = [(p[1:], x) for p, x in jax.tree_util.tree_flatten_with_path(leaf)[0]]
+        for sub, x in inner:
+            shape = x.shape if hasattr(x, "shape") else np.shape(x)
+            out.append((render_path((*path, *sub)), tuple(shape)))
+    return tuple(out)
+
+
+class Layout:
+    """The key paths and shapes of the params a record was built for (static).
+
+    Kept in the record's tree structure, not in its leaves: a checkpoint stores
+    nothing of it, and a restored record takes it from the restore target, as a
+    [`jaxamp.LossScaleState`][jaxamp.LossScaleState] takes its mode. Compared and hashed by a
+    digest, so a large model's layout costs a jit cache lookup one small hash.
+    """
+
+    __slots__ = ("_digest", "entries")
+
+    def __init__(self, entries: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
+        self.entries = entries
+        self._digest = hashlib.blake2b(repr(entries).encode(), digest_size=8).digest()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and other._digest == self._digest
+
+    def __hash__(self) -> int:
+        return hash(self._digest)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __repr__(self) -> str:  # short: it shows in every printed tree structure
+        return f"Layout({len(self.entries)} leaves, {self._digest.hex()})"
+
+
+class NonfiniteLeaves(NamedTuple):
+    """Which gradient leaves held inf or NaN, one entry per leaf of the params.
+
+    Entries follow ``jax.tree.leaves(params)``; [`jaxamp.explain`][jaxamp.explain] names them
+    by key path, and refuses params of another layout than ``tx.init`` saw. One
+    int32 vector: a leaf's magnitude is on how many non-finite steps it was
+    non-finite so far (saturating at ``2**31 - 1``), and its sign is negative if it was
+    non-finite on the last one. (A leaf non-finite on the last
+    step has been counted, so the two facts fit one number; one small array is one
+    buffer a step carries, and no state says "last" with a count of zero.)
+
+    Attributes:
+      signed_counts: int32[n_leaves], as above.
+      layout: the key paths and shapes of the params given to ``tx.init`` (``None``
+        for a record built by hand). Static: part of the tree structure, not a
+        leaf, so checkpoints hold only ``signed_counts`` and a restored record
+        takes its layout from the restore target.
+      last: bool[n_leaves] (derived), the leaves that were non-finite on the last
+        skipped non-finite step (all False before the first).
+      count: int32[n_leaves] (derived), on how many non-finite steps each leaf was
+        non-finite so far.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+      >>> params = {"a": jnp.ones(2), "b": jnp.ones(3)}
+      >>> grads = {"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf, 0.0])}
+      >>> _, state = tx.update(grads, tx.init(params), params)
+      >>> state.nonfinite_leaves.last, state.nonfinite_leaves.count
+      (Array([False,  True], dtype=bool), Array([0, 1], dtype=int32))
+    """
+
+    signed_counts: jax.Array
+    layout: Layout | None = None
+
+    @property
+    def last(self) -> jax.Array:
+        return self.signed_counts < 0
+
+    @property
+    def count(self) -> jax.Array:  # type: ignore[override]  # tuple.count: not used on a record
+        return abs(self.signed_counts)
+
+
+# The layout is aux data, the counts the only child, keyed as the NamedTuple's own
+# flattening keys it: checkpoints and paths are those of a record without a layout.
+jax.tree_util.register_pytree_with_keys(
+    NonfiniteLeaves,
+    lambda r: (((jax.tree_util.GetAttrKey("signed_counts"), r.signed_counts),), r.layout),
+    lambda layout, children: NonfiniteLeaves(children[0], layout),
+    flatten_func=lambda r: ((r.signed_counts,), r.layout),
+)
+
+
+def init(tree: Any) -> NonfiniteLeaves:
+    """No leaf non-finite yet: one entry per leaf of ``tree``, and its layout."""
+    layout = Layout(leaf_layout(tree))
+    return NonfiniteLeaves(jnp.zeros((len(layout),), jnp.int32), layout)
+
+
+def bad_leaves(tree: Any, axis_name: Any, known: Sequence[bool] = ()) -> jax.Array:
+    """bool[n_leaves]: which leaves of ``tree`` hold an inf or NaN, ORed over ``axis_name``.
+
+    One reduction per floating leaf not ``known`` (those are False here: the finite
+    check already has their flags). Run only where a step is skipped.
+    """
+    known = list(known) or [False] * len(jax.tree.leaves(tree))
+    flags = [
+        ~leaf_finite(x) if is_float_leaf(x) and not k else jnp.array(False)
+        for x, k in zip(jax.tree.leaves(tree), known, strict=True)
+    ]
+    bad = jnp.stack(flags) if flags else jnp.zeros((0,), jnp.bool_)
+    if axis_name is not None:
+        bad = lax.pmax(bad.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return bad
+
+
+def check_length(stats: NonfiniteLeaves, n_leaves: int) -> None:
+    """Trace time: the record must have one entry per gradient leaf."""
+    if stats.signed_counts.shape != (n_leaves,):
+        raise ValueError(
+            f"the optimizer state tracks {stats.signed_counts.shape[-1]} gradient leaves but the "
+            f"gradients have {n_leaves}: pass the opt_state that tx.init(params) "
+            "returned for these params."
+        )
+
+
+def skipped(
+    stats: NonfiniteLeaves,
+    bad: jax.Array,
+    positions: Sequence[int],
+    owner: Sequence[int],
+    parts_finite: jax.Array,
+) -> NonfiniteLeaves:
+    """The record after a step on which one part was skipped (run in its skip branch).
+
+    Args:
+      stats: the record before the step (over all the params' leaves).
+      bad: bool[the part's leaves]: which of them were non-finite.
+      positions: where the part's leaves sit among all the leaves.
+      owner: for every leaf, the index of the part it belongs to.
+      parts_finite: bool[n_parts]: which parts' gradients were finite this step.
+
+    A step skipped only for a spike (every part finite) leaves the record as it
+    was. Otherwise this part writes its own leaves' flags, and False for the
+    leaves of the finite parts; a non-finite part writes its own in its own skip
+    branch, so the result does not depend on the order the parts run in.
+    """
+    n = stats.signed_counts.shape[0]
+    pos = jnp.array(positions, jnp.int32)
+    mine = jnp.zeros((n,), jnp.bool_).at[pos].set(True)
+    full = jnp.zeros((n,), jnp.bool_).at[pos].set(bad)
+    leaf_ok = parts_finite[jnp.array(owner, jnp.int32)]
+    every = jnp.all(parts_finite)
+    last = jnp.where(mine, full, stats.last & ~leaf_ok)
+    count = saturating_inc(stats.count, full.astype(jnp.int32))
+    return stats._replace(
+        signed_counts=jnp.where(every, stats.signed_counts, jnp.where(last, -count, count))
+    )
+
+
+def validate(stats: NonfiniteLeaves, where: str) -> None:
+    """Checks a restored record on the host: an int32 vector, one entry per leaf.
+
+    Leading device axes (a pmap-replicated state) are allowed.
+    """
+    counts = np.asarray(jax.device_get(stats.signed_counts))
+    problems = []
+    if counts.ndim < 1:
+        problems.append(f"signed_counts must be a vector (one entry per leaf), got {counts.shape}")
+    if counts.dtype != np.int32:
+        problems.append(f"signed_counts must be int32, got {counts.dtype}")
+    elif counts.size and int(counts.min()) < -INT32_MAX:
+        problems.append(f"signed_counts must be >= -(2**31 - 1), got {int(counts.min())}")
+    if stats.layout is not None and counts.ndim >= 1 and counts.shape[-1] != len(stats.layout):
+        problems.append(
+            f"signed_counts has {counts.shape[-1]} entries but the params have "
+            f"{len(stats.layout)} leaves"
+        )
+    if problems:
+        raise ValueError(
+            f"{where} holds an invalid per-leaf non-finite record: " + "; ".join(problems) + "."
+        )

@@ -1,0 +1,119 @@
+"""``jaxamp.value_and_grad``: the gradients of the scaled loss, the loss as computed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp._utils.tree import is_float_leaf
+from jaxamp.loss_scale import _lookup, _rule
+from jaxamp.loss_scale._state import LossScaleState
+
+__all__ = ["scaled_loss", "value_and_grad"]
+
+
+def scaled_loss(
+    fun: Callable[..., Any], has_aux: bool, ls: LossScaleState, where: str = "value_and_grad"
+) -> Callable[..., Any]:
+    """``fun`` returning ``(loss * scale, (loss, aux))``, its loss checked to be a float scalar."""
+
+    def scaled(*args: Any, **kwargs: Any) -> Any:
+        out = fun(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple | list) and len(out) == 2):
+                raise TypeError(
+                    f"{where}: with has_aux=True, `fun` must return a pair (loss, aux), "
+                    f"got {type(out).__name__}."
+                )
+            loss, aux = out
+        else:
+            loss, aux = out, None
+        if jnp.shape(loss) != () or not is_float_leaf(jnp.asarray(loss)):
+            raise TypeError(
+                f"{where}: `fun` must return a scalar floating loss"
+                + (" as the first element of its pair" if has_aux else "")
+                + f", got {jnp.asarray(loss).dtype}{list(jnp.shape(loss))}. Use has_aux=True "
+                "to return (loss, aux)."
+            )
+        return _rule.scale(ls, loss), (loss, aux)
+
+    return scaled
+
+
+_LOSS_SCALE_KWARG = "__jaxamp_loss_scale_state__"
+
+
+def _looks_like_opt_state(state: Any) -> bool:
+    """Whether ``state`` holds optax states (NamedTuples such as ScaleByAdamState)."""
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, tuple) and hasattr(x, "_fields"))
+    return any(isinstance(x, tuple) and hasattr(x, "_fields") for x in nodes)
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+    """``jax.value_and_grad`` of the *scaled* loss, returning the *unscaled* loss.
+
+    Flax ``DynamicScale.value_and_grad`` users' habit, without a ``jaxamp.scale``
+    lambda in every train step: the returned function takes the loss-scale state
+    (or an optimizer state / ``TrainState`` holding one) first, then ``fun``'s
+    arguments. ``argnums`` counts ``fun``'s arguments, as in JAX.
+
+    Args:
+      fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
+      argnums: which of ``fun``'s positional arguments to differentiate: an int
+        or a sequence of ints, negative ones counted from the end, exactly as
+        ``jax.value_and_grad`` reads them (the leading state is not counted).
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A function ``(state, *args, **kwargs) -> (value, grads)`` (``((value, aux),
+      grads)`` with ``has_aux``): the loss as ``fun`` computed it and the gradients
+      of the scaled loss, ready for [`jaxamp.step`][jaxamp.step] or ``tx.update``.
+
+    Examples:
+      >>> import jax.numpy as jnp, jaxamp
+      >>> loss_fn = lambda w, x: jnp.sum(w * x)
+      >>> value, grads = jaxamp.value_and_grad(loss_fn)(jaxamp.static_scale(8.0), jnp.ones(2), 3.0)
+      >>> value, grads
+      (Array(6., dtype=float32), Array([24., 24.], dtype=float32))
+    """
+    if not callable(fun):
+        raise TypeError(f"value_and_grad: `fun` must be callable, got {type(fun).__name__}.")
+
+    def scaled_fun(*args: Any, **kwargs: Any) -> Any:
+        return scaled_loss(fun, has_aux, kwargs.pop(_LOSS_SCALE_KWARG))(*args, **kwargs)
+
+    # jax.value_and_grad itself reads argnums (negative, tuple, list) against
+    # `fun`'s own arguments; the loss-scale state reaches `scaled_fun` as a keyword
+    # no user function has, so it is neither counted nor differentiated.
+    grad_fn = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
+
+    def wrapped(state: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        try:
+            ls = _lookup.get_loss_scale(state)
+        except ValueError as e:
+            if "no LossScaleState" not in str(e):
+                raise ValueError(f"jaxamp.value_and_grad: {e}") from None
+            # The usual slip: the loss's own arguments passed with no state in front.
+            raise ValueError(
+                "jaxamp.value_and_grad: the first argument must be the optimizer state "
+                "(or a LossScaleState) that holds the loss scale, then the loss's own "
+                "arguments: jaxamp.value_and_grad(loss_fn)(opt_state, params, x, y). "
+                f"Got a {type(state).__name__} with no LossScaleState in it"
+                + (
+                    "; if it is the optimizer state, build the optimizer with "
+                    "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale())."
+                    if _looks_like_opt_state(state)
+                    else "."
+                )
+            ) from None
+        (_, (loss, aux)), grads = grad_fn(*args, **kwargs, **{_LOSS_SCALE_KWARG: ls})
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped
