@@ -6,7 +6,6 @@ Everything public is re-exported here from the subpackages, one per concept
 """
 
 from jaxamp import checkpoint, compat, nnx
-from jaxamp._utils.tree import all_finite, select_tree
 from jaxamp.casting import (
     DEFAULT_RULES,
     OverflowReport,
@@ -19,13 +18,14 @@ from jaxamp.casting import (
 from jaxamp.loss_scale import (
     LossScaleState,
     Mode,
+    all_finite,
     check_health,
     check_in_sync,
     dynamic_scale,
     get_loss_scale,
-    metrics,
     no_scale,
     scale,
+    select_tree,
     static_scale,
     unscale_and_check,
     update,
@@ -46,6 +46,7 @@ from jaxamp.skip import (
     SpikeState,
     TrainState,
     explain,
+    metrics,
     multi_transform,
     skip_nonfinite,
     spike_rule,

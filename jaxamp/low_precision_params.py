@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxamp._utils.dtypes import HALF_DTYPES
+
 __all__ = [
     "KahanSummationState",
     "StochasticRoundingState",
@@ -32,13 +34,11 @@ __all__ = [
     "stochastic_rounding",
 ]
 
-_LOW = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-
 
 def _is_low(x: Any) -> bool:
     """A bfloat16 or float16 array: the leaves these transformations round."""
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and np.dtype(dtype) in _LOW
+    return dtype is not None and np.dtype(dtype) in HALF_DTYPES
 
 
 def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
@@ -74,7 +74,7 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     x = jnp.asarray(x)
     if x.dtype != jnp.float32:
         raise TypeError(f"stochastic_round: `x` must be float32, got {x.dtype}.")
-    if np.dtype(dtype) not in _LOW:
+    if np.dtype(dtype) not in HALF_DTYPES:
         raise TypeError(f"stochastic_round: `dtype` must be bfloat16 or float16, got {dtype}.")
     _key_parts(key, "stochastic_round")  # a clear error for an int or a batch of keys
     # Work on magnitudes, so that "up" is away from zero for either sign, and clip

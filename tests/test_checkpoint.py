@@ -401,7 +401,7 @@ def test_restore_logs_nothing_plain_orbax_does_not(tmp_path, caplog) -> None:
 
 def _hostile(state: LossScaleState, **values) -> LossScaleState:
     """``state`` with leaves swapped in as a hand-edited checkpoint would hold them."""
-    leaves = dict(zip(jaxamp.loss_scale._state._FIELDS, jax.tree.leaves(state), strict=True))
+    leaves = dict(zip(jaxamp.loss_scale._state.FIELDS, jax.tree.leaves(state), strict=True))
     for name, v in values.items():
         leaves[name] = jnp.asarray(v, leaves[name].dtype)
     return jax.tree.unflatten(jax.tree.structure(state), list(leaves.values()))

@@ -371,9 +371,9 @@ def test_a_call_it_cannot_enter_is_named_not_blamed(monkeypatch):
     # know), the float16 overflow inside comes out as a float32 inf of the call:
     # 0.3 then blamed the float32 program (issue 31: shard_map).
     from jaxamp.casting import _overflow_eval
+    from jaxamp.casting._primitives import Kind
 
-    for name in ("pjit", "jit"):
-        monkeypatch.delitem(_overflow_eval.HANDLERS, name, raising=False)
+    monkeypatch.delitem(_overflow_eval.HANDLERS, Kind.JIT)
 
     def loss(w, x):
         return jax.jit(lambda a, b: jnp.sum((a @ b).astype(jnp.float32)))(x, w)  # HERE

@@ -17,17 +17,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from jax.extend.core import Jaxpr, Literal
 
-from jaxamp.casting._rules import (
-    AS_WRITTEN,
-    ELEMENTWISE,
-    FLOAT32,
-    FOLLOW,
-    LOWER,
-    is_float,
-)
+from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp.casting._rules import AS_WRITTEN, ELEMENTWISE, FLOAT32, FOLLOW, LOWER
 
 if TYPE_CHECKING:
-    from jaxamp.casting._interpret import Context
+    from jaxamp.casting._context import Context
 
 
 # Ops whose backward pass keeps no floating residual: computing them in
@@ -137,9 +131,12 @@ def analyse(jaxpr: Jaxpr, ctx: Context, float32_outputs: bool = False) -> Analys
                     uses.setdefault(v, []).append(i)
         outs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
         wide = {
-            v for v in outs
-            if float32_outputs and is_float(v.aval.dtype) and np.dtype(v.aval.dtype).itemsize >= 4
-        }  # fmt: skip
+            v
+            for v in outs
+            if float32_outputs
+            and is_float_dtype(v.aval.dtype)
+            and np.dtype(v.aval.dtype).itemsize >= 4
+        }
         sinks: set[int] = set()  # float32 ops and equations demanded by them
         free: set[int] = set()  # residual-free equations feeding only float32 / lower ops
         demanded: set[int] = set()
@@ -180,13 +177,13 @@ class Region(NamedTuple):
 
 
 def pointwise_region(
-    jaxpr: Jaxpr, root: int, rule_of: Callable[[Any], str], ctx: Context, stack: str
+    jaxpr: Jaxpr, root: int, rule_of: Callable[[Any], str], ctx: Context
 ) -> Region:
     """The equations from `root` on that compute a pointwise function of the
     activation `root` reads (gelu's ``x ** 3`` and the chain after it).
 
     `rule_of` gives an equation's rule where it stands (its module's rules
-    under the outer name stack `stack`). An equation joins when it is
+    under the outer name stack ``ctx.stack``). An equation joins when it is
     ``POINTWISE``, its rule lets it run in float32 (not ``"lower"`` nor
     ``"as_written"``), it reads a value of the region, and its other inputs
     are the activation, literals or non-floating values already computed
@@ -210,7 +207,7 @@ def pointwise_region(
                     continue
                 if v in values:
                     reads = True
-                elif is_float(v.aval.dtype) or v in later:
+                elif is_float_dtype(v.aval.dtype) or v in later:
                     break
             else:
                 if reads:
@@ -224,7 +221,7 @@ def pointwise_region(
         outputs = tuple(v for j in inside for v in eqns[j].outvars if v in used)
         return Region(tuple(inside), outputs)
 
-    return ctx.memo(("region", id(jaxpr), root, stack), jaxpr, make)
+    return ctx.memo(("region", id(jaxpr), root, ctx.stack), jaxpr, make)
 
 
 def starts_region(eqn: Any) -> bool:

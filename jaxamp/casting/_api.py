@@ -1,294 +1,22 @@
-"""The public face of autocast: ``autocast``, ``full_precision``, ``keep_float32``.
-
-``autocast(f)`` traces `f` to a jaxpr with ``jax.make_jaxpr`` and evaluates it
-again with the interpreter (``_interpret``); nothing else is read or changed:
-the result depends only on `f`, its arguments and autocast's arguments.
-"""
+"""The public face of autocast: ``autocast``, ``full_precision``, ``keep_float32``."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-import types
-from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from jaxamp.casting import _flax, _rules
-from jaxamp.casting._interpret import (
-    AUTOCAST_SCOPE,
-    FULL_PRECISION_SCOPE,
-    KEEP_FLOAT32_SCOPE,
-    Context,
-    eval_jaxpr,
-)
+from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp.casting._config import build_config
 from jaxamp.casting._policy import Policy
-from jaxamp.casting._rules import DEFAULT_RULES, is_float
+from jaxamp.casting._scopes import FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
+from jaxamp.casting._wrapper import make_wrapper
 
 __all__ = ["autocast", "debugging_autocast", "full_precision", "keep_float32"]
-
-
-def _default_dtype() -> np.dtype:
-    # float16 mirrors torch.autocast on CUDA; TPUs have no fast float16.
-    return np.dtype(jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16)
-
-
-def _is_dynamic(x: Any) -> bool:
-    # Arrays (and tracers) are traced; Python scalars, strings, modules, ...
-    # are fixed at trace time like static arguments, so flags such as
-    # `train=False` keep working in Python control flow.
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def _resolve_dtype(dtype: Any, policy: Policy | str | None) -> tuple[np.dtype, np.dtype | None]:
-    if policy is not None and dtype is not None:
-        raise ValueError("autocast: pass either dtype= or policy=, not both")
-    if policy is not None:
-        if isinstance(policy, str):
-            policy = Policy.from_string(policy)
-        if not isinstance(policy, Policy):
-            raise TypeError(
-                f"autocast: policy must be a jaxamp.Policy or a policy string, got "
-                f"{type(policy).__name__}"
-            )
-        return np.dtype(policy.compute_dtype), np.dtype(policy.output_dtype)
-    if dtype is None:
-        return _default_dtype(), None
-    try:
-        resolved = np.dtype(jnp.dtype(dtype))
-    except TypeError as e:
-        raise TypeError(f"autocast: dtype={dtype!r} is not a dtype") from e
-    if not is_float(resolved):
-        raise ValueError(
-            f"autocast: dtype must be a floating dtype such as jnp.float16 or "
-            f"jnp.bfloat16, got {resolved.name}"
-        )
-    return resolved, None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    compute_dtype: np.dtype
-    output_dtype: np.dtype | None
-    rules: Mapping[str, str]
-    modules: tuple[tuple[str, Any], ...]
-    unknown_higher_order: str
-    # find_overflow: name nnx module calls even without `modules=` rules, and
-    # keep each equation's traceback and name stack in the result.
-    debug: bool = False
-
-
-def _run(
-    f: Callable[..., Any],
-    cfg: _Config,
-    leaves: list[Any],
-    treedef: Any,
-    dynamic: list[int],
-    dyn: Sequence[Any],
-) -> Any:
-    """Traces `f` on the dynamic leaves and evaluates it with autocast rules."""
-
-    def flat_f(*vals: Any) -> Any:
-        full = list(leaves)
-        for i, x in zip(dynamic, vals, strict=True):
-            full[i] = x
-        a, k = jax.tree_util.tree_unflatten(treedef, full)
-        with _flax.linen_class_scopes() if cfg.modules else contextlib.nullcontext():
-            return f(*a, **k)
-
-    closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*dyn)
-    ctx = Context(
-        cfg.compute_dtype,
-        cfg.rules,
-        cfg.unknown_higher_order,
-        cfg.modules,
-        source_info=cfg.debug,
-    )
-    # f's float32 outputs count as float32 uses: the elementwise ops right
-    # before them run in float32 (the output is returned in float32 anyway).
-    wide_out = cfg.output_dtype is None or cfg.output_dtype.itemsize >= 4
-    with jax.named_scope(AUTOCAST_SCOPE):
-        outs, _ = eval_jaxpr(closed.jaxpr, closed.consts, dyn, ctx, float32_outputs=wide_out)
-        final = []
-        for x, shape in zip(outs, jax.tree_util.tree_leaves(out_shape), strict=True):
-            # A literal output (a constant `False`) comes back as a Python scalar.
-            x = x if hasattr(x, "dtype") else jnp.asarray(x, shape.dtype)
-            want = shape.dtype
-            if is_float(want) and cfg.output_dtype is not None:
-                want = cfg.output_dtype
-            if is_float(x.dtype) and x.dtype != want:
-                x = ctx.cast(x, want)
-            final.append(x)
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), final)
-
-
-def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
-    cache: dict[Any, Callable[..., Any]] = {}
-    linen_lifted: list[Callable[..., Any]] = []
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        nnx = _flax.nnx_module()
-        is_node = nnx.graph.is_graph_node if nnx is not None else (lambda x: False)
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
-        node_idx = [i for i, x in enumerate(leaves) if is_node(x)]
-        fn = f
-        self_node = None
-        if is_node(f):
-            self_node = f
-        elif getattr(f, "__self__", None) is not None and is_node(f.__self__):
-            self_node = f.__self__
-        if not node_idx and self_node is None:
-            dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
-            dyn = [leaves[i] for i in dynamic]
-            return _dispatch(fn, leaves, treedef, dynamic, dyn, ())
-        return _call_nnx(nnx, leaves, treedef, node_idx, self_node)
-
-    def _dispatch(
-        fn: Callable[..., Any],
-        leaves: list[Any],
-        treedef: Any,
-        dynamic: list[int],
-        dyn: list[Any],
-        closed_over: Any,
-    ) -> Any:
-        if any(isinstance(x, jax.core.Tracer) for x in dyn):
-            return _run(fn, cfg, leaves, treedef, dynamic, dyn)
-        # Eager call: one jitted program per call signature (jit caches per
-        # shapes and dtypes), instead of re-tracing `f` op by op every call. The
-        # key holds everything that changes the answer: the static leaves, and
-        # what `fn` closes over (an nnx graph's static attributes, such as the
-        # mode model.eval() sets, and the call's static arguments).
-        static = tuple(x for i, x in enumerate(leaves) if i not in set(dynamic))
-        try:
-            key = (treedef, tuple(dynamic), static, closed_over)
-            hash(key)
-        except TypeError:
-            return _run(fn, cfg, leaves, treedef, dynamic, dyn)
-        jitted = cache.get(key)
-        if jitted is None:
-            template = list(leaves)
-            for i in dynamic:
-                template[i] = None
-
-            def flat(*vals: Any) -> Any:
-                return _run(fn, cfg, template, treedef, dynamic, vals)
-
-            jitted = cache[key] = jax.jit(flat)
-            if len(cache) > 64:
-                cache.pop(next(iter(cache)))
-        return jitted(*dyn)
-
-    def _call_nnx(
-        nnx: Any, leaves: list[Any], treedef: Any, node_idx: list[int], self_node: Any
-    ) -> Any:
-        # nnx modules are split into a graph definition and a state pytree;
-        # the state is traced like any other input and the updated state
-        # (BatchStat, RNG counts, ...) is written back after the call, as
-        # nnx.jit does.
-        nodes = tuple(leaves[i] for i in node_idx) + ((self_node,) if self_node is not None else ())
-        graphdef, state = nnx.split(nodes)
-        state_leaves, state_def = jax.tree_util.tree_flatten(state)
-        rest = [i for i, x in enumerate(leaves) if i not in set(node_idx) and _is_dynamic(x)]
-        static_leaves = list(leaves)
-        for i in node_idx:
-            static_leaves[i] = None
-        nstate = len(state_leaves)
-        method = f.__func__ if self_node is not None and self_node is not f else None
-
-        def pure(*vals: Any) -> Any:
-            merged = nnx.merge(graphdef, jax.tree_util.tree_unflatten(state_def, vals[:nstate]))
-            full = list(static_leaves)
-            for i, x in zip(node_idx, merged, strict=False):
-                full[i] = x
-            for i, x in zip(rest, vals[nstate:], strict=True):
-                full[i] = x
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
-            target = f
-            if self_node is not None:
-                target = merged[-1] if method is None else functools.partial(method, merged[-1])
-            named = cfg.modules or cfg.debug
-            names = _flax.nnx_scopes(nnx, merged) if named else contextlib.nullcontext()
-            # The leaf objects now (a Variable in the state is the live one).
-            before = {
-                path: jax.tree_util.tree_leaves(var)
-                for path, var in _flax.flat_variables(nnx, nnx.state(merged))
-            }
-            with names:
-                out = target(*a, **k)
-            # Only the Variables the call changed or created (BatchStat, RNG
-            # counts, sow, nnx.capture's __captures__) come back and are
-            # written back: unchanged parameters must not be written from
-            # inside a trace.
-            updated = {
-                path for path, var in _flax.flat_variables(nnx, nnx.state(merged))
-                if path not in before or not _flax.same_leaves(before[path], var)
-            }  # fmt: skip
-            return out, nnx.state(merged, lambda path, _: path in updated)
-
-        flat_args = [*state_leaves, *(leaves[i] for i in rest)]
-        p_leaves, p_def = jax.tree_util.tree_flatten((tuple(flat_args), {}))
-        statics = tuple(x for i, x in enumerate(static_leaves) if i not in set(rest))
-        closed_over = (graphdef, treedef, tuple(rest), statics, id(method), self_node is None)
-        out, updated = _dispatch(
-            pure, p_leaves, p_def, list(range(len(p_leaves))), p_leaves, closed_over
-        )
-        if _flax.flat_variables(nnx, updated):
-            nnx.update(nodes, updated)
-        return out
-
-    def linen_call(*args: Any, **kwargs: Any) -> Any:
-        if not linen_lifted:
-            from flax.core import lift
-            from flax.linen import transforms as nn_transforms
-
-            def core(fn: Callable[..., Any]) -> Callable[..., Any]:
-                def inner(
-                    scope_fn: Any,
-                    repack_fn: Any,
-                    variable_groups: Any,
-                    rng_groups: Any,
-                    *a: Any,
-                    **k: Any,
-                ) -> Any:
-                    def pure(variable_groups: Any, rng_groups: Any, a: Any, k: Any) -> Any:
-                        scope = scope_fn(variable_groups, rng_groups)
-                        y = fn(scope, *a, **k)
-                        return y, repack_fn(scope)
-
-                    return _make_wrapper(pure, cfg)(variable_groups, rng_groups, a, k)
-
-                return lift.pack(
-                    inner, (True,), (True,), (True,), name="autocast", enable_kwargs=True
-                )
-
-            linen_lifted.append(nn_transforms.lift_transform(core, f))
-        return linen_lifted[0](*args, **kwargs)
-
-    @functools.wraps(f)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if args and _flax.is_bound_linen(args[0]) and not _flax.is_bound_linen(f):
-            # The decorator form on a linen method: lift through flax so that
-            # parameters, collections and RNGs cross the trace (init and apply).
-            return linen_call(*args, **kwargs)
-        return call(*args, **kwargs)
-
-    nnx = _flax.nnx_module()
-    node = f if nnx is not None and nnx.graph.is_graph_node(f) else getattr(f, "__self__", None)
-    if node is not None and nnx is not None and nnx.graph.is_graph_node(node):
-        # autocast(module) or autocast(module.method) is a method bound to the
-        # module, so nnx.capture / nnx.view find the module behind it.
-        @functools.wraps(getattr(f, "__func__", type(f).__call__))
-        def method(_module: Any, *args: Any, **kwargs: Any) -> Any:
-            return wrapper(*args, **kwargs)
-
-        return types.MethodType(method, node)
-    return wrapper
 
 
 def autocast(
@@ -385,10 +113,10 @@ def autocast(
         )
     if not callable(f):
         raise TypeError(f"autocast: f must be callable, got {type(f).__name__}")
-    cfg = _build_config(dtype, policy, rules, modules, unknown_higher_order)
+    cfg = build_config(dtype, policy, rules, modules, unknown_higher_order)
     if not enabled:
         return f
-    return _make_wrapper(f, cfg)
+    return make_wrapper(f, cfg)
 
 
 class _Decorator:
@@ -414,32 +142,6 @@ class _Decorator:
         return None
 
 
-def _build_config(
-    dtype: Any,
-    policy: Policy | str | None,
-    rules: Mapping[Any, str] | None,
-    modules: Mapping[str, Any] | None,
-    unknown_higher_order: str,
-    debug: bool = False,
-) -> _Config:
-    compute_dtype, output_dtype = _resolve_dtype(dtype, policy)
-    resolved_rules = {**DEFAULT_RULES, **_rules.resolve_rules(rules)}
-    resolved_modules = _rules.resolve_modules(modules)
-    if unknown_higher_order not in ("warn", "as_written", "error"):
-        raise ValueError(
-            "autocast: unknown_higher_order must be 'warn', 'as_written' or 'error', "
-            f"got {unknown_higher_order!r}"
-        )
-    return _Config(
-        compute_dtype,
-        output_dtype,
-        MappingProxyType(resolved_rules),
-        resolved_modules,
-        unknown_higher_order,
-        debug,
-    )
-
-
 def debugging_autocast(
     f: Callable[..., Any],
     dtype: Any,
@@ -453,7 +155,7 @@ def debugging_autocast(
     the user's source lines and module scopes), and nnx module calls are named
     by their path in the graph even without ``modules=``.
     """
-    return _make_wrapper(f, _build_config(dtype, None, rules, modules, "warn", debug=True))
+    return make_wrapper(f, build_config(dtype, None, rules, modules, "warn", debug=True))
 
 
 def full_precision(g: Callable[..., Any]) -> Callable[..., Any]:
@@ -516,7 +218,7 @@ def keep_float32(tree: Any) -> Any:
     """
 
     def mark(x: Any) -> Any:
-        if not is_float(jnp.result_type(x)):
+        if not is_float_dtype(jnp.result_type(x)):
             return x
         with jax.named_scope(KEEP_FLOAT32_SCOPE):
             # reduce_precision to float32's own format: an identity equation

@@ -18,25 +18,23 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jaxamp._utils import jax_compat
-from jaxamp.casting import _rules
+from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp.casting import _primitives
 from jaxamp.casting._casts import bind, cast_all, to_original
-from jaxamp.casting._interpret import (
-    Context,
-    Outs,
-    eval_jaxpr,
-    register,
-    scope_rules,
-)
-from jaxamp.casting._rules import F32, FLOAT32_DTYPE, FLOAT32_FUNCTIONS, NONE, is_float
+from jaxamp.casting._context import Context
+from jaxamp.casting._interpret import Ins, Outs, eval_jaxpr
+from jaxamp.casting._primitives import Kind, kind_of
+from jaxamp.casting._rules import F32, FLOAT32_DTYPE, FLOAT32_FUNCTIONS, NONE, promote
+from jaxamp.casting._scopes import join
 
 
 def eval_to_original(
-    jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any], ctx: Context, stack: str = ""
+    jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any], ctx: Context
 ) -> list[Any]:
     """Like `eval_jaxpr`, with outputs cast back to the jaxpr's output dtypes."""
-    outs, _ = eval_jaxpr(jaxpr, consts, args, ctx, None, stack)
+    outs, _ = eval_jaxpr(jaxpr, consts, args, ctx, None)
     return [
-        ctx.cast(x, v.aval.dtype) if is_float(x.dtype) and x.dtype != v.aval.dtype else x
+        ctx.cast(x, v.aval.dtype) if is_float_dtype(x.dtype) and x.dtype != v.aval.dtype else x
         for x, v in zip(outs, jaxpr.outvars, strict=True)
     ]
 
@@ -46,7 +44,7 @@ def traced(body: Callable[..., Any], avals: Sequence[Any], ctx: Context) -> Clos
     return jax.make_jaxpr(body, axis_env=list(ctx.axis_env) or None)(*avals)
 
 
-def autocast_subjaxpr(sub: ClosedJaxpr | Jaxpr, ctx: Context, stack: str) -> ClosedJaxpr | Jaxpr:
+def autocast_subjaxpr(sub: ClosedJaxpr | Jaxpr, ctx: Context) -> ClosedJaxpr | Jaxpr:
     """An autocast version of `sub` with the same input and output types."""
 
     def make() -> ClosedJaxpr | Jaxpr:
@@ -58,7 +56,7 @@ def autocast_subjaxpr(sub: ClosedJaxpr | Jaxpr, ctx: Context, stack: str) -> Clo
                 raise NotImplementedError("open inner jaxpr with constvars")
         sub_ctx = ctx.sub()
         new = traced(
-            lambda *args: eval_to_original(jaxpr, consts, args, sub_ctx, stack),
+            lambda *args: eval_to_original(jaxpr, consts, args, sub_ctx),
             [v.aval for v in jaxpr.invars],
             ctx,
         )
@@ -68,58 +66,51 @@ def autocast_subjaxpr(sub: ClosedJaxpr | Jaxpr, ctx: Context, stack: str) -> Clo
             raise NotImplementedError("autocast introduced constants in an open inner jaxpr")
         return new.jaxpr
 
-    return ctx.memo(("sub", id(sub), stack), sub, make)
-
-
-_CALLS = ("jit", "pjit", "closed_call", "core_call", "call")
+    return ctx.memo(("sub", id(sub)), sub, make)
 
 
 def _closed(inner: Any) -> ClosedJaxpr:
     return inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
 
 
-@register(*_CALLS)
-def _eval_call(
-    eqn: Any, invals: list[Any], inmarks: list[int], dtypes: list[Any], ctx: Context, stack: str
-) -> Outs:
+def eval_call(eqn: Any, ins: Ins, ctx: Context) -> Outs:
+    invals, inmarks, dtypes = ins
     params = eqn.params
-    inner = _closed(params.get("jaxpr", params.get("call_jaxpr")))
+    inner = _closed(_primitives.body(eqn))
     if params.get("name") in FLOAT32_FUNCTIONS:
         # torch runs softmax / log_softmax / logsumexp in float32 and returns
         # float32: the whole function does, whatever its inputs.
-        ups = [_rules.promote(np.dtype(d), FLOAT32_DTYPE) if is_float(d) else None for d in dtypes]
+        ups = [promote(np.dtype(d), FLOAT32_DTYPE) if is_float_dtype(d) else None for d in dtypes]
         args = [
             x if u is None or d == u else ctx.cast(x, u)
             for x, d, u in zip(invals, dtypes, ups, strict=True)
         ]
         marks = [F32 if u is not None else m for u, m in zip(ups, inmarks, strict=True)]
-        return eval_jaxpr(inner.jaxpr, inner.consts, args, ctx, marks, stack)
+        return eval_jaxpr(inner.jaxpr, inner.consts, args, ctx, marks)
     if jax_compat.inlinable_call(params):
         # Activations keep their dtype across the boundary (jax.nn.relu, silu,
         # jnp.cross, jnp.tril are nested jits).
-        if eqn.primitive.name in ("jit", "pjit"):
-            hit = _eval_nested_jit(eqn, inner, invals, inmarks, ctx, stack)
+        if kind_of(eqn.primitive.name) is Kind.JIT:
+            hit = _eval_nested_jit(eqn, inner, invals, inmarks, ctx)
             if hit is not None:
                 return hit
-        return eval_jaxpr(inner.jaxpr, inner.consts, invals, ctx, inmarks, stack)
+        return eval_jaxpr(inner.jaxpr, inner.consts, invals, ctx, inmarks)
     # A jit with shardings, donation or its own mesh keeps its signature:
     # inputs go back to their original dtypes and the inner jaxpr is replaced
     # by an autocast jaxpr of exactly the same types.
-    new = autocast_subjaxpr(params["jaxpr"], ctx, stack)
+    new = autocast_subjaxpr(params["jaxpr"], ctx)
     args = to_original(invals, dtypes, eqn.invars, ctx)
     return bind(eqn, args, dict(params, jaxpr=new)), [NONE] * len(eqn.outvars)
 
 
-def _marked_body(
-    closed: ClosedJaxpr, inmarks: list[int], ctx: Context, stack: str
-) -> tuple[Any, list[int]]:
+def _marked_body(closed: ClosedJaxpr, inmarks: list[int], ctx: Context) -> tuple[Any, list[int]]:
     """``(body, out_marks)``: `closed` as a function of its inputs under autocast;
     `out_marks` is filled in each time ``body`` is traced."""
     out_marks: list[int] = []
     sub_ctx = ctx.sub()
 
     def body(*xs: Any) -> list[Any]:
-        outs, marks = eval_jaxpr(closed.jaxpr, closed.consts, xs, sub_ctx, inmarks, stack)
+        outs, marks = eval_jaxpr(closed.jaxpr, closed.consts, xs, sub_ctx, inmarks)
         out_marks[:] = marks
         return outs
 
@@ -145,7 +136,7 @@ def _inner_stacks(jaxpr: Jaxpr, ctx: Context) -> tuple[str, ...]:
 
 
 def _eval_nested_jit(
-    eqn: Any, closed: ClosedJaxpr, invals: list[Any], inmarks: list[int], ctx: Context, stack: str
+    eqn: Any, closed: ClosedJaxpr, invals: list[Any], inmarks: list[int], ctx: Context
 ) -> Outs | None:
     """A nested ``jit`` re-issued as a ``jit`` of its autocast jaxpr, or None to inline.
 
@@ -154,7 +145,7 @@ def _eval_nested_jit(
     once per (jaxpr, input types, input marks, rules in force, axis
     environment) in a trace and the same object is bound at every call site:
     JAX then differentiates, partially evaluates and lowers it once (a
-    ``jnp.tril`` in each of 48 layers costs one trace, not 48).
+    ``jnp.tril`` in every layer of a model costs one trace, not one per layer).
     """
     if closed.effects:
         return None
@@ -169,14 +160,13 @@ def _eval_nested_jit(
     scopes = tuple(
         (full, id(rules))
         for full, rules in (
-            scope_rules(ctx, f"{stack}/{s}" if stack and s else stack or s)
-            for s in _inner_stacks(closed.jaxpr, ctx)
+            ctx.rules_at(join(ctx.stack, s)) for s in _inner_stacks(closed.jaxpr, ctx)
         )
     )
     key = ("jit", id(closed), tuple(avals), tuple(inmarks), scopes)
 
     def make() -> tuple[ClosedJaxpr, list[int]] | None:
-        body, out_marks = _marked_body(closed, inmarks, ctx, stack)
+        body, out_marks = _marked_body(closed, inmarks, ctx)
         try:
             new = traced(body, avals, ctx)
         except Exception:  # e.g. an axis name bound outside: inline instead
@@ -192,14 +182,12 @@ def _eval_nested_jit(
     return bind(eqn, list(invals), dict(eqn.params, jaxpr=new)), list(out_marks)
 
 
-@register("remat", "remat2", "checkpoint")
-def _eval_remat(
-    eqn: Any, invals: list[Any], inmarks: list[int], dtypes: list[Any], ctx: Context, stack: str
-) -> Outs:
+def eval_remat(eqn: Any, ins: Ins, ctx: Context) -> Outs:
+    invals, inmarks, dtypes = ins
     # Re-issued through the public jax.checkpoint so the rematerialised region
     # takes and returns activations in their autocast dtypes.
     params = eqn.params
-    body, out_marks = _marked_body(_closed(params["jaxpr"]), inmarks, ctx, stack)
+    body, out_marks = _marked_body(_closed(params["jaxpr"]), inmarks, ctx)
     outs = jax.checkpoint(
         body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
     )(*invals)
@@ -207,7 +195,7 @@ def _eval_remat(
 
 
 def _custom_primal(
-    eqn: Any, invals: list[Any], inmarks: list[int], ctx: Context, stack: str
+    eqn: Any, invals: list[Any], inmarks: list[int], ctx: Context
 ) -> tuple[Any, list[Any], list[int], list[int], list[Any]]:
     """A custom derivative's primal, run under autocast: ``(primal, xs, xmarks,
     out_marks, out_dtypes)``; the last two are filled in when ``primal`` runs."""
@@ -221,7 +209,7 @@ def _custom_primal(
 
     def primal(*ys: Any) -> list[Any]:
         outs, marks = eval_jaxpr(
-            call.jaxpr, call.consts, [*consts, *ys], ctx.sub(), [*cmarks, *xmarks], stack
+            call.jaxpr, call.consts, [*consts, *ys], ctx.sub(), [*cmarks, *xmarks]
         )
         out_marks[:] = marks
         out_dtypes[:] = [o.dtype for o in outs]
@@ -230,15 +218,13 @@ def _custom_primal(
     return primal, xs, xmarks, out_marks, out_dtypes
 
 
-@register("custom_jvp_call")
-def _eval_custom_jvp(
-    eqn: Any, invals: list[Any], inmarks: list[int], dtypes: list[Any], ctx: Context, stack: str
-) -> Outs:
+def eval_custom_jvp(eqn: Any, ins: Ins, ctx: Context) -> Outs:
+    invals, inmarks, dtypes = ins
     # A new jax.custom_jvp whose primal and jvp rule are both the autocast
     # evaluations of the user's: the primal has the same dtypes whether or not
     # it is differentiated (PyTorch's custom_fwd / custom_bwd).
     params = eqn.params
-    primal, xs, xmarks, out_marks, out_dtypes = _custom_primal(eqn, invals, inmarks, ctx, stack)
+    primal, xs, xmarks, out_marks, out_dtypes = _custom_primal(eqn, invals, inmarks, ctx)
     fn = jax.custom_jvp(primal)
 
     def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
@@ -250,7 +236,6 @@ def _eval_custom_jvp(
             [*primals, *tangents],
             sub,
             [*xmarks, *xmarks],
-            stack,
         )
         if not out_dtypes:
             primal(*primals)  # the primal's dtypes decide the rule's output dtypes
@@ -267,22 +252,20 @@ def _eval_custom_jvp(
     return list(outs), list(out_marks) or [NONE] * len(outs)
 
 
-@register("custom_vjp_call")
-def _eval_custom_vjp(
-    eqn: Any, invals: list[Any], inmarks: list[int], dtypes: list[Any], ctx: Context, stack: str
-) -> Outs:
+def eval_custom_vjp(eqn: Any, ins: Ins, ctx: Context) -> Outs:
+    invals, inmarks, dtypes = ins
     params = eqn.params
     in_avals = params["call_jaxpr"].in_avals[params["num_consts"] :]
-    primal, xs, xmarks, out_marks, out_dtypes = _custom_primal(eqn, invals, inmarks, ctx, stack)
+    primal, xs, xmarks, out_marks, out_dtypes = _custom_primal(eqn, invals, inmarks, ctx)
     fn = jax.custom_vjp(primal)
     res_types: list[Any] = []  # the original fwd's residual types (static)
 
     def fwd(*ys: Any) -> tuple[list[Any], tuple[Any, ...]]:
-        nonzeros = [is_float(a.dtype) for a in in_avals]
+        nonzeros = [is_float_dtype(a.dtype) for a in in_avals]
         fwd_jaxpr, fconsts, out_trees = jax_compat.custom_vjp_fwd(params, nonzeros)
         sub = ctx.sub()
         jaxpr = fwd_jaxpr.jaxpr if isinstance(fwd_jaxpr, ClosedJaxpr) else fwd_jaxpr
-        outs, _ = eval_jaxpr(jaxpr, fconsts, list(ys), sub, xmarks, stack)
+        outs, _ = eval_jaxpr(jaxpr, fconsts, list(ys), sub, xmarks)
         out_tree, res_tree, forwards = out_trees()
         nres = len(outs) - out_tree.num_leaves
         pruned, p_out = outs[:nres], outs[nres:]
@@ -304,7 +287,7 @@ def _eval_custom_vjp(
             *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in res_types], *ct_avals
         )
         sub = ctx.sub()
-        outs, _ = eval_jaxpr(closed.jaxpr, closed.consts, [*res, *cts], sub, None, stack)
+        outs, _ = eval_jaxpr(closed.jaxpr, closed.consts, [*res, *cts], sub, None)
         return tuple(cast_all(outs, [y.dtype for y in xs], sub))
 
     fn.defvjp(fwd, bwd)
@@ -312,21 +295,16 @@ def _eval_custom_vjp(
     return list(outs), list(out_marks) or [NONE] * len(outs)
 
 
-if jax_compat.HAS_SHARD_MAP:
-
-    @register("shard_map")
-    def _eval_shard_map(
-        eqn: Any, invals: list[Any], inmarks: list[int], dtypes: list[Any], ctx: Context, stack: str
-    ) -> Outs:
-        # A shard_map body can only be traced inside the manual-axes context
-        # that jax.shard_map sets up: re-issue it with the equation's own mesh
-        # and specs, in the original signature.
-        params = eqn.params
-        sub_ctx = ctx.sub(axis_env=ctx.axis_env + tuple(params["mesh"].shape.items()))
-        body = params["jaxpr"]
-        outs = jax_compat.shard_map_call(
-            lambda *xs: eval_to_original(body, (), xs, sub_ctx, stack),
-            to_original(invals, dtypes, eqn.invars, ctx),
-            params,
-        )
-        return outs, [NONE] * len(eqn.outvars)
+def eval_shard_map(eqn: Any, ins: Ins, ctx: Context) -> Outs:
+    # A shard_map body can only be traced inside the manual-axes context
+    # that jax.shard_map sets up: re-issue it with the equation's own mesh
+    # and specs, in the original signature.
+    params = eqn.params
+    sub_ctx = ctx.sub(axis_env=ctx.axis_env + tuple(params["mesh"].shape.items()))
+    body = params["jaxpr"]
+    outs = jax_compat.shard_map_call(
+        lambda *xs: eval_to_original(body, (), xs, sub_ctx),
+        to_original(ins.vals, ins.dtypes, eqn.invars, ctx),
+        params,
+    )
+    return outs, [NONE] * len(eqn.outvars)

@@ -22,16 +22,21 @@ from jax import lax
 from jax.extend.core import Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
+from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting import _rules
-from jaxamp.casting._rules import FLOAT32_DTYPE, is_float
+from jaxamp.casting._rules import FLOAT32_DTYPE
 
 if TYPE_CHECKING:
     from jaxamp.casting._analysis import Region
-    from jaxamp.casting._interpret import Context
+    from jaxamp.casting._context import Context
 
 
 def _saturates(src: np.dtype, dst: np.dtype) -> bool:
-    return is_float(src) and is_float(dst) and float(jnp.finfo(dst).max) < float(jnp.finfo(src).max)
+    return (
+        is_float_dtype(src)
+        and is_float_dtype(dst)
+        and float(jnp.finfo(dst).max) < float(jnp.finfo(src).max)
+    )
 
 
 SATURATING_CAST_NAME = "jaxamp_saturating_cast"
@@ -82,7 +87,7 @@ def to_original(vals: list[Any], dtypes: list[Any], invars: list[Any], ctx: Cont
     out = []
     for x, cur, v in zip(vals, dtypes, invars, strict=True):
         want = v.aval.dtype
-        if cur != want and is_float(cur) and is_float(want):
+        if cur != want and is_float_dtype(cur) and is_float_dtype(want):
             x = host_cast(x, want) if isinstance(v, Literal) else ctx.cast(x, want)
         out.append(x)
     return out
@@ -90,7 +95,7 @@ def to_original(vals: list[Any], dtypes: list[Any], invars: list[Any], ctx: Cont
 
 def cast_all(xs: Sequence[Any], dtypes: Sequence[Any], ctx: Context) -> list[Any]:
     return [
-        ctx.cast(x, d) if is_float(d) and is_float(x.dtype) and x.dtype != d else x
+        ctx.cast(x, d) if is_float_dtype(d) and is_float_dtype(x.dtype) and x.dtype != d else x
         for x, d in zip(xs, dtypes, strict=True)
     ]
 
@@ -121,7 +126,7 @@ def _op_jit(prim: Any, items: tuple[tuple[str, Any], ...]) -> Callable[..., Any]
     under ``grad`` JAX linearizes each bind afresh, while a model written with
     ``jnp`` calls small inlined jits whose linearization JAX caches per program.
     Binding through one jit per (primitive, params) gets the same cache: the
-    ops of 48 identical layers are linearized once, not 48 times. ``inline``
+    ops of identical layers are linearized once, not once per layer. ``inline``
     leaves the traced program exactly as a direct bind would.
     """
     params = dict(items)
@@ -172,7 +177,7 @@ def region_fn(
 @functools.lru_cache(maxsize=512)
 def _region_fn(steps: Any, outputs: Any, target: np.dtype, prevent_cse: bool) -> Any:
     """One function per region structure: JAX caches the trace of a function
-    object, so 48 identical layers trace their gelu once (trace + compile)."""
+    object, so identical layers trace their gelu once (trace + compile)."""
     return _make_region_fn(steps, outputs, target, prevent_cse)
 
 
@@ -186,7 +191,7 @@ def _make_region_fn(steps: Any, outputs: Any, target: np.dtype, prevent_cse: boo
                 return up
             if ref[0] == "lit":
                 dtype = np.dtype(ref[2])
-                return np.asarray(ref[1], target if is_float(dtype) else dtype)
+                return np.asarray(ref[1], target if is_float_dtype(dtype) else dtype)
             if ref[0] == "v":
                 return vals[ref[1]][ref[2]]
             return extra[ref[1]]

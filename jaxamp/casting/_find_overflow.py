@@ -6,31 +6,29 @@ user's tracebacks and module scopes (``_api.debugging_autocast``). The
 evaluator (``_overflow_eval``) then runs that jaxpr eagerly, one equation at a
 time, and stops at the first one that overflowed; ``_overflow_report`` turns
 that equation into a report (forward or backward, module path, source line,
-how large the value would have been in float32) and checks each piece of
-advice by tracing and running the loss again with it.
+how large the value would have been in float32), and ``_overflow_advice`` checks
+each piece of advice by tracing and running the loss again with it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._utils.tree import wide_dtype
+from jaxamp._utils.dtypes import HALF_DTYPES, is_float, times_wide
 from jaxamp.casting import _overflow_eval, _overflow_report
 from jaxamp.casting._api import debugging_autocast
-from jaxamp.casting._interpret import AUTOCAST_SCOPE
-from jaxamp.casting._overflow_eval import is_float
+from jaxamp.casting._overflow_advice import advise
 from jaxamp.casting._overflow_report import OverflowReport
-from jaxamp.loss_scale._lookup import get_loss_scale
+from jaxamp.casting._scopes import AUTOCAST_SCOPE
+from jaxamp.loss_scale import get_loss_scale
 
 __all__ = ["OverflowReport", "find_overflow"]
-
-_LOW_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
 def find_overflow(
@@ -114,80 +112,114 @@ def find_overflow(
         raise TypeError(f"find_overflow: loss_fn must be callable, got {type(loss_fn).__name__}")
     low = _check_dtype(dtype)
     loss_scale = _check_loss_scale(loss_scale)
-    diff = _check_argnums(argnums, len(args))
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    arg_of = _leaf_owners(args, kwargs)
-    for x in leaves:
-        if isinstance(x, jax.core.Tracer):
-            raise TypeError(
-                "find_overflow: the arguments must be concrete arrays; call it outside "
-                "jax.jit / jax.grad (it evaluates the program eagerly, op by op)"
-            )
-    dynamic = [
-        i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray | np.generic)
-    ]
-    wrt = [i for i in dynamic if arg_of[i] in diff and is_float(leaves[i])]
-    rest = [i for i in dynamic if i not in set(wrt)]
     if not isinstance(autocast, bool):
         raise TypeError(f"find_overflow: autocast must be a bool, got {autocast!r}")
-    wrt_vals = [leaves[i] for i in wrt]
-    rest_vals = [leaves[i] for i in rest]
-    inputs = jax.tree_util.tree_leaves((wrt_vals, rest_vals))
+    loss = _Loss.of(loss_fn, args, kwargs, _check_argnums(argnums, len(args)))
+    settings = _Settings(low, rules, modules, autocast)
+    closed, cache = loss.trace(settings, loss_scale), {}
 
-    def trace(low: np.dtype, rules: Any, modules: Any, autocast: bool) -> Any:
+    def probe(scale: float, **overrides: Any) -> OverflowReport:
+        """The loss run again at `scale`, with `overrides` (dtype=, rules=, modules=,
+        autocast=) in place of the caller's: the report, without advice."""
+        if not overrides:
+            return loss.report(closed, settings, scale, cache)
+        again = settings._replace(**overrides)
+        again = again._replace(dtype=np.dtype(again.dtype))
+        return loss.report(loss.trace(again, loss_scale), again, scale, {})
+
+    finding = loss.find(closed, loss_scale, cache)
+    report = _overflow_report.build(finding, low, loss_scale)
+    return advise(report, finding, probe, rules, modules, autocast)
+
+
+class _Settings(NamedTuple):
+    """What a run of the loss is traced with (the caller's, or a probe's overrides)."""
+
+    dtype: np.dtype
+    rules: Any
+    modules: Any
+    autocast: bool
+
+
+class _Loss:
+    """The loss function and its arguments: what is differentiated, what is not."""
+
+    def __init__(
+        self, loss_fn: Callable[..., Any], leaves: list[Any], treedef: Any, wrt: list[int]
+    ) -> None:
+        self.loss_fn, self.leaves, self.treedef = loss_fn, leaves, treedef
+        dynamic = [
+            i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray | np.generic)
+        ]
+        self.wrt = wrt
+        self.rest = [i for i in dynamic if i not in set(wrt)]
+        self.inputs = jax.tree_util.tree_leaves(
+            ([leaves[i] for i in self.wrt], [leaves[i] for i in self.rest])
+        )
+
+    @classmethod
+    def of(cls, loss_fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], diff: set[int]):
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        for x in leaves:
+            if isinstance(x, jax.core.Tracer):
+                raise TypeError(
+                    "find_overflow: the arguments must be concrete arrays; call it outside "
+                    "jax.jit / jax.grad (it evaluates the program eagerly, op by op)"
+                )
+        arg_of = _leaf_owners(args, kwargs)
+        wrt = [
+            i
+            for i, x in enumerate(leaves)
+            if isinstance(x, jax.Array | np.ndarray | np.generic)
+            and arg_of[i] in diff
+            and is_float(x)
+        ]
+        return cls(loss_fn, leaves, treedef, wrt)
+
+    def trace(self, settings: _Settings, loss_scale: float) -> Any:
         """The jaxpr of the scaled loss's value and gradient, the scale an input,
         so that a smaller scale is checked without tracing again."""
-        target = loss_fn
-        if not autocast:
+        target = self.loss_fn
+        if not settings.autocast:
             # Equations traced under autocast's own scope run as written (that is how
             # an autocast nested in another is left alone); the debugging wrapper
             # still keeps their source lines and names nnx modules.
             def target(*a: Any, **k: Any) -> Any:
                 with jax.named_scope(AUTOCAST_SCOPE):
-                    return loss_fn(*a, **k)
+                    return self.loss_fn(*a, **k)
 
-        amp = debugging_autocast(target, low, rules, modules)
+        amp = debugging_autocast(target, settings.dtype, settings.rules, settings.modules)
 
         def scaled(wrt_vals: list[Any], rest_vals: list[Any], scale: Any) -> Any:
-            full = list(leaves)
-            for i, x in zip([*wrt, *rest], [*wrt_vals, *rest_vals], strict=True):
+            full = list(self.leaves)
+            for i, x in zip([*self.wrt, *self.rest], [*wrt_vals, *rest_vals], strict=True):
                 full[i] = x
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
-            loss = amp(*a, **k)
-            if not isinstance(loss, jax.Array) or loss.shape != () or not is_float(loss):
-                got = (
-                    f"{loss.dtype}{list(loss.shape)}"
-                    if isinstance(loss, jax.Array)
-                    else type(loss).__name__
-                )
-                raise TypeError(
-                    f"find_overflow: loss_fn must return a scalar floating loss, got {got}"
-                )
-            wide = wide_dtype(loss.dtype)  # as jaxamp.scale multiplies
-            return (loss.astype(wide) * scale.astype(wide)).astype(loss.dtype)
+            a, k = jax.tree_util.tree_unflatten(self.treedef, full)
+            return times_wide(_scalar_loss(amp(*a, **k)), scale)  # as jaxamp.scale multiplies
 
+        wrt_vals = [self.leaves[i] for i in self.wrt]
+        rest_vals = [self.leaves[i] for i in self.rest]
         scale0 = jnp.asarray(loss_scale, jnp.float32)
         return jax.make_jaxpr(jax.value_and_grad(scaled))(wrt_vals, rest_vals, scale0)
 
-    closed, cache = trace(low, rules, modules, autocast), {}
+    def find(self, program: Any, scale: float, cache: dict) -> Any:
+        args = [*self.inputs, jnp.asarray(scale, jnp.float32)]
+        return _overflow_eval.find(program, args, cache)
 
-    def probe(scale: float, **overrides: Any) -> OverflowReport:
-        """The loss run again at `scale`, with `overrides` (dtype=, rules=, modules=,
-        autocast=) in place of the caller's: the report, without advice."""
-        settings = {"dtype": low, "rules": rules, "modules": modules, "autocast": autocast}
-        settings.update(overrides)
-        program, programs_cache = closed, cache
-        if overrides:
-            dt = np.dtype(settings["dtype"])
-            program = trace(dt, settings["rules"], settings["modules"], settings["autocast"])
-            programs_cache = {}
-        args = [*inputs, jnp.asarray(scale, jnp.float32)]
-        finding = _overflow_eval.find(program, args, programs_cache)
-        return _overflow_report.build(finding, np.dtype(settings["dtype"]), scale)
+    def report(self, program: Any, settings: _Settings, scale: float, cache: dict) -> Any:
+        finding = self.find(program, scale, cache)
+        return _overflow_report.build(finding, np.dtype(settings.dtype), scale)
 
-    finding = _overflow_eval.find(closed, [*inputs, jnp.asarray(loss_scale, jnp.float32)], cache)
-    report = _overflow_report.build(finding, low, loss_scale)
-    return _overflow_report.advise(report, finding, probe, rules, modules, autocast)
+
+def _scalar_loss(loss: Any) -> jax.Array:
+    if not isinstance(loss, jax.Array) or loss.shape != () or not is_float(loss):
+        got = (
+            f"{loss.dtype}{list(loss.shape)}"
+            if isinstance(loss, jax.Array)
+            else type(loss).__name__
+        )
+        raise TypeError(f"find_overflow: loss_fn must return a scalar floating loss, got {got}")
+    return loss
 
 
 # --------------------------------------------------------------------------
@@ -200,7 +232,7 @@ def _check_dtype(dtype: Any) -> np.dtype:
         resolved = np.dtype(jnp.dtype(dtype))
     except TypeError as e:
         raise ValueError(f"find_overflow: dtype={dtype!r} is not a dtype") from e
-    if resolved not in _LOW_DTYPES:
+    if resolved not in HALF_DTYPES:
         raise ValueError(
             f"find_overflow: dtype must be jnp.float16 or jnp.bfloat16, got {resolved.name}"
         )

@@ -4,41 +4,29 @@ Each equation's floating inputs are cast to the dtype ``_rules.choose`` picks
 and the primitive is bound on the cast values. Because only primitives are
 bound, the evaluation runs under whatever transformation is active: ``grad``
 differentiates the cast program, ``jit`` and ``vmap`` compose as usual.
-Higher-order primitives (``jit``, ``scan``, ``custom_vjp_call``, ...) are
-handled by the functions registered in ``HANDLERS`` (see ``_calls`` and
+Higher-order primitives (``jit``, ``scan``, ``custom_vjp_call``, ...) go to the
+context's handlers, by kind (``_primitives``; the handlers are in ``_calls`` and
 ``_loops``), as ``jax.experimental.jet`` keeps its rules in a dict.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
-from jaxamp.casting import _rules
-from jaxamp.casting._analysis import (
-    Analysis,
-    analyse,
-    broadcast_inputs,
-    pointwise_region,
-    starts_region,
-)
-from jaxamp.casting._casts import (
-    bind,
-    bind_opmath,
-    bind_region,
-    cast_jit,
-    host_cast,
-    to_original,
-)
+from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp.casting._analysis import analyse, pointwise_region, starts_region
+from jaxamp.casting._casts import bind, bind_opmath, bind_region, host_cast, to_original
+from jaxamp.casting._context import Context
+from jaxamp.casting._primitives import kind_of
 from jaxamp.casting._rules import (
     ACT,
     AS_WRITTEN,
@@ -48,108 +36,28 @@ from jaxamp.casting._rules import (
     FLOAT32_DTYPE,
     FOLLOW,
     NONE,
+    OPMATH_OPS,
     PIN,
-    is_float,
+    FloatIn,
+    choose,
+    promote,
 )
+from jaxamp.casting._scopes import KEEP_FLOAT32_SCOPE, join
 
-# `jax.named_scope` markers, read from each equation's name stack.
-#: Equations traced under it run as written (``full_precision``).
-FULL_PRECISION_SCOPE = "jaxamp_full_precision"
-#: Equations of a nested ``autocast``: it already applied its own rules.
-AUTOCAST_SCOPE = "jaxamp_autocast"
-#: The ``reduce_precision`` identity that ``keep_float32`` leaves in a jaxpr.
-KEEP_FLOAT32_SCOPE = "jaxamp_keep_float32"
-
-Outs = tuple[list[Any], list[int]]  # a handler's outputs and their marks
-Handler = Callable[[Any, list[Any], list[int], list[Any], "Context", str], Outs]
-
-#: Higher-order primitive name -> handler(eqn, invals, inmarks, dtypes, ctx, stack).
-HANDLERS: dict[str, Handler] = {}
+Outs = tuple[list[Any], list[int]]  # an equation's outputs and their marks
 
 
-def register(*names: str) -> Callable[[Handler], Handler]:
-    """Registers a handler for the higher-order primitives `names`."""
+class Ins(NamedTuple):
+    """An equation's inputs as the interpreter holds them."""
 
-    def deco(fn: Handler) -> Handler:
-        for name in names:
-            HANDLERS[name] = fn
-        return fn
-
-    return deco
+    vals: list[Any]
+    marks: list[int]
+    dtypes: list[Any]  # each value's dtype now (a literal's as written)
 
 
-@dataclasses.dataclass
-class Context:
-    """One autocast trace: its configuration and per-trace memo tables.
-
-    Every memo is keyed by the object it describes (with that object kept
-    alive and checked by identity) plus everything else its answer depends on,
-    and lives only as long as this trace.
-    """
-
-    dtype: np.dtype
-    rules: Mapping[str, str]
-    unknown_higher_order: str
-    modules: tuple[tuple[str, Any], ...] = ()
-    axis_env: tuple[tuple[Any, int], ...] = ()
-    # False inside a custom_jvp rule, whose tangent ops must stay linear
-    # (JAX transposes them): even its constants' casts are plain casts.
-    saturate: bool = True
-    # Re-bind every equation under its own traceback and name stack (what
-    # ``jax.core.eval_jaxpr`` does), so the result's equations point at the
-    # user's source lines and module scopes (``find_overflow``).
-    source_info: bool = False
-    # True inside a loop body or a cond branch. There the forward and the backward
-    # pass land in different HLO computations, so XLA cannot CSE a rematerialised
-    # op into the forward and its checkpoint needs no optimisation barriers
-    # (``prevent_cse=False``, as JAX advises for remat inside scan): less to
-    # compile. Outside, the barriers stay (without them XLA merged bfloat16 upcasts
-    # of the forward and the backward: 4% more temp on bench_autocast).
-    in_region: bool = False
-    # Inner jaxprs already autocast during this trace (key -> (jaxpr, result)).
-    cache: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
-    # Casts already made: (id(value), dtype, saturating) -> (value, cast).
-    casts: dict[tuple[int, Any], tuple[Any, Any]] = dataclasses.field(default_factory=dict)
-    # Resolved per-module rules per name stack.
-    scoped: dict[str, tuple[bool, Mapping[str, str]]] = dataclasses.field(default_factory=dict)
-
-    def sub(self, **changes: Any) -> Context:
-        """A context for an inner trace: the same caches, no casts (other tracers)."""
-        return dataclasses.replace(self, casts={}, **changes)
-
-    def memo(self, key: Any, owner: Any, make: Callable[[], Any]) -> Any:
-        """``make()``, once per (key, owner) and everything in this context
-        that changes how an inner jaxpr is evaluated."""
-        key = (key, self.axis_env, self.saturate, self.in_region)
-        hit = self.cache.get(key)
-        if hit is not None and hit[0] is owner:
-            return hit[1]
-        value = make()
-        self.cache[key] = (owner, value)
-        return value
-
-    def cast(self, x: Any, dtype: Any, const: bool = False) -> Any:
-        """A cast, made once per (value, dtype) in this trace; saturating for a
-        trace-time constant (`const`), plain (inf beyond the range) otherwise."""
-        dtype = np.dtype(dtype)
-        saturate = const and self.saturate
-        key = (id(x), dtype, saturate)
-        hit = self.casts.get(key)
-        if hit is not None and hit[0] is x:
-            return hit[1]
-        src = np.dtype(x.dtype)
-        y = cast_jit(src, dtype, saturate)(x)
-        self.casts[key] = (x, y)
-        if dtype.itemsize > src.itemsize:
-            # An exact upcast: casting the result back down gives `x` again.
-            for s in (False, True):
-                self.casts[(id(y), src, s)] = (y, x)
-        return y
-
-
-# --------------------------------------------------------------------------
-# Evaluation.
-# --------------------------------------------------------------------------
+#: A higher-order primitive's handler: ``(eqn, ins, ctx) -> outs``, ``ctx`` at the
+#: equation's own name stack.
+Handler = Callable[[Any, Ins, Context], Outs]
 
 
 def eval_jaxpr(
@@ -158,72 +66,63 @@ def eval_jaxpr(
     args: Iterable[Any],
     ctx: Context,
     marks: Sequence[int] | None = None,
-    stack: str = "",
-    as_written: bool = False,
     float32_outputs: bool = False,
 ) -> Outs:
-    """Evaluates `jaxpr` with autocast rules; returns the outputs and their marks."""
+    """Evaluates `jaxpr` under ``ctx.stack`` with autocast rules; returns the outputs
+    and their marks. ``float32_outputs``: the outputs are returned in float32 (the
+    top level of ``f``), which counts as a float32 use (``_analysis.analyse``)."""
     env: dict[Any, Any] = {}
     mark: dict[Any, int] = {}
-    for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = x
-        mark[v] = CONST
     args = list(args)
     marks = list(marks) if marks is not None else [NONE] * len(args)
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v], mark[v] = x, CONST
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
-        env[v] = x
-        mark[v] = m
-    facts = (
-        Analysis(frozenset(), broadcast_inputs(jaxpr))
-        if as_written
-        else analyse(jaxpr, ctx, float32_outputs)
-    )
+        env[v], mark[v] = x, m
+    facts = analyse(jaxpr, ctx, float32_outputs)
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
+
+    def marks_of(vs: Sequence[Any]) -> list[int]:
+        return [CONST if isinstance(v, Literal) else mark.get(v, NONE) for v in vs]
 
     done: set[int] = set()  # equations evaluated as part of a pointwise region
     for i, eqn in enumerate(jaxpr.eqns):
         if i in done:
             continue
-        invals = [read(v) for v in eqn.invars]
-        inmarks = [CONST if isinstance(v, Literal) else mark.get(v, NONE) for v in eqn.invars]
-        region = None if as_written else _region(jaxpr, i, eqn, inmarks, ctx, stack)
+        inmarks = marks_of(eqn.invars)
+        region = _region(jaxpr, i, eqn, inmarks, ctx)
         if region is not None:
             with jax_compat.eqn_context(eqn):
                 outs = bind_region(jaxpr, region, read, not ctx.in_region)
-            for v, x in zip(region.outputs, outs, strict=True):
-                env[v] = x
-                mark[v] = F32 if is_float(x.dtype) else NONE
-            done.update(region.eqns)
-            continue
-        # Each equation binds under the context it was traced under (an
-        # auto_axes body runs under another mesh than its caller).
-        with jax_compat.eqn_context(eqn), _source_info(eqn, ctx):
-            outs, outmarks = eval_eqn(
-                eqn,
-                invals,
-                inmarks,
-                ctx,
-                i in facts.demanded,
-                facts.broadcast[i],
-                stack,
-                as_written,
+            outvars, outmarks = (
+                region.outputs,
+                [F32 if is_float_dtype(x.dtype) else NONE for x in outs],
             )
-        if (
-            not eqn.effects
-            and PIN not in outmarks
-            and all(m == CONST or _is_mask(v) for v, m in zip(eqn.invars, inmarks, strict=True))
-        ):
-            # Computed from constants and masks alone: still a constant (unless
-            # the user asked for float32: keep_float32, an explicit cast).
-            outmarks = [CONST] * len(outs)
-        for v, x, m in zip(eqn.outvars, outs, outmarks, strict=True):
-            env[v] = x
-            mark[v] = m
-    outvals = [read(v) for v in jaxpr.outvars]
-    outmarks = [CONST if isinstance(v, Literal) else mark.get(v, NONE) for v in jaxpr.outvars]
-    return outvals, outmarks
+            done.update(region.eqns)
+        else:
+            # Each equation binds under the context it was traced under (an
+            # auto_axes body runs under another mesh than its caller).
+            with jax_compat.eqn_context(eqn), _source_info(eqn, ctx):
+                invals = [read(v) for v in eqn.invars]
+                demanded, broadcast = i in facts.demanded, facts.broadcast[i]
+                outs, outmarks = eval_eqn(eqn, invals, inmarks, ctx, demanded, broadcast)
+            outvars, outmarks = eqn.outvars, _constant_marks(eqn, inmarks, outmarks)
+        for v, x, m in zip(outvars, outs, outmarks, strict=True):
+            env[v], mark[v] = x, m
+    return [read(v) for v in jaxpr.outvars], marks_of(jaxpr.outvars)
+
+
+def _constant_marks(eqn: Any, inmarks: list[int], outmarks: list[int]) -> list[int]:
+    """``outmarks``, or all ``CONST`` for a result computed from constants and masks
+    alone: still a constant (unless the user asked for float32: keep_float32, an
+    explicit cast)."""
+    if eqn.effects or PIN in outmarks:
+        return outmarks
+    if all(m == CONST or _is_mask(v) for v, m in zip(eqn.invars, inmarks, strict=True)):
+        return [CONST] * len(outmarks)
+    return outmarks
 
 
 def _is_mask(v: Any) -> bool:
@@ -231,7 +130,7 @@ def _is_mask(v: Any) -> bool:
     return getattr(v.aval, "dtype", None) == np.dtype(bool)
 
 
-def _region(jaxpr: Jaxpr, i: int, eqn: Any, inmarks: list[int], ctx: Context, stack: str) -> Any:
+def _region(jaxpr: Jaxpr, i: int, eqn: Any, inmarks: list[int], ctx: Context) -> Any:
     """The pointwise region `eqn` starts (``_analysis.pointwise_region``), or None.
 
     A float32-list op of one activation in the compute dtype starts one. Not
@@ -242,20 +141,16 @@ def _region(jaxpr: Jaxpr, i: int, eqn: Any, inmarks: list[int], ctx: Context, st
         return None
     (k,) = [j for j, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
     x = eqn.invars[k]
-    if inmarks[k] != ACT or not is_float(x.aval.dtype) or ctx.dtype.itemsize >= 4:
+    if inmarks[k] != ACT or not is_float_dtype(x.aval.dtype) or ctx.dtype.itemsize >= 4:
         return None
 
     def rule_of(e: Any) -> str:
-        full, rules = scope_rules(ctx, _join(stack, jax_compat.name_stack(e)))
+        full, rules = ctx.rules_at(join(ctx.stack, jax_compat.name_stack(e)))
         return AS_WRITTEN if full else rules.get(e.primitive.name, FOLLOW)
 
     if rule_of(eqn) != FLOAT32:
         return None
-    return pointwise_region(jaxpr, i, rule_of, ctx, stack)
-
-
-def _join(outer: str, inner: str) -> str:
-    return f"{outer}/{inner}" if outer and inner else outer or inner
+    return pointwise_region(jaxpr, i, rule_of, ctx)
 
 
 def _source_info(eqn: Any, ctx: Context) -> Any:
@@ -267,26 +162,7 @@ def _dtype_of(x: Any, v: Any) -> Any:
     return v.aval.dtype if isinstance(v, Literal) else x.dtype
 
 
-def scope_rules(ctx: Context, stack: str) -> tuple[bool, Mapping[str, str]]:
-    """(run as written?, rules) for equations traced under name stack `stack`."""
-    hit = ctx.scoped.get(stack)
-    if hit is not None:
-        return hit
-    parts = [p for p in stack.split("/") if p]
-    full = any(p.startswith((FULL_PRECISION_SCOPE, AUTOCAST_SCOPE)) for p in parts)
-    rules = ctx.rules
-    if ctx.modules and not full:
-        for pattern, value in ctx.modules:
-            if _rules.module_match(pattern, parts):
-                if value == FLOAT32:
-                    full = True
-                    break
-                rules = {**rules, **value}
-    ctx.scoped[stack] = (full, rules)
-    return full, rules
-
-
-def has_subjaxprs(params: Mapping[str, Any]) -> bool:
+def has_subjaxprs(params: dict[str, Any]) -> bool:
     for value in params.values():
         if isinstance(value, (ClosedJaxpr, Jaxpr)):
             return True
@@ -304,72 +180,78 @@ def eval_eqn(
     ctx: Context,
     demanded: bool,
     broadcast: Sequence[bool],
-    outer_stack: str,
-    as_written: bool,
 ) -> Outs:
-    name = eqn.primitive.name
-    dtypes = [_dtype_of(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
-    stack = jax_compat.name_stack(eqn)
-    if outer_stack:
-        stack = f"{outer_stack}/{stack}" if stack else outer_stack
-    rules = ctx.rules
-    if not as_written:
-        as_written, rules = scope_rules(ctx, stack)
-    nout = len(eqn.outvars)
-    rule = AS_WRITTEN if as_written else rules.get(name, FOLLOW)
-    cached = not ctx.source_info
+    """One equation: by its handler, as written, or in the dtype its rule chooses.
 
+    ``demanded`` and ``broadcast`` are the analysis's facts about it (``_analysis``).
+    """
+    ctx = ctx.at(join(ctx.stack, jax_compat.name_stack(eqn)))
+    ins = Ins(invals, inmarks, [_dtype_of(x, v) for x, v in zip(invals, eqn.invars, strict=True)])
+    name, nout = eqn.primitive.name, len(eqn.outvars)
+    full, rules = ctx.rules_at()
+    rule = AS_WRITTEN if full else rules.get(name, FOLLOW)
     if rule != AS_WRITTEN and has_subjaxprs(eqn.params):
-        handler = HANDLERS.get(name)
+        handler = ctx.handlers.get(kind_of(name))
         if handler is not None:
-            return handler(eqn, invals, inmarks, dtypes, ctx, stack)
+            return handler(eqn, ins, ctx)
         _unknown_higher_order(name, ctx)
         rule = AS_WRITTEN
-
     if rule == AS_WRITTEN:
-        outs = bind(eqn, to_original(invals, dtypes, eqn.invars, ctx), cached=cached)
+        outs = bind(eqn, to_original(invals, ins.dtypes, eqn.invars, ctx), cached=ctx.cached)
         return outs, [NONE] * nout
-
-    floats = [i for i, d in enumerate(dtypes) if is_float(d)]
+    floats = [i for i, d in enumerate(ins.dtypes) if is_float_dtype(d)]
     if not floats:  # integer / bool / key ops are never touched
-        return bind(eqn, invals, cached=cached), [NONE] * nout
+        return bind(eqn, invals, cached=ctx.cached), [NONE] * nout
     if name == "convert_element_type":
-        return _eval_convert(eqn, invals, inmarks, dtypes, ctx, demanded, cached)
-    if name == "reduce_precision" and KEEP_FLOAT32_SCOPE in stack:
+        return _eval_convert(eqn, ins, ctx, demanded)
+    if name == "reduce_precision" and KEEP_FLOAT32_SCOPE in ctx.stack:
         x = invals[0]  # the keep_float32 marker: an identity in float32
-        return [x if dtypes[0] == FLOAT32_DTYPE else ctx.cast(x, FLOAT32_DTYPE)], [PIN]
+        return [x if ins.dtypes[0] == FLOAT32_DTYPE else ctx.cast(x, FLOAT32_DTYPE)], [PIN]
+    float_ins = [
+        FloatIn(
+            np.dtype(ins.dtypes[i]), ins.marks[i], not eqn.invars[i].aval.weak_type, broadcast[i]
+        )
+        for i in floats
+    ]
+    target, out_mark = choose(rule, float_ins, ctx.dtype, demanded)
+    return _eval_in(eqn, ins, ctx, floats, target, out_mark)
 
-    target, out_mark = _rules.choose(
-        rule,
-        [np.dtype(dtypes[i]) for i in floats],
-        [inmarks[i] for i in floats],
-        [not eqn.invars[i].aval.weak_type for i in floats],
-        [broadcast[i] for i in floats],
-        ctx.dtype,
-        demanded,
-    )
-    if name in _rules.OPMATH_OPS and target == ctx.dtype and target.itemsize < 4:
-        return bind_opmath(eqn, invals[floats[0]], target, ctx, cached), [out_mark] * nout
-    args = list(invals)
+
+def _eval_in(
+    eqn: Any, ins: Ins, ctx: Context, floats: list[int], target: np.dtype, out_mark: int
+) -> Outs:
+    """An equation with its floating inputs (at ``floats``) cast to ``target``."""
+    nout = len(eqn.outvars)
+    if eqn.primitive.name in OPMATH_OPS and target == ctx.dtype and target.itemsize < 4:
+        outs = bind_opmath(eqn, ins.vals[floats[0]], target, ctx, ctx.cached)
+        return outs, [out_mark] * nout
+    args = list(ins.vals)
     for i in floats:
-        if dtypes[i] != target:
+        if ins.dtypes[i] != target:
             if isinstance(eqn.invars[i], Literal):
-                args[i] = host_cast(invals[i], target)
+                args[i] = host_cast(ins.vals[i], target)
             else:
-                args[i] = ctx.cast(invals[i], target, const=inmarks[i] == CONST)
+                args[i] = ctx.cast(ins.vals[i], target, const=ins.marks[i] == CONST)
+    params, out_mark = _accumulation(eqn, floats, target, out_mark)
+    return bind(eqn, args, params, ctx.cached), [out_mark] * nout
+
+
+def _accumulation(eqn: Any, floats: list[int], target: np.dtype, mark: int) -> tuple[dict, int]:
+    """``eqn``'s params with its ``preferred_element_type`` following the cast, and
+    the results' mark.
+
+    jnp sets ``preferred_element_type`` to its inputs' dtype: it follows the cast,
+    unless `f` asked for another accumulation type than its inputs' (then it is
+    kept, and a float32 one marks the results float32).
+    """
     params = eqn.params
     pref = params.get("preferred_element_type")
-    if pref is not None and is_float(pref) and np.dtype(pref) != target:
-        # jnp sets preferred_element_type to its inputs' dtype: follow the cast,
-        # unless `f` asked for another accumulation type than its inputs'.
-        orig = functools.reduce(
-            _rules.promote, [np.dtype(eqn.invars[i].aval.dtype) for i in floats]
-        )
-        if np.dtype(pref) == orig:
-            params = dict(params, preferred_element_type=target)
-        elif np.dtype(pref).itemsize >= 4:
-            out_mark = F32
-    return bind(eqn, args, params, cached), [out_mark] * nout
+    if pref is None or not is_float_dtype(pref) or np.dtype(pref) == target:
+        return params, mark
+    orig = functools.reduce(promote, [np.dtype(eqn.invars[i].aval.dtype) for i in floats])
+    if np.dtype(pref) == orig:
+        return dict(params, preferred_element_type=target), mark
+    return params, F32 if np.dtype(pref).itemsize >= 4 else mark
 
 
 def _unknown_higher_order(name: str, ctx: Context) -> None:
@@ -394,19 +276,12 @@ def _unknown_higher_order(name: str, ctx: Context) -> None:
         )
 
 
-def _eval_convert(
-    eqn: Any,
-    invals: list[Any],
-    inmarks: list[int],
-    dtypes: list[Any],
-    ctx: Context,
-    demanded: bool,
-    cached: bool = True,
-) -> Outs:
+def _eval_convert(eqn: Any, ins: Ins, ctx: Context, demanded: bool) -> Outs:
     new = eqn.params["new_dtype"]
-    x = invals[0]
-    if not is_float(new):  # float -> int / bool: from the value `f` had
-        return bind(eqn, to_original([x], dtypes, eqn.invars, ctx), cached=cached), [NONE]
+    x = ins.vals[0]
+    if not is_float_dtype(new):  # float -> int / bool: from the value `f` had
+        outs = bind(eqn, to_original([x], ins.dtypes, eqn.invars, ctx), cached=ctx.cached)
+        return outs, [NONE]
     new = np.dtype(new)
     # An explicit cast to float32 or wider (`x.astype(jnp.float32)` of a
     # lower-precision value) marks the value float32 for the ops after it. A
@@ -414,6 +289,6 @@ def _eval_convert(
     src = eqn.invars[0].aval
     retype = bool(src.weak_type) != bool(eqn.params.get("weak_type", False))
     pinned = new.itemsize >= 4 and not demanded and not retype
-    if dtypes[0] == new:
-        return [x], [PIN if pinned else inmarks[0]]
+    if ins.dtypes[0] == new:
+        return [x], [PIN if pinned else ins.marks[0]]
     return [ctx.cast(x, new)], [PIN if pinned else NONE]

@@ -24,15 +24,12 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
+from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._calls import traced
 from jaxamp.casting._casts import SATURATING_CAST_OPS, bind
-from jaxamp.casting._interpret import (
-    Context,
-    Outs,
-    eval_jaxpr,
-    register,
-)
-from jaxamp.casting._rules import ACT, CONST, NONE, PIN, is_float
+from jaxamp.casting._context import Context
+from jaxamp.casting._interpret import Ins, Outs, eval_jaxpr
+from jaxamp.casting._rules import ACT, CONST, NONE, PIN
 
 _Form = tuple[Any, int]  # (dtype, mark) of a value entering or leaving a region
 _FREE = "free"  # an output form: whatever the region gives
@@ -61,7 +58,6 @@ def _trace_region(
     in_forms: Sequence[_Form | None],
     out_forms: Sequence[_Form | str | None],
     ctx: Context,
-    stack: str,
 ) -> _Region:
     """Autocasts `closed` (a loop body, a branch) for given entry and exit forms.
 
@@ -81,12 +77,12 @@ def _trace_region(
         sub_ctx = ctx.sub(in_region=True)
 
         def body(*xs: Any) -> list[Any]:
-            outs, out_marks = eval_jaxpr(jaxpr, closed.consts, xs, sub_ctx, marks, stack)
+            outs, out_marks = eval_jaxpr(jaxpr, closed.consts, xs, sub_ctx, marks)
             got[:] = [(o.dtype, m) for o, m in zip(outs, out_marks, strict=True)]
             final = []
             for o, f, v in zip(outs, out_forms, jaxpr.outvars, strict=True):
                 want = o.dtype if f == _FREE else v.aval.dtype if f is None else f[0]
-                if o.dtype != want and is_float(o.dtype) and is_float(want):
+                if o.dtype != want and is_float_dtype(o.dtype) and is_float_dtype(want):
                     o = sub_ctx.cast(o, want)
                 final.append(o)
             return final
@@ -106,7 +102,7 @@ def _trace_region(
                     cast_only[index[v]] = False
         return _Region(region, list(got), cast_only)
 
-    key = ("region", id(closed), stack, tuple(in_forms), tuple(out_forms))
+    key = ("region", id(closed), ctx.stack, tuple(in_forms), tuple(out_forms))
     return ctx.memo(key, closed, make)
 
 
@@ -127,23 +123,22 @@ def _entry(
 
 
 def _forms(eqn: Any, inmarks: list[int], dtypes: list[Any]) -> tuple[list[Any], list[Any]]:
-    orig = [np.dtype(v.aval.dtype) if is_float(v.aval.dtype) else None for v in eqn.invars]
+    orig = [np.dtype(v.aval.dtype) if is_float_dtype(v.aval.dtype) else None for v in eqn.invars]
     forms: list[_Form | None] = [
-        (dtypes[i], m) if m != NONE and is_float(dtypes[i]) else None for i, m in enumerate(inmarks)
+        (dtypes[i], m) if m != NONE and is_float_dtype(dtypes[i]) else None
+        for i, m in enumerate(inmarks)
     ]
     return orig, forms
 
 
-@register("cond")
-def _eval_cond(
-    eqn: Any, invals: list[Any], inmarks: list[int], dtypes: list[Any], ctx: Context, stack: str
-) -> Outs:
+def eval_cond(eqn: Any, ins: Ins, ctx: Context) -> Outs:
+    invals, inmarks, dtypes = ins
     params = eqn.params
     orig, forms = _forms(eqn, inmarks, dtypes)
     branches = params["branches"]
     ops = forms[1:]
     nout = len(branches[0].out_avals)
-    free = [_trace_region(b, ops, [_FREE] * nout, ctx, stack) for b in branches]
+    free = [_trace_region(b, ops, [_FREE] * nout, ctx) for b in branches]
     decided: list[_Form | None] = []
     for j in range(nout):
         seen = {r.got[j] for r in free}
@@ -153,7 +148,7 @@ def _eval_cond(
     out_dtypes = [a.dtype if d is None else d[0] for a, d in zip(avals, decided, strict=True)]
     new = tuple(
         r.jaxpr if all(d == g[0] for d, g in zip(out_dtypes, r.got, strict=True))
-        else _trace_region(b, ops, decided, ctx, stack).jaxpr
+        else _trace_region(b, ops, decided, ctx).jaxpr
         for b, r in zip(branches, free, strict=True)
     )  # fmt: skip
     marks = [NONE if d is None else d[1] for d in decided]
@@ -161,10 +156,8 @@ def _eval_cond(
     return bind(eqn, args, dict(params, branches=new)), marks
 
 
-@register("while")
-def _eval_while(
-    eqn: Any, invals: list[Any], inmarks: list[int], dtypes: list[Any], ctx: Context, stack: str
-) -> Outs:
+def eval_while(eqn: Any, ins: Ins, ctx: Context) -> Outs:
+    invals, inmarks, dtypes = ins
     params = eqn.params
     orig, forms = _forms(eqn, inmarks, dtypes)
     first = params["cond_nconsts"]  # body inputs: the body consts and the carry
@@ -178,19 +171,17 @@ def _eval_while(
         pinned = orig[i] is not None and orig[i].itemsize >= 4
         forms[i] = (orig[i], PIN) if pinned else None
     exits = [forms[i] for i in carry]
-    region = _trace_region(params["body_jaxpr"], forms[first:], exits, ctx, stack)
+    region = _trace_region(params["body_jaxpr"], forms[first:], exits, ctx)
     cond_in = forms[: params["cond_nconsts"]] + forms[carry0:]
-    cond = _trace_region(params["cond_jaxpr"], cond_in, [None], ctx, stack)
+    cond = _trace_region(params["cond_jaxpr"], cond_in, [None], ctx)
     new_params = dict(params, body_jaxpr=region.jaxpr, cond_jaxpr=cond.jaxpr)
     got = zip(carry, region.got, strict=True)
     marks = [PIN if g == (orig[i], PIN) else NONE for i, g in got]
     return bind(eqn, _entry(invals, inmarks, dtypes, orig, forms, ctx), new_params), marks
 
 
-@register("scan")
-def _eval_scan(
-    eqn: Any, invals: list[Any], inmarks: list[int], dtypes: list[Any], ctx: Context, stack: str
-) -> Outs:
+def eval_scan(eqn: Any, ins: Ins, ctx: Context) -> Outs:
+    invals, inmarks, dtypes = ins
     params = eqn.params
     orig, forms = _forms(eqn, inmarks, dtypes)
     body = params["jaxpr"]  # body inputs: consts, carry, xs
@@ -204,7 +195,7 @@ def _eval_scan(
     demoted: set[int] = set()
     while True:
         exits = [forms[i] for i in carry] + [_FREE] * nys
-        region = _trace_region(body, forms, exits, ctx, stack)
+        region = _trace_region(body, forms, exits, ctx)
         changed = False
         for j, i in enumerate(carry):
             if forms[i] is not None and region.got[j] != forms[i]:

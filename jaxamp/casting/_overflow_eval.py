@@ -8,11 +8,12 @@ value from finite inputs is remembered (the first one) and the evaluation goes
 on, in case a lower-precision one comes later.
 
 Higher-order primitives are entered, so that the op inside is found, not the
-call around it: the rules live in ``HANDLERS`` (primitive name -> handler), as
-``jax.experimental.jet`` keeps its rules in a dict. Every other primitive is
-bound as a whole; one that holds a jaxpr (a higher-order primitive with no
-handler) is marked ``opaque`` when it is the finding, so that the report does
-not blame a float32 op for what a float16 op inside it did.
+call around it: the rules live in ``HANDLERS`` (kind of primitive -> handler;
+the kinds and their names by JAX version are ``_primitives``', as autocast's).
+Every other primitive is bound as a whole; one that holds a jaxpr (a
+higher-order primitive with no handler) is marked ``opaque`` when it is the
+finding, so that the report does not blame a float32 op for what a float16 op
+inside it did.
 
 A ``shard_map`` body runs on per-device blocks, with collectives between them,
 so it cannot be evaluated on the global arrays. Inside one, every value is kept
@@ -34,9 +35,11 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
+from jaxamp._utils.dtypes import is_float
 from jaxamp.casting._overflow_shard import Shard
+from jaxamp.casting._primitives import BODY, Kind, body, kind_of
 
-__all__ = ["HANDLERS", "Finding", "Frame", "find", "is_float", "nonfinite_kind"]
+__all__ = ["HANDLERS", "Finding", "Frame", "find", "nonfinite_kind"]
 
 Stack = tuple[tuple[str, str], ...]  # (kind, name) pairs, outermost first
 
@@ -129,11 +132,9 @@ class _State:
 
 Handler = Callable[[Any, list[Any], Frame, _State], list[Any]]
 
-#: Higher-order primitive name -> handler(eqn, invals, frame, state) -> outputs.
-HANDLERS: dict[str, Handler] = {}
-# Handlers whose body's outputs are the equation's outputs, one to one: a
-# finding's consumers are followed out of them.
-_CALLS: set[str] = set()
+# Kinds whose body's outputs are the equation's outputs, one to one: a finding's
+# consumers are followed out of them.
+_CALLS = frozenset(BODY)
 
 
 def find(closed: ClosedJaxpr, args: Sequence[Any], cache: dict | None = None) -> Finding | None:
@@ -147,16 +148,6 @@ def find(closed: ClosedJaxpr, args: Sequence[Any], cache: dict | None = None) ->
     except _Found as found:
         return found.finding
     return state.wide
-
-
-def is_float(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        dtype = np.result_type(x)
-    try:
-        return bool(jnp.issubdtype(dtype, jnp.floating))
-    except TypeError:  # pragma: no cover - an extended dtype numpy cannot read
-        return False
 
 
 def nonfinite_kind(x: Any) -> str | None:
@@ -199,7 +190,7 @@ def _eval(
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         inner = frame.enter(eqn)
-        handler = HANDLERS.get(eqn.primitive.name)
+        handler = HANDLERS.get(kind_of(eqn.primitive.name))
         try:
             if handler is None:
                 outs = bind_checked(eqn, invals, inner, state)
@@ -220,7 +211,7 @@ def _consumed(finding: Finding, jaxpr: Jaxpr, eqn: Any, entered: bool) -> Findin
     or is the call whose body made it) and where that output leaves `jaxpr`."""
     if not entered:
         outs = list(eqn.outvars)
-    elif eqn.primitive.name in _CALLS:
+    elif kind_of(eqn.primitive.name) in _CALLS:
         outs = [eqn.outvars[i] for i in finding.escapes]
     else:
         return dataclasses.replace(finding, escapes=())
@@ -267,34 +258,10 @@ def _holds_jaxpr(param: Any) -> bool:
 # --------------------------------------------------------------------------
 
 
-def register(*names: str, call: bool = False) -> Callable[[Handler], Handler]:
-    def deco(fn: Handler) -> Handler:
-        for name in names:
-            HANDLERS[name] = fn
-            if call:
-                _CALLS.add(name)
-        return fn
-
-    return deco
+def _call(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any]:
+    return _eval_sub(body(eqn), invals, frame, state)
 
 
-def _call(param: str) -> Handler:
-    def handler(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any]:
-        return _eval_sub(eqn.params[param], invals, frame, state)
-
-    return handler
-
-
-# jit (``pjit`` before JAX 0.7), remat (``checkpoint`` / ``remat2`` by version).
-register("pjit", "jit", "checkpoint", "remat", "remat2", call=True)(_call("jaxpr"))
-register("closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", call=True)(
-    _call("call_jaxpr")
-)
-# JAX 0.5 writes a custom_vjp function as custom_vjp_call_jaxpr.
-register("custom_vjp_call_jaxpr", call=True)(_call("fun_jaxpr"))
-
-
-@register("scan")
 def _scan(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any]:
     params = eqn.params
     nconsts, ncarry, length = params["num_consts"], params["num_carry"], params["length"]
@@ -325,7 +292,6 @@ def _scan(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any]
     return [*carry, *ys]
 
 
-@register("while")
 def _while(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any]:
     params = eqn.params
     ncond, nbody = params["cond_nconsts"], params["body_nconsts"]
@@ -344,7 +310,6 @@ def _while(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any
         i += 1
 
 
-@register("cond")
 def _cond(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any]:
     branches = eqn.params["branches"]
     index = frame.uniform(invals[0])
@@ -354,7 +319,6 @@ def _cond(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any]
     return _eval_sub(branches[index], invals[1:], frame, state)
 
 
-@register("shard_map", call=True)
 def _shard_map(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any]:
     shard = Shard.of(eqn.params, state.cache) if frame.shard is None else None
     if shard is None:  # a nested shard_map, or a JAX whose shard_map is not public
@@ -364,3 +328,13 @@ def _shard_map(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list
     blocks = shard.enter(invals, eqn.params["in_specs"], [v.aval for v in jaxpr.invars])
     outs = _eval_sub(body, blocks, dataclasses.replace(frame, shard=shard), state)
     return shard.leave(outs, [v.aval for v in jaxpr.outvars], eqn.params["out_specs"])
+
+
+#: Kind of higher-order primitive -> handler(eqn, invals, frame, state) -> outputs.
+HANDLERS: dict[Kind, Handler] = {
+    **dict.fromkeys(BODY, _call),
+    Kind.SCAN: _scan,
+    Kind.WHILE: _while,
+    Kind.COND: _cond,
+    Kind.SHARD_MAP: _shard_map,
+}

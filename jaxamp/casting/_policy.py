@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp._utils.tree import is_float_dtype
+from jaxamp._utils.dtypes import is_float_dtype
 
 __all__ = ["Policy"]
 
@@ -129,7 +129,7 @@ class Policy:
       dtype(bfloat16)
     """
 
-    # The defaults are API.md's: float32 master weights and outputs, float16 compute.
+    # float32 master weights and outputs, float16 compute: torch.autocast's on CUDA.
     param_dtype: Any = jnp.float32
     compute_dtype: Any = jnp.float16
     output_dtype: Any = jnp.float32

@@ -3,23 +3,18 @@
 The table is data (``DEFAULT_RULES``: primitive name -> op class), like the
 rule dicts of ``jax.experimental.jet``; ``choose`` reads it. Nothing here
 touches a trace: the interpreter (``_interpret``) asks ``choose`` for a dtype
-and then casts and binds.
+and then casts and binds. The user's rules are checked against it in ``_resolve``.
 """
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
 import functools
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-
-from jaxamp._utils.tree import is_float_dtype
 
 LOWER = "lower"
 FLOAT32 = "float32"
@@ -139,33 +134,38 @@ CONST = 4
 FLOAT32_DTYPE = np.dtype(np.float32)
 
 
-is_float = is_float_dtype  # autocast casts real floating values only
-
-
 @functools.cache
 def promote(a: np.dtype, b: np.dtype) -> np.dtype:
     return np.dtype(jnp.promote_types(a, b))
 
 
+class FloatIn(NamedTuple):
+    """What [`choose`][jaxamp.casting._rules.choose] reads of one floating input.
+
+    Attributes:
+      dtype: its current dtype.
+      mark: its mark (``NONE``, ``ACT``, ``F32``, ``PIN``, ``CONST``).
+      strong: False for a weakly typed Python scalar, which follows the other
+        inputs as in JAX and PyTorch.
+      broadcast: a scalar or a vector broadcast into the result
+        (``_analysis.broadcast_inputs``: a bias, a norm scale, a per-row weight,
+        a fill constant).
+    """
+
+    dtype: np.dtype
+    mark: int
+    strong: bool
+    broadcast: bool
+
+
 def choose(
-    rule: str,
-    dtypes: Sequence[np.dtype],
-    marks: Sequence[int],
-    strong: Sequence[bool],
-    broadcast: Sequence[bool],
-    compute: np.dtype,
-    demanded: bool,
+    rule: str, ins: Sequence[FloatIn], compute: np.dtype, demanded: bool
 ) -> tuple[np.dtype, int]:
     """The dtype an equation runs in and the mark of its results.
 
     Args:
       rule: the equation's op class (not ``"as_written"``).
-      dtypes, marks: the current dtype and mark of each floating input.
-      strong: per floating input, False for a weakly typed Python scalar,
-        which follows the other inputs as in JAX and PyTorch.
-      broadcast: per floating input, True for a scalar or a vector broadcast
-        into the result (``_analysis.broadcast_inputs``: a bias, a norm
-        scale, a per-row weight, a fill constant).
+      ins: its floating inputs.
       compute: the autocast dtype.
       demanded: every use of the results is float32 (``_analysis``).
 
@@ -178,31 +178,32 @@ def choose(
     down: its value would be rounded, clipped or flushed to 0 where float32
     and torch keep it.
     """
-    kinds = [d for d, s in zip(dtypes, strong, strict=True) if s] or list(dtypes)
+    kinds = [x.dtype for x in ins if x.strong] or [x.dtype for x in ins]
     widest = functools.reduce(promote, kinds[1:], kinds[0])
-    act_in = any(m == ACT for m in marks)
-    pin_in = any(m == PIN for m in marks)
-    f32_in = any(m == F32 for m in marks)
+    marks = {x.mark for x in ins}
     wide = promote(widest, FLOAT32_DTYPE)
     if rule == LOWER:
         if widest.itemsize > compute.itemsize and widest.itemsize > 4:
             return widest, NONE  # float64 is not cast down
         return compute, ACT
     if rule == FLOAT32:
-        return wide, PIN if pin_in else F32
+        return wide, PIN if PIN in marks else F32
     if rule == ELEMENTWISE and demanded:
         return wide, NONE
-    if pin_in:  # the user's float32 promotes what it meets
+    if PIN in marks:  # the user's float32 promotes what it meets
         return wide, PIN
-    if f32_in:  # torch's type promotion after a float32-list op
+    if F32 in marks:  # torch's type promotion after a float32-list op
         return wide, F32
     if rule == WIDEST:
-        return widest, ACT if act_in and widest == compute else NONE
+        return widest, ACT if ACT in marks and widest == compute else NONE
     if rule in (ELEMENTWISE, FOLLOW):
-        if act_in and widest.itemsize <= 4:
+        if ACT in marks and widest.itemsize <= 4:
             own = any(
-                s and not b and m in (NONE, CONST) and d.itemsize > compute.itemsize
-                for d, m, s, b in zip(dtypes, marks, strong, broadcast, strict=True)
+                x.strong
+                and not x.broadcast
+                and x.mark in (NONE, CONST)
+                and x.dtype.itemsize > compute.itemsize
+                for x in ins
             )
             if own:  # an input, target, mask of the activation's size: promote
                 return wide, F32
@@ -210,108 +211,3 @@ def choose(
             return compute, ACT
         return widest, NONE
     raise ValueError(f"autocast: unknown op class {rule!r}")
-
-
-# --------------------------------------------------------------------------
-# Resolving the user's rules and module patterns (construction-time checks).
-# --------------------------------------------------------------------------
-
-
-@functools.cache
-def _known_primitives() -> frozenset[str]:
-    from jaxamp.casting._interpret import HANDLERS
-
-    names = set(DEFAULT_RULES) | set(HANDLERS)
-    try:
-        from jax.extend.core import primitives
-
-        for value in vars(primitives).values():
-            name = getattr(value, "name", None)
-            if isinstance(name, str) and hasattr(value, "bind"):
-                names.add(name)
-    except ImportError:  # pragma: no cover - older jax.extend
-        pass
-    for value in vars(lax).values():
-        name = getattr(value, "name", None)
-        if isinstance(name, str) and hasattr(value, "bind"):
-            names.add(name)
-    return frozenset(names)
-
-
-def _check_class(where: str, value: Any) -> None:
-    if value not in OP_CLASSES:
-        raise ValueError(f"autocast: {where}={value!r}; expected one of {OP_CLASSES}")
-
-
-def resolve_rules(rules: Mapping[Any, str] | None, where: str = "rules") -> dict[str, str]:
-    out: dict[str, str] = {}
-    for key, value in (rules or {}).items():
-        if isinstance(key, str):
-            name = key
-            if name not in _known_primitives():
-                known = sorted(_known_primitives())
-                close = sorted((k for k in known if k.startswith(name)), key=len)[:3]
-                close += [k for k in difflib.get_close_matches(name, known, n=3) if k not in close]
-                hint = f" Closest known names: {', '.join(close)}." if close else ""
-                raise ValueError(
-                    f"autocast: {where} names an unknown primitive {name!r}.{hint} Keys are "
-                    "primitive names as in jax.make_jaxpr output (see jaxamp.DEFAULT_RULES), "
-                    "or the primitive objects themselves."
-                )
-        else:
-            name = getattr(key, "name", None)
-            if not isinstance(name, str):
-                raise TypeError(f"autocast: {where} keys must be primitive names, got {key!r}")
-        _check_class(f"{where}[{name!r}]", value)
-        out[name] = value
-    return out
-
-
-def resolve_modules(modules: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
-    resolved = []
-    for pattern, value in (modules or {}).items():
-        if not isinstance(pattern, str) or not pattern:
-            raise TypeError(f"autocast: modules keys must be module name patterns, got {pattern!r}")
-        if isinstance(value, str):
-            if value != FLOAT32:
-                raise ValueError(
-                    f"autocast: modules[{pattern!r}]={value!r}; expected 'float32' (run the "
-                    "module in full precision) or a mapping of primitive rules"
-                )
-            resolved.append((pattern, FLOAT32))
-        elif isinstance(value, Mapping):
-            resolved.append((pattern, resolve_rules(value, f"modules[{pattern!r}]")))
-        else:
-            raise TypeError(
-                f"autocast: modules[{pattern!r}] must be 'float32' or a mapping of primitive "
-                f"rules, got {type(value).__name__}"
-            )
-    return tuple(resolved)
-
-
-def module_match(pattern: str, parts: list[str]) -> bool:
-    """Whether `pattern` names a module on the name stack `parts`.
-
-    A pattern matches a module path ("Block_0/LayerNorm_1", nnx "blocks/0/ln"),
-    a module name, or a class name (linen auto-names are ``Class_N``; a
-    ``[Class]`` scope names the class of the module whose scope precedes it).
-    """
-    names = []
-    for p in parts:
-        name, _, cls = p.partition("[")
-        if name:
-            names.append(name)
-        if cls:
-            names.append(cls.rstrip("]"))
-        head, _, tail = name.rpartition("_")
-        if head and tail.isdigit():
-            names.append(head)
-    if "/" in pattern:
-        # A path names a module: its rule covers the ops of its submodules too.
-        path = [n for n in (p.partition("[")[0] for p in parts) if n]
-        for i in range(len(path), 0, -1):
-            prefix = "/".join(path[:i])
-            if fnmatch.fnmatchcase(prefix, pattern) or fnmatch.fnmatchcase(prefix, "*/" + pattern):
-                return True
-        return False
-    return any(fnmatch.fnmatchcase(n, pattern) for n in names)

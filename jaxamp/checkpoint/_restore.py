@@ -40,148 +40,14 @@ saved with another window is moved into the target's (see [`restore`][jaxamp.che
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
-import jax
-import numpy as np
-
-from jaxamp._utils.tree import path_key, render_path
 from jaxamp.checkpoint import _spike_windows
-from jaxamp.loss_scale._state import FIELD_NAMES, LossScaleState, Mode, validate
-from jaxamp.skip._record import NonfiniteLeaves
-from jaxamp.skip._record import validate as validate_leaves
-from jaxamp.skip._spikes import SpikeState
-from jaxamp.skip._spikes import validate as validate_spikes
+from jaxamp.checkpoint._metadata import check_restorable, child, saved_tree
+from jaxamp.checkpoint._validate import validate_restored
 
-__all__ = ["check_restorable", "restore"]
-
-_MISSING = object()
-_MAX_LISTED = 8
-
-
-def _is_subtree(node: Any) -> bool:
-    return isinstance(node, Mapping | list | tuple)
-
-
-def _child(node: Any, entry: Any) -> Any:
-    k = path_key(entry)
-    if isinstance(node, Mapping):
-        if k in node:
-            return node[k]
-        return node.get(str(k), _MISSING)
-    if isinstance(node, list | tuple):
-        if isinstance(k, str) and hasattr(node, k):  # a namedtuple kept as such
-            return getattr(node, k)
-        if isinstance(k, int) and 0 <= k < len(node):
-            return node[k]
-        return _MISSING
-    return _MISSING
-
-
-def _saved_tree(saved: Any) -> Any:
-    """The nested tree of array metadata inside whatever orbax's ``metadata`` returned."""
-    saved = getattr(saved, "item_metadata", saved)  # StepMetadata -> TreeMetadata
-    return getattr(saved, "tree", saved)  # TreeMetadata -> nested dict / list
-
-
-def _missing(saved_tree: Any, target: Any) -> list[tuple[Any, ...]]:
-    """Key paths of the target's leaves that the saved tree does not hold as leaves."""
-    missing = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(target)[0]:
-        node = saved_tree
-        for entry in path:
-            node = _child(node, entry)
-            if node is _MISSING:
-                break
-        if node is _MISSING or node is None or _is_subtree(node):
-            missing.append(tuple(path))
-    return missing
-
-
-def check_restorable(saved: Any, target: Any, *, where: str = "the checkpoint") -> None:
-    """Raises a clear error if ``saved`` lacks leaves that ``target`` needs.
-
-    Compares structure only (orbax itself checks shapes and dtypes on restore).
-    Above all it catches a checkpoint written without a loss-scale state (a plain
-    optax optimizer) being restored into a [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] state.
-
-    Args:
-      saved: what orbax's ``metadata`` returns for the checkpoint
-        (``StandardCheckpointer().metadata(path)``,
-        ``CheckpointManager.item_metadata(step)``), or its ``.tree``.
-      target: the tree to restore into: real arrays or ``jax.ShapeDtypeStruct``
-        leaves (an abstract target), with any jaxamp state inside.
-      where: how to name the checkpoint in the error message.
-
-    Raises:
-      ValueError: naming the missing loss-scale state (its path and fields) and
-        the other missing leaves, with the way to migrate a plain optax checkpoint;
-        or, when ``saved`` describes no tree (orbax could not read the metadata of
-        a missing or corrupted checkpoint), saying so.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax, jaxamp
-      >>> params = {"w": jnp.ones(2)}
-      >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
-      >>> saved = {"inner_state": [None, None]}  # as orbax describes a plain sgd state
-      >>> jaxamp.checkpoint.check_restorable(saved, tx.init(params))  # doctest: +ELLIPSIS
-      Traceback (most recent call last):
-      ...
-      ValueError: the checkpoint has no loss-scale state at `loss_scale` ...
-    """
-    saved_tree = _saved_tree(saved)
-    if saved_tree is None:
-        # orbax's `metadata` describes no tree when it could not read one.
-        raise ValueError(
-            f"{where} has no readable metadata (orbax describes no tree): the checkpoint is "
-            "missing, incomplete or corrupted, so nothing can be checked. Restore it with orbax "
-            "to see orbax's own error."
-        )
-    missing = _missing(saved_tree, target)
-    if not missing:
-        return
-    missing_set = set(missing)
-
-    # Which LossScaleStates in the target are (partly) absent from the checkpoint.
-    scale_paths = [
-        tuple(path)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(
-            target, is_leaf=lambda x: isinstance(x, LossScaleState)
-        )[0]
-        if isinstance(leaf, LossScaleState)
-    ]
-    parts, covered = [], set()
-    for sp in scale_paths:
-        fields = [p for p in missing_set if p[: len(sp)] == sp]
-        if not fields:
-            continue
-        covered.update(fields)
-        names = ", ".join(sorted(render_path(p[len(sp) :]) for p in fields))
-        parts.append(f"{where} has no loss-scale state at `{render_path(sp)}` (missing: {names})")
-    others = [p for p in missing if p not in covered]
-    if others:
-        listed = ", ".join(f"`{render_path(p)}`" for p in others[:_MAX_LISTED])
-        more = f" and {len(others) - _MAX_LISTED} more" if len(others) > _MAX_LISTED else ""
-        parts.append(f"{where} lacks {len(others)} leaves the target needs: {listed}{more}")
-    message = "; ".join(parts) + "."
-    if others and all("nonfinite_leaves" in map(str, map(path_key, p)) for p in others):
-        message += (
-            " It was written by jaxamp < 0.3, whose states kept no per-leaf record of "
-            "non-finite gradients. Restore into the target with that record left out, "
-            "target._replace(nonfinite_leaves=None) for the skip_nonfinite state, then "
-            "put a fresh one in: restored._replace(nonfinite_leaves="
-            "tx.init(params).nonfinite_leaves)."
-        )
-    if covered:
-        message += (
-            " It was probably written by an optimizer not wrapped in jaxamp.skip_nonfinite "
-            "(plain optax). To resume it with jaxamp, restore the inner optimizer's state "
-            "(target: jax.eval_shape(inner.init, params)) and put it in a fresh state: "
-            "tx.init(params)._replace(inner_state=inner_state), where "
-            "tx = jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale(...))."
-        )
-    raise ValueError(message)
+__all__ = ["restore"]
 
 
 def _explain_failure(read_metadata: Any, target: Any, where: str, error: Exception) -> None:
@@ -195,14 +61,14 @@ def _explain_failure(read_metadata: Any, target: Any, where: str, error: Excepti
     """
     try:
         saved = read_metadata()
-        tree = None if saved is None else _saved_tree(saved)
+        tree = None if saved is None else saved_tree(saved)
     except Exception:
         return
     if tree is None or (isinstance(tree, Mapping) and not isinstance(tree, dict)):
         return  # nothing readable, or a multi-item manager's Composite: orbax's error stands
     try:
         check_restorable(tree, target, where=where)
-        _spike_windows.explain(tree, target, _child, where)
+        _spike_windows.explain(tree, target, child, where)
     except ValueError as clear:
         raise clear from error
 
@@ -224,74 +90,6 @@ def _explain_manager_failure(manager: Any, step: int, target: Any, where: str, e
             f"(orbax: {type(error).__name__}: {error})"
         ) from error
     _explain_failure(lambda: saved, target, where, error)
-
-
-def _host_view(x: Any) -> Any:
-    """A leaf as this process can read it: a replicated or local part, never a gather."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return x.addressable_data(0)
-    return x
-
-
-def _is_loss_scale(node: Any) -> bool:
-    """A LossScaleState, or one flattened into a mapping of its fields (``nnx.state``)."""
-    if isinstance(node, LossScaleState):
-        return True
-    return isinstance(node, Mapping) and all(f in node for f in FIELD_NAMES)
-
-
-def _from_fields(node: Mapping[str, Any]) -> LossScaleState:
-    # nnx keeps the static mode in the graph, not in the state: the field ranges
-    # are checked under the scaling mode that has no mode-specific rule.
-    values = {f: jax.tree.leaves(node[f])[0] for f in FIELD_NAMES}  # unwrap nnx Variables
-    return LossScaleState(**values, mode=Mode.STATIC)
-
-
-def _is_record(node: Any) -> bool:
-    """A per-leaf record, or one flattened into a mapping of its field (``nnx.state``)."""
-    if isinstance(node, NonfiniteLeaves):
-        return True
-    # Its one leaf: the layout is static (tree structure), so nnx's mapping lacks it.
-    return isinstance(node, Mapping) and set(node) == {"signed_counts"}
-
-
-def _validate_restored(tree: Any, where: str) -> None:
-    """Checks every loss-scale state, spike state and per-leaf record in a restored tree."""
-    found = [
-        (path, leaf if isinstance(leaf, LossScaleState) else _from_fields(leaf))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_loss_scale)[0]
-        if _is_loss_scale(leaf)
-    ]
-    for path, node in jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, SpikeState) or _is_record(x)
-    )[0]:
-        if isinstance(node, SpikeState):
-            validate_spikes(jax.tree.map(_host_view, node), f"{where} at `{render_path(path)}`")
-        elif _is_record(node):
-            # nnx wraps the field in a Variable: take the array out.
-            counts = jax.tree.leaves(node[0] if isinstance(node, tuple) else node["signed_counts"])
-            layout = node.layout if isinstance(node, NonfiniteLeaves) else None
-            record = NonfiniteLeaves(_host_view(counts[0]), layout)
-            validate_leaves(record, f"{where} at `{render_path(path)}`")
-    if not found:
-        return
-    # One transfer, of the loss-scale scalars only.
-    host = jax.device_get([jax.tree.map(_host_view, state) for _, state in found])
-    for (path, state), values in zip(found, host, strict=True):
-        label = f"{where} at `{render_path(path)}`"
-        shapes = {np.shape(x) for x in jax.tree.leaves(values)}
-        # A replicated state (a leading device axis, as with pmap) is checked per replica.
-        lead = shapes.pop() if len(shapes) == 1 else ()
-        for index in np.ndindex(*lead):
-            replica = jax.tree.map(lambda x, i=index: np.asarray(x)[i], values)
-            at = f"{label} (replica {index})" if lead else label
-            try:
-                validate(replica, at)
-            except ValueError as e:
-                raise ValueError(
-                    f"{e} A restore takes every number from the checkpoint and only the mode "
-                    f"from the target (here {state.mode.value!r})."
-                ) from None
 
 
 def restore(
@@ -356,6 +154,39 @@ def restore(
       >>> float(jaxamp.get_loss_scale(restored["opt_state"]).scale)
       32768.0
     """
+    source = _source(checkpointer, target, directory, step)
+    # A spike history saved with another window is restored as saved, then resized.
+    # A checkpointer's metadata is read first (silently), so that orbax never fails
+    # on it; a manager's can be read only after a failed restore.
+    other_windows = lambda: _spike_windows.restore_other_windows(
+        source.read_tree, source.run, target, child
+    )
+    first = not source.manager and _spike_windows.has_spikes(target)
+    restored = other_windows() if first else None
+    if restored is None:
+        try:
+            restored = source.run(target)
+        except Exception as e:
+            restored = None if first else other_windows()
+            if restored is None:
+                source.explain(e)
+                e.add_note(f"(raised by orbax while jaxamp.checkpoint.restore read {source.where})")
+                raise
+    validate_restored(restored, source.where)
+    return restored
+
+
+class _Source(NamedTuple):
+    """How to read one checkpoint, from a checkpointer and a directory or a manager and a step."""
+
+    where: str  # the checkpoint, as error messages name it
+    run: Callable[[Any], Any]  # orbax's restore into a target
+    read_tree: Callable[[], Any]  # the saved tree's metadata
+    explain: Callable[[Exception], None]  # raises the clear error for orbax's, if there is one
+    manager: bool
+
+
+def _source(checkpointer: Any, target: Any, directory: Any, step: int | None) -> _Source:
     import orbax.checkpoint as ocp  # here, so that `import jaxamp` does not pay for orbax
 
     if isinstance(checkpointer, str | os.PathLike):
@@ -371,8 +202,7 @@ def restore(
             "restore: `checkpointer` must be an orbax checkpointer (ocp.StandardCheckpointer()) "
             f"or an ocp.CheckpointManager, got {type(checkpointer).__name__}."
         )
-    manager = hasattr(checkpointer, "latest_step")
-    if manager:  # a CheckpointManager (or one like it)
+    if hasattr(checkpointer, "latest_step"):  # a CheckpointManager (or one like it)
         if directory is not None:
             raise TypeError("restore: pass `step=` (not `directory=`) with a CheckpointManager.")
         if step is None:
@@ -380,36 +210,27 @@ def restore(
             if step is None:
                 raise FileNotFoundError(f"no checkpoint found in {checkpointer.directory}.")
         where = f"the checkpoint at step {step} in {checkpointer.directory}"
-        run = lambda t: checkpointer.restore(step, args=ocp.args.StandardRestore(t))
-        read_tree = lambda: _saved_tree(checkpointer.item_metadata(step))
-        # The metadata is read only after a failed restore, when the manager knows
-        # the item's handler: probing a fresh manager's metadata logs two warnings.
-        explain = lambda e: _explain_manager_failure(checkpointer, step, target, where, e)
+        return _Source(
+            where,
+            lambda t: checkpointer.restore(step, args=ocp.args.StandardRestore(t)),
+            lambda: saved_tree(checkpointer.item_metadata(step)),
+            # The metadata is read only after a failed restore, when the manager knows
+            # the item's handler: probing a fresh manager's metadata logs two warnings.
+            lambda e: _explain_manager_failure(checkpointer, step, target, where, e),
+            manager=True,
+        )
+    if directory is None:
+        raise TypeError("restore: a checkpointer needs `directory=` (the checkpoint's path).")
+    where = f"the checkpoint {directory}"
+    if isinstance(checkpointer, ocp.StandardCheckpointer):
+        run = lambda t: checkpointer.restore(directory, t)
     else:
-        if directory is None:
-            raise TypeError("restore: a checkpointer needs `directory=` (the checkpoint's path).")
-        where = f"the checkpoint {directory}"
-        if isinstance(checkpointer, ocp.StandardCheckpointer):
-            run = lambda t: checkpointer.restore(directory, t)
-        else:
-            run = lambda t: checkpointer.restore(directory, args=ocp.args.StandardRestore(t))
-        read_metadata = lambda: checkpointer.metadata(directory)
-        read_tree = lambda: _saved_tree(read_metadata())
-        explain = lambda e: _explain_failure(read_metadata, target, where, e)
-    # A spike history saved with another window is restored as saved, then resized.
-    # A checkpointer's metadata is read first (silently), so that orbax never fails
-    # on it; a manager's can be read only after a failed restore.
-    other_windows = lambda: _spike_windows.restore_other_windows(read_tree, run, target, _child)
-    first = not manager and _spike_windows.has_spikes(target)
-    restored = other_windows() if first else None
-    if restored is None:
-        try:
-            restored = run(target)
-        except Exception as e:
-            restored = None if first else other_windows()
-            if restored is None:
-                explain(e)
-                e.add_note(f"(raised by orbax while jaxamp.checkpoint.restore read {where})")
-                raise
-    _validate_restored(restored, where)
-    return restored
+        run = lambda t: checkpointer.restore(directory, args=ocp.args.StandardRestore(t))
+    read_metadata = lambda: checkpointer.metadata(directory)
+    return _Source(
+        where,
+        run,
+        lambda: saved_tree(read_metadata()),
+        lambda e: _explain_failure(read_metadata, target, where, e),
+        manager=False,
+    )

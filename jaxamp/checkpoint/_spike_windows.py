@@ -5,7 +5,7 @@ values), so a checkpoint written with ``window=8`` does not fit an optimizer bui
 with ``window=16``, and orbax refuses it with a shape error about padding. The
 history is configuration the user may change on resume, like ``growth_interval``:
 [`jaxamp.checkpoint.restore`][jaxamp.checkpoint.restore] restores the saved rings as they are and
-moves their newest values into rings of the target's window (``_spikes.resize``). When that cannot
+moves their newest values into rings of the target's window (:func:`resize`). When that cannot
 be done, the error names the spike history and both windows.
 
 Spike states are found by their fields, as a [`SpikeState`][jaxamp.SpikeState] or as a mapping of
@@ -18,10 +18,11 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.tree import path_key, render_path
-from jaxamp.skip._spikes import SpikeState, resize
+from jaxamp.skip import SpikeState
 
 _FIELDS = ("losses", "grad_norms", "count", "skips", "skipped")
 _RINGS = ("losses", "grad_norms")
@@ -160,3 +161,31 @@ def explain(saved_tree: Any, target: Any, child: Callable[[Any, Any], Any], wher
         "(keeping its newest values), but that restore failed too; build the optimizer with "
         f"jaxamp.spike_rule(window={found[0].saved}, ...) to resume as saved."
     )
+
+
+def resize(losses: Any, grad_norms: Any, count: Any, window: int) -> tuple[Any, Any, Any]:
+    """A saved history moved into a ring of ``window`` slots: the newest values kept.
+
+    Restoring a run into a rule of another window keeps the newest
+    ``min(recorded, window)`` values, in order, oldest first, with ``count`` set to
+    how many were kept: the ring a run of that window holds after recording them,
+    up to a rotation that no decision depends on (the mean and deviation read the
+    values as a set, and the next value overwrites the oldest either way). A smaller
+    window thus continues exactly as a run built with it would have; a larger one
+    starts with the saved values and fills up over the next steps. Leading axes (a
+    replicated state) are kept. Works on host or device arrays, returns jax arrays.
+    """
+    losses, grad_norms = jnp.asarray(losses), jnp.asarray(grad_norms)
+    count = jnp.asarray(count, jnp.int32)
+    old = losses.shape[-1]
+    kept = jnp.minimum(jnp.minimum(count, old), window)[..., None]
+    j = jnp.arange(window)
+    # Slot j of the new ring holds the value recorded `kept - j` steps ago, which the
+    # old ring keeps at slot (count - kept + j) mod old (its slot is the index mod old).
+    src = jnp.mod(count[..., None] - kept + j, old)
+    src = jnp.where(j < kept, src, 0)
+
+    def move(ring: jax.Array) -> jax.Array:
+        return jnp.where(j < kept, jnp.take_along_axis(ring, src, axis=-1), 0.0)
+
+    return move(losses), move(grad_norms), kept[..., 0].astype(jnp.int32)

@@ -1,20 +1,25 @@
-"""Loss scaling: the loss-scale state, the functions that drive it, and reading it back."""
+"""Loss scaling: the state, its constructors (and other systems', in ``compat``), the pure
+functions that drive it, reading it back from an optimizer state, checking it agrees everywhere."""
 
-from jaxamp.loss_scale._lookup import check_health, get_loss_scale, metrics
+from jaxamp._utils.finite import all_finite
+from jaxamp._utils.tree import select_tree
+from jaxamp.loss_scale._constructors import dynamic_scale, no_scale, static_scale
+from jaxamp.loss_scale._lookup import check_health, get_loss_scale
 from jaxamp.loss_scale._rule import scale, unscale_and_check, update
-from jaxamp.loss_scale._state import LossScaleState, Mode, dynamic_scale, no_scale, static_scale
+from jaxamp.loss_scale._state import LossScaleState, Mode
 from jaxamp.loss_scale._sync import check_in_sync
 
 __all__ = [
     "LossScaleState",
     "Mode",
+    "all_finite",
     "check_health",
     "check_in_sync",
     "dynamic_scale",
     "get_loss_scale",
-    "metrics",
     "no_scale",
     "scale",
+    "select_tree",
     "static_scale",
     "unscale_and_check",
     "update",

@@ -7,13 +7,9 @@ import math
 import numpy as np
 
 from jaxamp.loss_scale._compat_paddle import paddle_grad_scaler
-from jaxamp.loss_scale._compat_table import _SYSTEMS, _checked, _state, _whole
-from jaxamp.loss_scale._state import (
-    LossScaleState,
-    Mode,
-    no_scale,
-    static_scale,
-)
+from jaxamp.loss_scale._compat_table import SYSTEMS, check_whole, checked_args, system_state
+from jaxamp.loss_scale._constructors import no_scale, static_scale
+from jaxamp.loss_scale._state import LossScaleState, Mode
 
 __all__ = [
     "flax_dynamic_scale",
@@ -27,7 +23,7 @@ __all__ = [
 ]
 
 
-@_checked("PyTorch")
+@checked_args("PyTorch")
 def torch_grad_scaler(
     init_scale: float = 2.0**16,
     growth_factor: float = 2.0,
@@ -58,7 +54,7 @@ def torch_grad_scaler(
         raise ValueError(f"growth_factor must be > 1.0 (as in PyTorch), got {growth_factor!r}.")
     if backoff_factor >= 1.0:
         raise ValueError(f"backoff_factor must be < 1.0 (as in PyTorch), got {backoff_factor!r}.")
-    return _state(
+    return system_state(
         "PyTorch",
         scale=init_scale,
         growth_factor=growth_factor,
@@ -67,7 +63,7 @@ def torch_grad_scaler(
     )
 
 
-@_checked("MegEngine")
+@checked_args("MegEngine")
 def megengine_grad_scaler(
     init_scale: float = 2.0**4,
     growth_factor: float = 2.0,
@@ -100,7 +96,7 @@ def megengine_grad_scaler(
         return static_scale(init_scale, skip_nonfinite=True)
     if growth_interval < 0:
         raise ValueError(f"growth_interval must be >= 0, got {growth_interval!r}.")
-    return _state(
+    return system_state(
         "MegEngine",
         scale=init_scale,
         growth_factor=growth_factor,
@@ -109,7 +105,7 @@ def megengine_grad_scaler(
     )
 
 
-@_checked("MindSpore")
+@checked_args("MindSpore")
 def mindspore_fixed(loss_scale: float = 128.0, drop_overflow_update: bool = True) -> LossScaleState:
     """``mindspore.FixedLossScaleManager``.
 
@@ -131,7 +127,7 @@ def mindspore_fixed(loss_scale: float = 128.0, drop_overflow_update: bool = True
     return static_scale(loss_scale, skip_nonfinite=bool(drop_overflow_update))
 
 
-@_checked("MindSpore")
+@checked_args("MindSpore")
 def mindspore_dynamic(
     init_loss_scale: float = 2.0**24, scale_factor: int = 2, scale_window: int = 2000
 ) -> LossScaleState:
@@ -160,7 +156,7 @@ def mindspore_dynamic(
         raise ValueError(
             f"init_loss_scale must be >= 1 (as in MindSpore), got {init_loss_scale!r}."
         )
-    _whole("MindSpore", "scale_window", scale_window, 1)
+    check_whole("MindSpore", "scale_window", scale_window, 1)
     if scale_factor <= 0:
         raise ValueError(f"scale_factor must be > 0 (as in MindSpore), got {scale_factor!r}.")
     if scale_factor < 1:
@@ -171,9 +167,9 @@ def mindspore_dynamic(
     if scale_factor == 1:
         state = static_scale(init_loss_scale)
         return state.replace(
-            max_consecutive_nonfinite=_SYSTEMS["MindSpore"][1]["max_consecutive_nonfinite"]
+            max_consecutive_nonfinite=SYSTEMS["MindSpore"][1]["max_consecutive_nonfinite"]
         )
-    return _state(
+    return system_state(
         "MindSpore",
         scale=init_loss_scale,
         growth_factor=float(scale_factor),
@@ -186,7 +182,7 @@ def mindspore_dynamic(
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
-@_checked("Flax")
+@checked_args("Flax")
 def flax_dynamic_scale(
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
@@ -231,13 +227,13 @@ def flax_dynamic_scale(
       >>> tuple(float((s := jaxamp.update(s, True)).scale) for _ in range(4))
       (2.0, 4.0, 4.0, 8.0)
     """
-    _whole("Flax", "growth_interval", growth_interval, 0)
-    _whole("Flax", "fin_steps", fin_steps, 0)
+    check_whole("Flax", "growth_interval", growth_interval, 0)
+    check_whole("Flax", "fin_steps", fin_steps, 0)
     if fin_steps > growth_interval:
         raise ValueError(
             f"fin_steps ({fin_steps!r}) must be <= growth_interval ({growth_interval!r}) (Flax)."
         )
-    state = _state(
+    state = system_state(
         "Flax",
         scale=scale,
         growth_factor=growth_factor,
@@ -248,7 +244,7 @@ def flax_dynamic_scale(
     return state.replace(growth_tracker=int(fin_steps))
 
 
-@_checked("jmp")
+@checked_args("jmp")
 def jmp_dynamic_loss_scale(
     loss_scale: float,
     counter: int = 0,
@@ -291,8 +287,8 @@ def jmp_dynamic_loss_scale(
       >>> float(jaxamp.update(s, True).scale), float(jaxamp.update(s, False).scale)
       (65536.0, 16384.0)
     """
-    _whole("jmp", "period", period, 1)
-    _whole("jmp", "counter", counter, 0)
+    check_whole("jmp", "period", period, 1)
+    check_whole("jmp", "counter", counter, 0)
     if counter >= period:
         raise ValueError(f"counter ({counter!r}) must be < period ({period!r}) (jmp).")
     if not 1 <= factor < math.inf:
@@ -303,17 +299,19 @@ def jmp_dynamic_loss_scale(
     config = {"scale": loss_scale, "growth_interval": period, "min_scale": min_loss_scale}
     if factor == 1:
         # The scale never moves; only the check remains (jaxamp's static mode).
-        state = _state("jmp", Mode.STATIC, growth_factor=2.0, backoff_factor=0.5, **config)
+        state = system_state("jmp", Mode.STATIC, growth_factor=2.0, backoff_factor=0.5, **config)
         if not float(min_loss_scale) <= float(np.asarray(loss_scale)):
             raise ValueError(
                 f"loss_scale ({loss_scale!r}) must be >= min_loss_scale ({min_loss_scale!r})."
             )
         return state
-    state = _state("jmp", growth_factor=float(factor), backoff_factor=1.0 / float(factor), **config)
+    state = system_state(
+        "jmp", growth_factor=float(factor), backoff_factor=1.0 / float(factor), **config
+    )
     return state.replace(growth_tracker=int(counter))
 
 
-@_checked("Keras")
+@checked_args("Keras")
 def keras_loss_scale_optimizer(
     initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000
 ) -> LossScaleState:
@@ -344,5 +342,5 @@ def keras_loss_scale_optimizer(
       >>> float(jaxamp.update(s, False).scale) == 2.0**-126  # Keras would reach 0
       True
     """
-    _whole("Keras", "dynamic_growth_steps", dynamic_growth_steps, 1)
-    return _state("Keras", scale=initial_scale, growth_interval=dynamic_growth_steps)
+    check_whole("Keras", "dynamic_growth_steps", dynamic_growth_steps, 1)
+    return system_state("Keras", scale=initial_scale, growth_interval=dynamic_growth_steps)

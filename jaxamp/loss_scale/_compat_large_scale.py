@@ -6,16 +6,18 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from jaxamp.loss_scale._compat_table import _checked, _flags, _numbers, _state, _whole
-from jaxamp.loss_scale._state import (
-    LossScaleState,
-    Mode,
-    _fixed,
-    no_scale,
+from jaxamp.loss_scale._compat_table import (
+    check_flags,
+    check_numbers,
+    check_whole,
+    checked_args,
+    system_state,
 )
+from jaxamp.loss_scale._constructors import no_scale
+from jaxamp.loss_scale._state import LossScaleState, Mode, fixed_state
 
 
-@_checked("DeepSpeed")
+@checked_args("DeepSpeed")
 def deepspeed_loss_scaler(
     init_scale: float = 2**32,
     scale_factor: float = 2.0,
@@ -77,9 +79,9 @@ def deepspeed_loss_scaler(
             f"scale_factor must be finite and > 1 (DeepSpeed multiplies the scale by it on "
             f"growth and divides by it on overflow), got {scale_factor!r}."
         )
-    _whole("DeepSpeed", "scale_window", scale_window, 1)
-    _whole("DeepSpeed", "delayed_shift", delayed_shift, 1)
-    return _state(
+    check_whole("DeepSpeed", "scale_window", scale_window, 1)
+    check_whole("DeepSpeed", "delayed_shift", delayed_shift, 1)
+    return system_state(
         "DeepSpeed",
         scale=init_scale,
         growth_factor=float(scale_factor),
@@ -135,8 +137,8 @@ def deepspeed_fp16_config(fp16: Mapping[str, Any]) -> LossScaleState:
             f"{type(fp16).__name__} {fp16!r}."
         )
     enabled, loss_scale = fp16.get("enabled", False), fp16.get("loss_scale", 0)
-    _flags("DeepSpeed config", enabled=enabled)
-    _numbers("DeepSpeed config", loss_scale=loss_scale)
+    check_flags("DeepSpeed config", enabled=enabled)
+    check_numbers("DeepSpeed config", loss_scale=loss_scale)
     if not enabled:
         return no_scale()
     if loss_scale != 0:
@@ -144,18 +146,18 @@ def deepspeed_fp16_config(fp16: Mapping[str, Any]) -> LossScaleState:
             raise ValueError(
                 f"loss_scale must be 0 (dynamic) or > 0 (DeepSpeed), got {loss_scale!r}."
             )
-        return _fixed(Mode.STATIC, loss_scale, {"scale": "loss_scale"})
+        return fixed_state(Mode.STATIC, loss_scale, {"scale": "loss_scale"})
     if not any(key in fp16 for key in _DEEPSPEED_FP16_DYNAMIC):
         return deepspeed_loss_scaler()
     c = {key: fp16.get(key, default) for key, default in _DEEPSPEED_FP16_DYNAMIC.items()}
-    _numbers(
+    check_numbers(
         "DeepSpeed config",
         initial_scale_power=c["initial_scale_power"],
         loss_scale_window=c["loss_scale_window"],
         hysteresis=c["hysteresis"],
         min_loss_scale=c["min_loss_scale"],
     )
-    _flags("DeepSpeed config", consecutive_hysteresis=c["consecutive_hysteresis"])
+    check_flags("DeepSpeed config", consecutive_hysteresis=c["consecutive_hysteresis"])
     if not -126 <= c["initial_scale_power"] <= 126:
         raise ValueError(
             f"initial_scale_power must be in [-126, 126], got {c['initial_scale_power']!r}."
@@ -163,7 +165,7 @@ def deepspeed_fp16_config(fp16: Mapping[str, Any]) -> LossScaleState:
     names = {"loss_scale_window": "scale_window", "hysteresis": "delayed_shift"}
     for key, arg in names.items():
         try:
-            _whole("DeepSpeed config", key, c[key], 1)
+            check_whole("DeepSpeed config", key, c[key], 1)
         except ValueError as e:
             raise ValueError(f"{e} ({arg} of DynamicLossScaler)") from None
     try:
@@ -180,7 +182,7 @@ def deepspeed_fp16_config(fp16: Mapping[str, Any]) -> LossScaleState:
         ) from None
 
 
-@_checked("Megatron-LM")
+@checked_args("Megatron-LM")
 def megatron_grad_scaler(
     initial_scale: float = 2.0**32,
     min_scale: float = 1.0,
@@ -243,9 +245,9 @@ def megatron_grad_scaler(
     for name, value, ok, wants in asserts:
         if not ok:
             raise ValueError(f"{name} must be {wants} (as Megatron-LM asserts), got {value!r}.")
-    _whole("Megatron-LM", "growth_interval", growth_interval, 1)
-    _whole("Megatron-LM", "hysteresis", hysteresis, 1)
-    return _state(
+    check_whole("Megatron-LM", "growth_interval", growth_interval, 1)
+    check_whole("Megatron-LM", "hysteresis", hysteresis, 1)
+    return system_state(
         "Megatron",
         scale=initial_scale,
         growth_factor=growth_factor,
@@ -256,7 +258,7 @@ def megatron_grad_scaler(
     )
 
 
-@_checked("Apex")
+@checked_args("Apex")
 def apex_loss_scaler(
     loss_scale: float | str = "dynamic",
     init_scale: float = 2.0**16,
@@ -306,13 +308,13 @@ def apex_loss_scaler(
                 "pass a fixed scale as a number."
             )
     else:
-        _numbers("Apex", loss_scale=loss_scale)
+        check_numbers("Apex", loss_scale=loss_scale)
     if not max_loss_scale > 0:
         raise ValueError(f"max_loss_scale must be > 0 (Apex), got {max_loss_scale!r}.")
     if not isinstance(loss_scale, str):
-        return _fixed(Mode.STATIC_UNCHECKED, loss_scale, {"scale": "loss_scale"})
-    _whole("Apex", "scale_window", scale_window, 1)
-    return _state(
+        return fixed_state(Mode.STATIC_UNCHECKED, loss_scale, {"scale": "loss_scale"})
+    check_whole("Apex", "scale_window", scale_window, 1)
+    return system_state(
         "Apex",
         scale=min(max_loss_scale, init_scale),
         growth_interval=scale_window,

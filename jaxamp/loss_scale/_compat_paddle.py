@@ -7,8 +7,9 @@ import inspect
 import math
 from typing import Any
 
-from jaxamp.loss_scale._compat_table import _SYSTEMS, _flags, _numbers
-from jaxamp.loss_scale._state import LossScaleState, Mode, _fresh_state, no_scale
+from jaxamp.loss_scale._compat_table import SYSTEMS, check_flags, check_numbers
+from jaxamp.loss_scale._constructors import no_scale
+from jaxamp.loss_scale._state import LossScaleState, Mode, fresh_state
 
 __all__ = ["paddle_grad_scaler"]
 
@@ -154,8 +155,8 @@ def _paddle(
 ) -> LossScaleState:
     """``paddle_grad_scaler`` on Paddle's names; ``said`` spells them as the caller did."""
     name = lambda n: said.get(n, n)
-    _flags("Paddle", **{name("enable"): enable})
-    _flags("Paddle", use_dynamic_loss_scaling=use_dynamic_loss_scaling)
+    check_flags("Paddle", **{name("enable"): enable})
+    check_flags("Paddle", use_dynamic_loss_scaling=use_dynamic_loss_scaling)
     numbers = {
         "init_loss_scaling": init_loss_scaling,
         "incr_ratio": incr_ratio,
@@ -163,15 +164,15 @@ def _paddle(
         "incr_every_n_steps": incr_every_n_steps,
         "decr_every_n_nan_or_inf": decr_every_n_nan_or_inf,
     }
-    _numbers("Paddle", **{name(n): v for n, v in numbers.items()})
+    check_numbers("Paddle", **{name(n): v for n, v in numbers.items()})
     if not enable:
         return no_scale()
     if incr_ratio <= 1.0:
         raise ValueError(f"{name('incr_ratio')} must be > 1.0 (as in Paddle), got {incr_ratio!r}.")
     if decr_ratio >= 1.0:
         raise ValueError(f"{name('decr_ratio')} must be < 1.0 (as in Paddle), got {decr_ratio!r}.")
-    fields, fixed = _SYSTEMS["Paddle"]
-    return _fresh_state(
+    fields, fixed = SYSTEMS["Paddle"]
+    return fresh_state(
         Mode.DYNAMIC if use_dynamic_loss_scaling else Mode.STATIC,
         {field: name(paddle) for field, paddle in fields.items()},
         **{"max_scale": math.inf, "max_consecutive_nonfinite": None, **fixed},

@@ -12,14 +12,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp.loss_scale._state import (
-    LossScaleState,
-    Mode,
-    _fresh_state,
-)
+from jaxamp.loss_scale._state import LossScaleState, Mode, fresh_state
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     """A real, non-bool number: a Python int or float, a NumPy scalar or a 0-d array."""
     if isinstance(value, bool | np.bool_):
         return False
@@ -30,20 +26,20 @@ def _is_number(value: Any) -> bool:
     return False
 
 
-def _numbers(system: str, **args: Any) -> None:
+def check_numbers(system: str, **args: Any) -> None:
     """Raises a TypeError naming the first argument that is not a real number.
 
     Bools, strings and None are refused here, before any comparison, so that a bad
     value is named in the original's vocabulary instead of failing deep inside.
     """
     for name, value in args.items():
-        if not _is_number(value):
+        if not is_number(value):
             raise TypeError(
                 f"{name} must be a real number ({system}), got {type(value).__name__} {value!r}."
             )
 
 
-def _flags(system: str, **args: Any) -> None:
+def check_flags(system: str, **args: Any) -> None:
     """Raises a TypeError naming the first argument that is not a bool."""
     for name, value in args.items():
         if not isinstance(value, bool | np.bool_):
@@ -52,7 +48,7 @@ def _flags(system: str, **args: Any) -> None:
             )
 
 
-def _whole(system: str, name: str, value: Any, low: int) -> None:
+def check_whole(system: str, name: str, value: Any, low: int) -> None:
     """Raises a ValueError unless ``value`` (already a number) is an integer >= ``low``."""
     v = float(np.asarray(value))
     if not (v.is_integer() and low <= v < 2**31 - 1):
@@ -62,7 +58,7 @@ def _whole(system: str, name: str, value: Any, low: int) -> None:
 # One row per system: its argument name for each jaxamp field it takes (errors
 # speak its words) and what it fixes without an argument. Every other field
 # comes from the constructor's arguments.
-_SYSTEMS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
+SYSTEMS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     "PyTorch": ({"scale": "init_scale"}, {"hysteresis": 1, "min_scale": 0.0}),
     "MegEngine": ({"scale": "init_scale"}, {"hysteresis": 1, "min_scale": 0.0}),
     "Paddle": (
@@ -107,18 +103,18 @@ _SYSTEMS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
 }
 
 
-def _state(system: str, mode: Mode = Mode.DYNAMIC, **values: Any) -> LossScaleState:
+def system_state(system: str, mode: Mode = Mode.DYNAMIC, **values: Any) -> LossScaleState:
     """A fresh state of ``system``'s row: its fixed settings, then ``values``.
 
     No system bounds the scale from above or stops after N overflows unless its
     row or its arguments say so.
     """
-    names, fixed = _SYSTEMS[system]
+    names, fixed = SYSTEMS[system]
     config = {"max_scale": math.inf, "max_consecutive_nonfinite": None, **fixed, **values}
-    return _fresh_state(mode, names, **config)
+    return fresh_state(mode, names, **config)
 
 
-def _checked(system: str) -> Callable[[Any], Any]:
+def checked_args(system: str) -> Callable[[Any], Any]:
     """Checks every argument against its annotation before the body runs: a
     ``float`` / ``int`` must be a real number, a ``bool`` a bool (``X | None``: or
     None), each named in ``system``'s words; a bad value never gets further."""
@@ -135,9 +131,9 @@ def _checked(system: str) -> Callable[[Any], Any]:
                 if value is None and kind.endswith("| None"):
                     continue
                 if kind.startswith(("float", "int")) and "str" not in kind:
-                    _numbers(system, **{name: value})
+                    check_numbers(system, **{name: value})
                 elif kind.startswith("bool"):
-                    _flags(system, **{name: value})
+                    check_flags(system, **{name: value})
             return f(*args, **kwargs)
 
         return checked

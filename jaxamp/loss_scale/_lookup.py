@@ -1,4 +1,4 @@
-"""Reading loss-scale state out of an optimizer state: find it, report it, check health."""
+"""Reading the loss-scale state out of an optimizer state, and judging its health."""
 
 from __future__ import annotations
 
@@ -6,20 +6,20 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._utils.errors import named
+from jaxamp._utils.tree import find_one
 from jaxamp.loss_scale._state import (
-    _FIELDS,
     DEFAULT_PINNED_STREAK,
     DEFAULT_RULE,
+    FIELDS,
     SCALE_MIN,
     LossScaleState,
     Mode,
 )
-from jaxamp.skip._spikes import SpikeState
 
-__all__ = ["check_health", "get_loss_scale", "metrics"]
+__all__ = ["check_health", "get_loss_scale"]
 
 
 def get_loss_scale(opt_state: Any) -> LossScaleState:
@@ -45,31 +45,25 @@ def get_loss_scale(opt_state: Any) -> LossScaleState:
       >>> float(jaxamp.get_loss_scale(tx.init({"w": jnp.ones(2)})).scale)
       32768.0
     """
-    if isinstance(opt_state, LossScaleState):
-        return _plain(opt_state)
-    found = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, LossScaleState))
-        if isinstance(x, LossScaleState)
-    ]
-    if not found:
+    found = find_one(
+        opt_state,
+        LossScaleState,
+        what="LossScaleStates",
+        hint="wrap the whole optimizer in one jaxamp.skip_nonfinite (or use "
+        "jaxamp.multi_transform), or pass the sub-state you mean.",
+    )
+    if found is None:
         raise ValueError(
             "no LossScaleState found in the optimizer state. Build the optimizer with "
             "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale()) and pass its state."
         )
-    if len(found) > 1:
-        raise ValueError(
-            f"found {len(found)} LossScaleStates in the optimizer state; wrap the whole "
-            "optimizer in one jaxamp.skip_nonfinite (or use jaxamp.multi_transform), or "
-            "pass the sub-state you mean."
-        )
-    return _plain(found[0])
+    return _plain(found)
 
 
 def _plain(state: LossScaleState) -> LossScaleState:
     """The state with array fields: a Flax nnx optimizer wraps each in a Variable
     (``nnx.OptArray``), a pytree of one leaf; logged or JSON-encoded, that fails."""
-    fields = {f: getattr(state, f) for f in _FIELDS}
+    fields = {f: getattr(state, f) for f in FIELDS}
     wrapped = {f: v for f, v in fields.items() if not isinstance(v, jax.Array | np.ndarray)}
     if not wrapped:
         return state
@@ -78,64 +72,6 @@ def _plain(state: LossScaleState) -> LossScaleState:
         leaves = jax.tree.leaves(v)
         plain[f] = leaves[0] if len(leaves) == 1 else v
     return dataclasses.replace(state, **plain)
-
-
-def find_state(obj: Any, fn: str) -> LossScaleState:
-    try:
-        return get_loss_scale(obj)
-    except ValueError as e:
-        raise ValueError(f"jaxamp.{fn}: {e}") from None
-
-
-def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
-    """Scalars to log: loss scale, counters and whether the last step was skipped.
-
-    Jit-safe: returns arrays, never pulls them to the host.
-
-    Args:
-      opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
-        containing one (from [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite]).
-
-    Returns:
-      A dict of scalar arrays: ``loss_scale``, ``growth_tracker``,
-      ``nonfinite_streak``, ``skipped_steps`` (steps skipped for non-finite
-      gradients) and ``skipped`` (bool: the last step was skipped). With a
-      [`jaxamp.spike_rule`][jaxamp.spike_rule], also ``spike_skipped_steps`` (steps skipped as
-      spikes, counted apart) and ``spike_skipped`` (the last step was one);
-      ``skipped`` is then True for either reason.
-
-    Examples:
-      >>> import jaxamp
-      >>> sorted(jaxamp.metrics(jaxamp.dynamic_scale()))
-      ['growth_tracker', 'loss_scale', 'nonfinite_streak', 'skipped', 'skipped_steps']
-    """
-    s = find_state(opt_state_or_loss_scale_state, "metrics")
-    out = {
-        "loss_scale": s.scale,
-        "growth_tracker": s.growth_tracker,
-        "nonfinite_streak": s.nonfinite_streak,
-        "skipped_steps": s.skipped_steps,
-        # streak != 0 without a Python constant: eagerly, that would be a host transfer.
-        "skipped": s.nonfinite_streak.astype(jnp.bool_),
-    }
-    spikes = find_spike_state(opt_state_or_loss_scale_state)
-    if spikes is not None:
-        out["spike_skipped_steps"] = jnp.asarray(spikes.skips)
-        out["spike_skipped"] = jnp.asarray(spikes.skipped)
-        out["skipped"] = out["skipped"] | out["spike_skipped"]
-    return out
-
-
-def find_spike_state(opt_state: Any) -> SpikeState | None:
-    """The one [`jaxamp.SpikeState`][jaxamp.SpikeState] inside an optimizer state, or None."""
-    if isinstance(opt_state, LossScaleState):
-        return None
-    found = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SpikeState))
-        if isinstance(x, SpikeState)
-    ]
-    return found[0] if len(found) == 1 else None
 
 
 def check_health(opt_state_or_loss_scale_state: Any) -> None:
@@ -181,7 +117,8 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
       ...
       FloatingPointError: 102 steps in a row were skipped ... scale is now 1, at its floor, ...
     """
-    s = find_state(opt_state_or_loss_scale_state, "check_health")
+    with named("check_health"):
+        s = get_loss_scale(opt_state_or_loss_scale_state)
     host = jax.device_get(
         (
             s.max_consecutive_nonfinite,

@@ -1,8 +1,8 @@
 """Loss scaling's pure functions: scale, unscale, check for inf / NaN, update.
 
 Each takes a [`LossScaleState`][jaxamp.LossScaleState] and returns arrays or a new state;
-XLA compiles them into the step. The finite check reads each large gradient leaf
-on its own and the small ones joined per dtype (one reduction each).
+XLA compiles them into the step. The finite check is ``jaxamp._utils.finite``'s:
+each large gradient leaf read on its own, the small ones one reduction per dtype.
 
 The dynamic rule, applied by [`update`][jaxamp.update] once per step::
 
@@ -33,30 +33,22 @@ and ``1 / scale`` are normal float32 numbers: a subnormal reciprocal is flushed 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from jaxamp._utils import jax_compat
-from jaxamp._utils.tree import (
-    agree,
-    is_float_leaf,
-    leaf_finite,
-    map_float_leaves,
-    saturating_inc,
-    wide_dtype,
-)
+from jaxamp._utils.dtypes import is_inexact, times_wide
+from jaxamp._utils.finite import agree, as_finite, group_flags, unscaled
+from jaxamp._utils.tree import saturating_inc
 from jaxamp.loss_scale._state import (
-    _CONFIG_FIELDS,
+    CONFIG_FIELDS,
     HYSTERESIS_REFILL,
     SCALE_MAX,
     SCALE_MIN,
     LossScaleState,
     Mode,
-    _check_state,
+    check_state,
 )
 
 __all__ = ["scale", "unscale_and_check", "update"]
@@ -80,134 +72,10 @@ def scale(state: LossScaleState, tree: Any) -> Any:
       >>> jaxamp.scale(jaxamp.static_scale(8.0), jnp.array(0.5, jnp.float16))
       Array(4., dtype=float16)
     """
-    _check_state(state, "scale")
+    check_state(state, "scale")
     if not state.mode.scales:
         return tree
-
-    def mul(x: jax.Array) -> jax.Array:
-        x = jnp.asarray(x)
-        wide = wide_dtype(x.dtype)
-        return (x.astype(wide) * state.scale.astype(wide)).astype(x.dtype)
-
-    return map_float_leaves(mul, tree)
-
-
-def unscale(state: LossScaleState, tree: Any) -> Any:
-    """Multiplies floating leaves by ``1 / scale`` (taken in float32 or wider)."""
-    if not state.mode.scales:
-        return tree
-
-    def mul(x: jax.Array) -> jax.Array:
-        x = jnp.asarray(x)
-        wide = wide_dtype(x.dtype)
-        # The reciprocal is taken in float32 (or wider): 1/2**24 underflows float16.
-        inv = 1.0 / state.scale.astype(wide)
-        return (x.astype(wide) * inv).astype(x.dtype)
-
-    return map_float_leaves(mul, tree)
-
-
-def local_finite(
-    state: LossScaleState, grads: Any, prepare: Callable[[Any], Any] | None = None
-) -> jax.Array | None:
-    """Whether the *unscaled* gradients are finite on this device; None if unchecked.
-
-    ``sum(x - x)`` is finite iff every ``x`` is: one fused read of the scaled
-    gradients. While the scale is >= 1, unscaling multiplies by at most 1 and
-    cannot overflow, so that is the answer. Below 1 it can (60000 / 0.5 overflows
-    float16), so a ``lax.cond`` on the scale, a run-time fact rather than a
-    configuration flag, then also checks the unscaled values. That branch is taken
-    only while the scale is below 1; XLA's cost analysis counts its bytes anyway.
-    ``prepare`` maps ``grads`` to the scaled gradients inside each reduction (an
-    accumulation window's mean), so the cond's operand is never a derived tree.
-    """
-    flags, _ = local_finite_groups(state, grads, prepare)
-    return None if flags is None else jnp.all(flags)
-
-
-def local_finite_groups(
-    state: LossScaleState, grads: Any, prepare: Callable[[Any], Any] | None = None
-) -> tuple[jax.Array | None, list[int | None]]:
-    """``local_finite`` per check group: ``(flags, owners)``.
-
-    ``flags`` is bool[n_groups] (None if unchecked); ``owners[k]`` is the index (in
-    ``jax.tree.leaves(prepare(grads))``) of the one large leaf group ``k`` checks,
-    or None for a group of small leaves joined per dtype. The per-leaf record of
-    non-finite gradients takes the large leaves' flags from here, at no cost.
-    """
-    if not state.mode.checks:
-        return None, []
-    prepare = prepare or (lambda g: g)
-    groups, owners = _check_groups(prepare(grads))
-    flags = jnp.stack([leaf_finite(g) for g in groups]) if groups else jnp.ones((0,), bool)
-    if not state.mode.scales:
-        return flags, owners
-
-    def also_unscaled(flags: jax.Array, grads: Any) -> jax.Array:
-        groups, _ = _check_groups(unscale(state, prepare(grads)))
-        if not groups:
-            return flags
-        return flags & jnp.stack([leaf_finite(g) for g in groups])
-
-    # Both branches return a value derived from `flags`, so they have one type under
-    # shard_map too (varying over the mapped axes). `scale > 0` always holds (states
-    # are validated); it gives `flags` the state's type as well, which the re-check
-    # reads: a per-device (stacked) state varies where replicated gradients do not.
-    flags = flags & (state.scale > 0)
-    return lax.cond(state.scale >= 1, lambda f, g: f, also_unscaled, flags, grads), owners
-
-
-# Leaves up to this many elements (biases, norm scales) are checked together, one
-# reduction per dtype: on a GPU each reduction is a kernel launch, and a model's many
-# small leaves would cost more in launches than in reading. At worst the small leaves
-# are copied once (kilobytes); large leaves are each read once, in place.
-SMALL_LEAF = 2**14
-
-
-def _typed_sharded(leaf: jax.Array) -> bool:
-    # Sharded in its type (an Explicit mesh): flattening it has no one sharding
-    # (JAX refuses the reshape), so it is checked alone.
-    spec = getattr(getattr(jax_compat.aval_of(leaf), "sharding", None), "spec", None)
-    return spec is not None and any(p is not None for p in spec)
-
-
-def checked_alone(leaf: Any) -> bool:
-    """Whether the finite check reads this floating leaf on its own (not joined)."""
-    leaf = jnp.asarray(leaf)
-    return leaf.size > SMALL_LEAF or jnp.iscomplexobj(leaf) or _typed_sharded(leaf)
-
-
-def _self_difference_sum(x: jax.Array) -> jax.Array:
-    # float8 is reduced in float32, as in leaf_finite.
-    x = x.astype(jnp.float32) if x.dtype.itemsize == 1 else x
-    return jnp.sum(x - x)
-
-
-def _check_groups(grads: Any) -> tuple[list[jax.Array], list[int | None]]:
-    """The floating leaves to check: large ones alone, small ones joined per dtype;
-    and each group's leaf index (None for a joined group)."""
-    groups: list[jax.Array] = []
-    owners: list[int | None] = []
-    small: dict[Any, list[jax.Array]] = {}
-    for i, leaf in enumerate(jax.tree.leaves(grads)):
-        if not is_float_leaf(leaf):
-            continue
-        leaf = jnp.asarray(leaf)
-        if checked_alone(leaf):
-            groups.append(leaf)
-            owners.append(i)
-        else:
-            small.setdefault(leaf.dtype, []).append(leaf)
-    # A joined group is each small leaf's own ``sum(x - x)`` (NaN iff the leaf has an
-    # inf or NaN), stacked: no array joins the leaves themselves, whose shardings may
-    # differ (a concatenation let XLA's propagation on an Auto mesh shard a replicated
-    # bias's outputs after it).
-    groups.extend(
-        jnp.stack([_self_difference_sum(x) for x in xs]) if len(xs) > 1 else xs[0]
-        for xs in small.values()
-    )
-    owners.extend([None] * len(small))
-    return groups, owners
+    return jax.tree.map(lambda x: times_wide(x, state.scale) if is_inexact(x) else x, tree)
 
 
 def unscale_and_check(
@@ -233,23 +101,12 @@ def unscale_and_check(
       >>> g, bool(finite)
       (Array([0.5, 2. ], dtype=float32), True)
     """
-    _check_state(state, "unscale_and_check")
-    unscaled = unscale(state, grads)
-    finite = local_finite(state, grads)
-    if finite is None:
-        return unscaled, jnp.array(True)
-    return unscaled, agree(finite, axis_name)
-
-
-def as_finite(finite: Any, fn: str) -> jax.Array:
-    """``finite`` as a bool[] array, or a clear error naming it."""
-    finite = jnp.asarray(finite)
-    if finite.shape != () or finite.dtype != jnp.bool_:
-        raise ValueError(
-            f"{fn}: `finite` must be a scalar bool (as unscale_and_check returns it), got "
-            f"{finite.dtype}{list(finite.shape)}."
-        )
-    return finite
+    check_state(state, "unscale_and_check")
+    scale = state.scale if state.mode.scales else None
+    if not state.mode.checks:
+        return unscaled(grads, scale), jnp.array(True)
+    flags, _ = group_flags(grads, scale)
+    return unscaled(grads, scale), agree(jnp.all(flags), axis_name)
 
 
 def update(state: LossScaleState, finite: Any) -> LossScaleState:
@@ -282,7 +139,7 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
       >>> float(jaxamp.update(s, True).scale), float(jaxamp.update(s, False).scale)
       (8.0, 2.0)
     """
-    _check_state(state, "update")
+    check_state(state, "update")
     finite = as_finite(finite, "update")
     s = state
     growth_tracker = jnp.where(finite, saturating_inc(s.growth_tracker), 0)
@@ -310,7 +167,7 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
         stuck = jnp.array(False)
 
     i32 = lambda x: jnp.asarray(x).astype(jnp.int32)
-    config = {f: jnp.array(getattr(s, f), copy=True) for f in _CONFIG_FIELDS}
+    config = {f: jnp.array(getattr(s, f), copy=True) for f in CONFIG_FIELDS}
     return LossScaleState(
         scale=jnp.array(new_scale, jnp.float32, copy=True),
         growth_tracker=i32(growth_tracker),

@@ -1,4 +1,4 @@
-"""Loss scaling's state: an immutable pytree and the constructors that build it.
+"""The loss-scale state: an immutable pytree, the table of its fields, its one validated builder.
 
 The state is a frozen dataclass registered as a pytree. Every number in it, the
 configuration included, is an array *leaf*: it survives ``jit``, ``scan`` and
@@ -8,9 +8,8 @@ is aux data and is lost through ``jit``). Only the [`Mode`][jaxamp.Mode] is stat
 it changes the program; nothing static is derived from the leaves, so nothing can
 go stale through ``replace``, unflattening or a checkpoint restore.
 
-The pure functions that drive it (``scale``, ``unscale_and_check``, ``update``) are
-in ``_scaling``; reading it out of an optimizer state (``metrics``,
-``check_health``) is in ``_metrics``.
+Every path that makes a state (the constructors, ``jaxamp.compat``, ``replace``)
+goes through :func:`build`, which checks each field against one table (``FIELDS``).
 """
 
 from __future__ import annotations
@@ -26,14 +25,14 @@ import numpy as np
 
 from jaxamp._utils.tree import INT32_MAX
 
-__all__ = ["LossScaleState", "Mode", "dynamic_scale", "no_scale", "static_scale"]
+__all__ = ["LossScaleState", "Mode"]
 
 SCALE_MIN = 2.0**-126
 SCALE_MAX = 2.0**126
 HYSTERESIS_REFILL = ("growth", "finite", "finite_and_backoff")
 # max_consecutive_nonfinite, kept as an int32 leaf: None (check_health's default
-# rule) is -1, as 0.3 stored it; "never" (math.inf) is INT32_MAX, a streak the
-# saturating counter never exceeds.
+# rule) is -1; "never" (math.inf) is INT32_MAX, a streak the saturating counter
+# never exceeds.
 DEFAULT_RULE = -1
 NEVER = INT32_MAX
 # check_health's default rule: more than this many non-finite steps in a row while
@@ -84,7 +83,7 @@ _counter = _integer(lambda v: 0 <= v <= INT32_MAX)
 _COUNTER = "an integer in [0, 2**31 - 1]"
 
 # The one table every path that builds a state validates against.
-_FIELDS: dict[str, _Field] = {
+FIELDS: dict[str, _Field] = {
     "scale": _Field(
         jnp.float32,
         lambda v: SCALE_MIN <= v <= SCALE_MAX,
@@ -115,7 +114,7 @@ _FIELDS: dict[str, _Field] = {
     ),
     "raise_at_min_scale": _Field(jnp.bool_, lambda v: True, "a bool"),
 }
-FIELD_NAMES: tuple[str, ...] = tuple(_FIELDS)
+FIELD_NAMES: tuple[str, ...] = tuple(FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,16 +212,16 @@ class LossScaleState:
                 hint = f" Change the mode with mode=, one of {[m.value for m in Mode]}."
             raise TypeError(f"LossScaleState has no field(s) {unknown}.{hint}")
         mode = _as_mode(updates.pop("mode", self.mode), "mode")
-        values = {name: getattr(self, name) for name in _FIELDS}
+        values = {name: getattr(self, name) for name in FIELDS}
         if mode is self.mode:
-            return _build(mode, values, updates, names={})
+            return build(mode, values, updates, names={})
         try:
-            return _build(mode, values, updates, names={})
+            return build(mode, values, updates, names={})
         except ValueError as e:
             raise ValueError(f"mode={mode.value!r} does not fit this state: {e}") from None
 
 
-jax.tree_util.register_dataclass(LossScaleState, data_fields=list(_FIELDS), meta_fields=["mode"])
+jax.tree_util.register_dataclass(LossScaleState, data_fields=list(FIELDS), meta_fields=["mode"])
 
 
 def _as_mode(value: Any, label: str) -> Mode:
@@ -249,7 +248,7 @@ def _concrete_all(leaves: dict[str, Any]) -> dict[str, float | None]:
 
 def _coerce(name: str, value: Any, label: str) -> jax.Array:
     """One field's new value, checked against the table and copied into a fresh array."""
-    spec = _FIELDS[name]
+    spec = FIELDS[name]
     if name == "max_consecutive_nonfinite":
         if value is None:
             return jnp.array(DEFAULT_RULE, spec.dtype)
@@ -280,7 +279,7 @@ def _coerce(name: str, value: Any, label: str) -> jax.Array:
     return jnp.array(value, spec.dtype)
 
 
-def _build(
+def build(
     mode: Mode, values: dict[str, Any], updates: Mapping[str, Any], names: Mapping[str, str]
 ) -> LossScaleState:
     """The one validated constructor: new ``updates`` over ``values``, then cross-checks.
@@ -310,7 +309,7 @@ def _build(
     return LossScaleState(**leaves, mode=mode)
 
 
-def _fresh_state(
+def fresh_state(
     mode: Mode, names: Mapping[str, str] | None = None, **config: Any
 ) -> LossScaleState:
     """A state with zeroed counters and a full hysteresis allowance."""
@@ -321,124 +320,12 @@ def _fresh_state(
     )
     # Configuration first, so that a bad argument is named before anything derived from it.
     updates = {**config, **counters, "hysteresis_tracker": config["hysteresis"]}
-    return _build(mode, {}, updates, names or {})
+    return build(mode, {}, updates, names or {})
 
 
-def dynamic_scale(
-    init_scale: float = 2.0**15,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
-    hysteresis: int = 1,
-    min_scale: float = 1.0,
-    max_scale: float = 2.0**24,
-    max_consecutive_nonfinite: int | float | None = None,
-    *,
-    hysteresis_refill: str = "finite_and_backoff",
-    raise_at_min_scale: bool = False,
-) -> LossScaleState:
-    """Dynamic loss scaling: grow after clean stretches, back off on overflow.
-
-    Args:
-      init_scale: the starting scale; within [min_scale, max_scale] and ``[2**-126, 2**126]``.
-      growth_factor: multiplier (> 1) applied after ``growth_interval`` finite steps in a row.
-      backoff_factor: multiplier in (0, 1) applied on overflow.
-      growth_interval: finite steps in a row (>= 1) before each growth.
-      hysteresis: non-finite steps (>= 1) tolerated before a backoff (Megatron's and
-        DeepSpeed's ``hysteresis``, Paddle's ``decr_every_n_nan_or_inf``).
-      min_scale: lower bound of the scale (>= 0); the default of 1 keeps the scale
-        from ever going below 1. The scale never drops below ``2**-126`` in any case.
-      max_scale: upper bound of the scale (inf allowed; the scale never exceeds ``2**126``).
-      max_consecutive_nonfinite: more than this many non-finite steps in a row make
-        [`check_health`][jaxamp.check_health] raise. ``None``: the default rule, more than 100 in a
-        row once the scale is at its floor (``max(min_scale, 2**-126)``), where
-        backing off cannot help any more. ``math.inf`` (or ``2**31 - 1``): never.
-      hysteresis_refill: what restores the hysteresis allowance:
-        ``"finite_and_backoff"`` (every finite step and every backoff: only
-        consecutive overflows count; Paddle), ``"finite"`` (every finite step, not a
-        backoff: DeepSpeed's ``consecutive_hysteresis=True``) or ``"growth"`` (only
-        a growth: Megatron-LM, DeepSpeed's default). Irrelevant when ``hysteresis=1``.
-      raise_at_min_scale: if True, [`check_health`][jaxamp.check_health] raises once an overflow
-        asks for a backoff while the scale is already at ``min_scale`` (DeepSpeed).
-
-    Returns:
-      A [`LossScaleState`][jaxamp.LossScaleState].
-
-    Raises:
-      ValueError / TypeError: naming the first argument outside its allowed range or type.
-
-    Examples:
-      >>> import jaxamp
-      >>> state = jaxamp.dynamic_scale(init_scale=2.0**12, growth_interval=100)
-      >>> float(jaxamp.update(state, False).scale)
-      2048.0
-    """
-    return _fresh_state(
-        Mode.DYNAMIC,
-        {"scale": "init_scale"},
-        scale=init_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        hysteresis=hysteresis,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        max_consecutive_nonfinite=max_consecutive_nonfinite,
-        hysteresis_refill=hysteresis_refill,
-        raise_at_min_scale=raise_at_min_scale,
-    )
-
-
-def static_scale(scale: float = 2.0**15, skip_nonfinite: bool = True) -> LossScaleState:
-    """A fixed loss scale that never changes.
-
-    Args:
-      scale: the loss scale, in ``[2**-126, 2**126]``.
-      skip_nonfinite: if True, gradients are checked and non-finite steps skipped;
-        if False, nothing is checked and every step is applied (MindSpore's
-        ``drop_overflow_update=False``).
-
-    Returns:
-      A [`LossScaleState`][jaxamp.LossScaleState] whose [`update`][jaxamp.update] moves only the
-      counters.
-
-    Examples:
-      >>> import jaxamp
-      >>> float(jaxamp.update(jaxamp.static_scale(128.0), False).scale)
-      128.0
-    """
-    if not isinstance(skip_nonfinite, bool | np.bool_):
-        raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
-    return _fixed(Mode.STATIC if skip_nonfinite else Mode.STATIC_UNCHECKED, scale)
-
-
-def no_scale() -> LossScaleState:
-    """Disabled loss scaling: scale 1, every function is a pass-through.
-
-    Like ``torch.amp.GradScaler(enabled=False)``: [`scale`][jaxamp.scale] and
-    [`unscale_and_check`][jaxamp.unscale_and_check] return their input unchanged (``finite`` is
-    always True, nothing is checked, no step is skipped); [`update`][jaxamp.update] moves only the
-    counters.
-
-    Returns:
-      A [`LossScaleState`][jaxamp.LossScaleState].
-
-    Examples:
-      >>> import jax.numpy as jnp, jaxamp
-      >>> jaxamp.scale(jaxamp.no_scale(), jnp.array(3.0))
-      Array(3., dtype=float32, weak_type=True)
-    """
-    return _fixed(Mode.DISABLED, 1.0)
-
-
-def check_only() -> LossScaleState:
-    """No scaling, but non-finite steps are skipped: what bfloat16 training wants."""
-    return _fixed(Mode.CHECK_ONLY, 1.0)
-
-
-def _fixed(mode: Mode, scale: Any, names: Mapping[str, str] | None = None) -> LossScaleState:
+def fixed_state(mode: Mode, scale: Any, names: Mapping[str, str] | None = None) -> LossScaleState:
     # A fixed scale never uses the growth settings; they only keep the leaves valid.
-    return _fresh_state(
+    return fresh_state(
         mode,
         names,
         scale=scale,
@@ -452,7 +339,7 @@ def _fixed(mode: Mode, scale: Any, names: Mapping[str, str] | None = None) -> Lo
     )
 
 
-def _check_state(state: Any, fn: str) -> None:
+def check_state(state: Any, fn: str) -> None:
     if not isinstance(state, LossScaleState):
         raise TypeError(
             f"jaxamp.{fn} expects a LossScaleState as its first argument (from "
@@ -460,7 +347,7 @@ def _check_state(state: Any, fn: str) -> None:
         )
 
 
-_COUNTER_FIELDS = (
+COUNTER_FIELDS = (
     "scale",
     "growth_tracker",
     "hysteresis_tracker",
@@ -468,15 +355,4 @@ _COUNTER_FIELDS = (
     "skipped_steps",
     "min_scale_backoffs",
 )
-_CONFIG_FIELDS = tuple(f for f in _FIELDS if f not in _COUNTER_FIELDS)
-
-
-def validate(state: LossScaleState, where: str) -> LossScaleState:
-    """Checks a state built outside the constructors (a restored checkpoint) in full."""
-    values = {name: getattr(state, name) for name in _FIELDS}
-    if _concrete(values["max_consecutive_nonfinite"]) == DEFAULT_RULE:
-        values["max_consecutive_nonfinite"] = None
-    try:
-        return _build(state.mode, {}, values, names={})
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where} holds an invalid loss-scale state: {e}") from None
+CONFIG_FIELDS = tuple(f for f in FIELDS if f not in COUNTER_FIELDS)

@@ -8,16 +8,19 @@ on the device, and names leaves by their key paths in ``params``.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
-from jaxamp.loss_scale import _lookup as ls_lib
+from jaxamp._utils.errors import named
+from jaxamp._utils.tree import find_one
+from jaxamp.loss_scale import get_loss_scale
 from jaxamp.skip import _record
 from jaxamp.skip._multi_transform import MultiTransformState
+from jaxamp.skip._nnx_state import pure
 from jaxamp.skip._record import NonfiniteLeaves
 from jaxamp.skip._skip_nonfinite import SkipNonfiniteState
 from jaxamp.skip._spikes import SpikeState
@@ -90,34 +93,18 @@ class Explanation:
 
 
 def _find(opt_state: Any) -> Any:
-    found = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, _STATES))
-        if isinstance(x, _STATES)
-    ]
-    if len(found) != 1:
-        what = "no" if not found else f"{len(found)}"
+    found = find_one(
+        opt_state,
+        _STATES,
+        what="jaxamp.skip_nonfinite / jaxamp.multi_transform states",
+        hint="pass the state of the one optimizer that skips steps.",
+    )
+    if found is None:
         raise ValueError(
-            f"jaxamp.explain: found {what} jaxamp.skip_nonfinite / jaxamp.multi_transform "
-            "state(s) in `opt_state`; pass the state of the one optimizer that skips steps."
+            "found no jaxamp.skip_nonfinite / jaxamp.multi_transform state in `opt_state`; "
+            "pass the state of the one optimizer that skips steps."
         )
-    return found[0]
-
-
-def _nnx() -> Any:
-    """``flax.nnx`` if it is imported: without it no nnx object can have been built."""
-    return sys.modules.get("flax.nnx")
-
-
-def _unwrap(tree: Any) -> Any:
-    """``tree`` with each nnx ``Variable`` replaced by its value (an nnx optimizer's state)."""
-    nnx = _nnx()
-    if nnx is None:
-        return tree
-    is_var = lambda x: isinstance(x, nnx.Variable)
-    # get_value is Flax >= 0.12's accessor; .value the older one.
-    value = lambda v: v.get_value() if hasattr(v, "get_value") else v.value
-    return jax.tree.map(lambda v: value(v) if is_var(v) else v, tree, is_leaf=is_var)
+    return found
 
 
 def _unpack(opt_state: Any, params: Any) -> tuple[Any, Any]:
@@ -127,15 +114,14 @@ def _unpack(opt_state: Any, params: Any) -> tuple[Any, Any]:
     of Flax's fp8 layout, never its ``_overwrite_with_gradient`` metadata, which no
     optimizer sees (as in Flax's ``TrainState.create``).
     """
-    nnx = _nnx()
-    if nnx is not None and isinstance(opt_state, nnx.Optimizer):
+    if isinstance(opt_state, nnx.Optimizer):
         if params is None:
             raise TypeError(
                 "jaxamp.explain(optimizer, model): pass the model the nnx optimizer updates."
             )
         graph = getattr(opt_state, "graph", None)
         kwargs = {} if graph is None else {"graph": graph}
-        opt_state, params = _unwrap(opt_state.opt_state), nnx.state(params, opt_state.wrt, **kwargs)
+        opt_state, params = pure(opt_state.opt_state), nnx.state(params, opt_state.wrt, **kwargs)
     elif params is None and hasattr(opt_state, "opt_state") and hasattr(opt_state, "params"):
         opt_state, params = opt_state.opt_state, opt_state.params  # a (jaxamp or Flax) TrainState
     elif params is None:
@@ -214,7 +200,8 @@ def explain(opt_state: Any, params: Any = None) -> Explanation:
       Non-finite so far, most often first: dense.kernel (1x).
     """
     opt_state, params = _unpack(opt_state, params)
-    state = _find(opt_state)
+    with named("explain"):
+        state = _find(opt_state)
     leaves: NonfiniteLeaves | None = state.nonfinite_leaves
     if leaves is None:
         raise ValueError(
@@ -226,7 +213,7 @@ def explain(opt_state: Any, params: Any = None) -> Explanation:
             "jaxamp.explain reads the optimizer state on the host: call it outside jax.jit "
             "(where you log), on the state the jitted step returned."
         )
-    ls = ls_lib.get_loss_scale(opt_state)
+    ls = get_loss_scale(opt_state)
     spikes: SpikeState | None = state.spikes
     host = jax.device_get(
         (leaves.signed_counts, ls.skipped_steps, ls.scale)

@@ -17,6 +17,7 @@ it, which would keep a second copy of the optimizer state alive.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -24,10 +25,11 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxamp._utils.dtypes import is_inexact
+from jaxamp._utils.finite import agree, as_finite, group_flags, unscaled
 from jaxamp._utils.jax_compat import aval_of
-from jaxamp._utils.tree import agree, is_float_leaf, like, zeros_of
-from jaxamp.loss_scale import _rule as ls_lib
-from jaxamp.loss_scale._state import LossScaleState
+from jaxamp._utils.tree import like, zeros_of
+from jaxamp.loss_scale import LossScaleState, update
 from jaxamp.skip import _record, _spikes
 
 _BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
@@ -72,7 +74,7 @@ def _opaque(updates: Any, zero: jax.Array) -> Any:
     """
 
     def one(u: Any) -> Any:
-        if not is_float_leaf(u) or jnp.iscomplexobj(u) or u.dtype.itemsize not in _BITS:
+        if not is_inexact(u) or jnp.iscomplexobj(u) or u.dtype.itemsize not in _BITS:
             return u
         bits = _BITS[u.dtype.itemsize]
         return lax.bitcast_convert_type(
@@ -104,79 +106,6 @@ def cond_traced_once(pred: jax.Array, taken: Any, other: Any, *operands: Any) ->
     return lax.cond(pred, first, second, *operands)
 
 
-class Record(NamedTuple):
-    """What a part's skip branch needs to update the per-leaf record.
-
-    Attributes:
-      stats: the record as the part receives it (threaded through the parts).
-      positions: where the part's leaves sit among all the params' leaves.
-      owner: for every leaf, the index of the part it belongs to.
-      parts_finite: bool[n_parts]: which parts' gradients were finite.
-      known: per leaf of the part, whether the finite check read it alone.
-      flags: the check's agreed flags for the part's groups (None: nothing checked).
-      alone: the groups that read one leaf alone, in the order of the True
-        entries of ``known``.
-    """
-
-    stats: _record.NonfiniteLeaves
-    positions: list[int]
-    owner: list[int]
-    parts_finite: jax.Array
-    known: list[bool]
-    flags: jax.Array | None
-    alone: list[int]
-
-
-def _run_part(
-    part: Part,
-    take: jax.Array | None,
-    unscale: Any,
-    call: Call,
-    axis_name: Any,
-    record: Record | None,
-) -> tuple[Any, Any, Any]:
-    """One part's update under ``lax.cond(take, ...)``; ``take=None``: unchecked, no cond.
-
-    Also returns the per-leaf record after this part: the skip branch writes which
-    of the part's leaves were non-finite; the taken branch hands it through
-    unchanged, so a finite step runs no op for it.
-    """
-    prepare = part.prepare or (lambda g: g)
-
-    def apply(state: Any, grads: Any, params: Any, nonfinite: Any, stats: Any, _: Any) -> Any:
-        grads = unscale(prepare(grads))
-        updates, state = part.inner.update(grads, state, params, **call.extra_args)
-        if not call.to_params:
-            return updates, state, stats
-        updates = _opaque(updates, nonfinite)
-        return optax.apply_updates(params, updates), state, stats
-
-    if take is None:  # nothing is checked: no cond, and so nothing to round either
-        grads = unscale(prepare(part.grads))
-        updates, state = part.inner.update(grads, part.state, part.params, **call.extra_args)
-        out = optax.apply_updates(part.params, updates) if call.to_params else updates
-        return out, state, None
-
-    def skip(shapes: Any, state: Any, grads: Any, params: Any, _: Any, stats: Any, flags: Any):
-        if call.to_params:
-            out = params
-        else:
-            out = zeros_of(shapes[0])
-        if record is not None:
-            bad = _record.bad_leaves(unscale(prepare(grads)), axis_name, record.known)
-            if record.alone:  # the large leaves' flags, from the finite check
-                leaves = [j for j, k in enumerate(record.known) if k]
-                picked = flags[jnp.array(record.alone, jnp.int32)]
-                bad = bad.at[jnp.array(leaves, jnp.int32)].set(~picked)
-            stats = _record.skipped(stats, bad, record.positions, record.owner, record.parts_finite)
-        return like(out, shapes[0]), like(state, shapes[1]), stats
-
-    stats = None if record is None else record.stats
-    flags = None if record is None else record.flags
-    operands = (part.state, part.grads, part.params, (~take).astype(jnp.int32), stats, flags)
-    return cond_traced_once(take, apply, skip, *operands)
-
-
 class Spikes(NamedTuple):
     """A spike rule for one guarded call: the rule, its state, and the step's loss."""
 
@@ -205,6 +134,131 @@ class Outcome(NamedTuple):
     spikes: Any
 
 
+class Checked(NamedTuple):
+    """What the finite check found, per part.
+
+    Attributes:
+      unscale: maps scaled gradients to unscaled ones (the identity for ``finite=``).
+      takes: per part, whether its gradients are finite (None: nothing is checked).
+      flags: per part, the agreed flags of its check groups (None: none read).
+      alone: per part, ``(leaf, group)`` for each of its leaves the check read alone,
+        in leaf order: the per-leaf record takes those leaves' flags from here.
+    """
+
+    unscale: Callable[[Any], Any]
+    takes: list[Any]
+    flags: list[Any]
+    alone: list[tuple[tuple[int, int], ...]]
+
+
+def _check(ls: LossScaleState, parts: list[Part], call: Call, axis_name: Any) -> Checked:
+    """Unscales and checks every part's gradients, with one collective for all of them."""
+    n = len(parts)
+    if call.verdict is not None:
+        verdict = as_finite(call.verdict, "jaxamp.step")
+        return Checked(lambda g: g, [verdict] * n, [None] * n, [()] * n)
+    scale = ls.scale if ls.enabled else None
+    unscale = lambda g: unscaled(g, scale)
+    if not ls.skip_nonfinite:
+        return Checked(unscale, [None] * n, [None] * n, [()] * n)
+    local = [group_flags(p.grads, scale, p.prepare) for p in parts]
+    agreed = agree(jnp.concatenate([f for f, _ in local]), axis_name)
+    takes, flags, alone, start = [], [], [], 0
+    for _, owners in local:
+        mine = agreed[start : start + len(owners)]
+        start += len(owners)
+        takes.append(jnp.all(mine))
+        flags.append(mine)
+        alone.append(tuple(sorted((o, k) for k, o in enumerate(owners) if o is not None)))
+    return Checked(unscale, takes, flags, alone)
+
+
+def _judge_spikes(
+    spikes: Spikes, parts: list[Part], check: Checked, every: jax.Array, axis_name: Any
+) -> tuple[list[Any], _spikes.SpikeState]:
+    """Each part's take with the spike verdict, and the next spike state."""
+    squares = sum(_spikes.sum_of_squares(check.unscale(_prepared(p))) for p in parts)
+    values = _spikes.agree_values(jnp.stack([spikes.loss, jnp.sqrt(squares)]), axis_name)
+    spike = _spikes.decide(spikes.rule, spikes.state, values[0], values[1], every)
+    takes = [~spike if t is None else t & ~spike for t in check.takes]
+    return takes, _spikes.record(spikes.rule, spikes.state, values[0], values[1], every, spike)
+
+
+def _prepared(part: Part) -> Any:
+    return part.grads if part.prepare is None else part.prepare(part.grads)
+
+
+def _run_part(
+    part: Part,
+    take: jax.Array | None,
+    unscale: Callable[[Any], Any],
+    call: Call,
+    stats: Any,
+    flags: Any,
+    on_skip: Callable[[Any, Any, Any], Any] | None,
+) -> tuple[Any, Any, Any]:
+    """One part's update under ``lax.cond(take, ...)``; ``take=None``: unchecked, no cond.
+
+    Also returns the per-leaf record ``stats`` after this part: ``on_skip(stats,
+    unscaled grads, flags)`` writes it in the skip branch; the taken branch hands it
+    through unchanged, so a finite step runs no op for it.
+    """
+    prepare = part.prepare or (lambda g: g)
+
+    def apply(state: Any, grads: Any, params: Any, nonfinite: Any, stats: Any, _: Any) -> Any:
+        grads = unscale(prepare(grads))
+        updates, state = part.inner.update(grads, state, params, **call.extra_args)
+        if not call.to_params:
+            return updates, state, stats
+        updates = _opaque(updates, nonfinite)
+        return optax.apply_updates(params, updates), state, stats
+
+    if take is None:  # nothing is checked: no cond, and so nothing to round either
+        grads = unscale(prepare(part.grads))
+        updates, state = part.inner.update(grads, part.state, part.params, **call.extra_args)
+        out = optax.apply_updates(part.params, updates) if call.to_params else updates
+        return out, state, stats
+
+    def skip(shapes: Any, state: Any, grads: Any, params: Any, _: Any, stats: Any, flags: Any):
+        out = params if call.to_params else zeros_of(shapes[0])
+        if on_skip is not None:
+            stats = on_skip(stats, unscale(prepare(grads)), flags)
+        return like(out, shapes[0]), like(state, shapes[1]), stats
+
+    operands = (part.state, part.grads, part.params, (~take).astype(jnp.int32), stats, flags)
+    return cond_traced_once(take, apply, skip, *operands)
+
+
+def _record_writers(
+    record: tuple[_record.NonfiniteLeaves, list[list[int]] | None],
+    parts: list[Part],
+    check: Checked,
+    axis_name: Any,
+) -> list[Callable[[Any, Any, Any], Any]]:
+    """Per part, the function its skip branch writes the per-leaf record with."""
+    stats, positions = record
+    sizes = [len(jax.tree.leaves(_prepared(p))) for p in parts]
+    # One part: its leaves (those of `prepare(grads)`: an accumulation window's mean,
+    # not the window) are all the leaves, in order.
+    positions = positions or [list(range(n)) for n in sizes]
+    _record.check_length(stats, sum(sizes))
+    owner = [0] * sum(sizes)
+    for i, pos in enumerate(positions):
+        for j in pos:
+            owner[j] = i
+    parts_finite = jnp.stack(check.takes)
+
+    def writer(where: _record.Where) -> Callable[[Any, Any, Any], Any]:
+        return lambda stats, grads, flags: _record.after_skip(
+            stats, where, grads, flags, parts_finite, axis_name
+        )
+
+    return [
+        writer(_record.Where(tuple(pos), tuple(owner), alone))
+        for pos, alone in zip(positions, check.alone, strict=True)
+    ]
+
+
 def guarded(
     ls: LossScaleState,
     parts: list[Part],
@@ -229,63 +283,19 @@ def guarded(
     Returns:
       An ``Outcome``; the scale advances with "every part finite".
     """
-    sizes = [len(jax.tree.leaves((p.prepare or (lambda g: g))(p.grads))) for p in parts]
-    # Per part: the check's agreed flags (None: the skip branch reads every leaf),
-    # which leaves the check read alone, and their groups' indices in the flags.
-    flags: list[Any] = [None] * len(parts)
-    known: list[list[bool]] = [[False] * n for n in sizes]
-    alone: list[list[int]] = [[] for _ in parts]
-    if call.verdict is not None:
-        verdict = ls_lib.as_finite(call.verdict, "jaxamp.step")
-        unscale = lambda g: g
-        takes: list[Any] = [verdict] * len(parts)
-    else:
-        unscale = lambda g: ls_lib.unscale(ls, g)
-        local = [ls_lib.local_finite_groups(ls, p.grads, p.prepare) for p in parts]
-        if local and local[0][0] is not None:
-            # One collective for all parts' groups.
-            agreed = agree(jnp.concatenate([f for f, _ in local]), axis_name)
-            takes, start = [], 0
-            for i, (_, owners) in enumerate(local):
-                mine = agreed[start : start + len(owners)]
-                start += len(owners)
-                takes.append(jnp.all(mine))
-                flags[i] = mine
-                for o, k in sorted((o, k) for k, o in enumerate(owners) if o is not None):
-                    known[i][o] = True
-                    alone[i].append(k)
-        else:
-            takes = [None] * len(parts)
-    checked = [t for t in takes if t is not None]
+    check = _check(ls, parts, call, axis_name)
+    checked = [t for t in check.takes if t is not None]
     every = jnp.all(jnp.stack(checked)) if checked else jnp.array(True)
-    stats, owner = None, []
-    if record is not None and checked:
-        stats, positions = record
-        # One part: its leaves (those of `prepare(grads)`: an accumulation window's
-        # mean, not the window) are all the leaves, in order.
-        positions = positions or [list(range(n)) for n in sizes]
-        _record.check_length(stats, sum(sizes))
-        owner = [0] * sum(sizes)
-        for i, pos in enumerate(positions):
-            for j in pos:
-                owner[j] = i
-        parts_finite = jnp.stack(takes)
-    new_spikes = None
+    takes, new_spikes = check.takes, None
     if spikes is not None:
-        squares = sum(
-            _spikes.sum_of_squares(unscale((p.prepare or (lambda g: g))(p.grads))) for p in parts
-        )
-        values = _spikes.agree_values(jnp.stack([spikes.loss, jnp.sqrt(squares)]), axis_name)
-        spike = _spikes.decide(spikes.rule, spikes.state, values[0], values[1], every)
-        takes = [~spike if t is None else t & ~spike for t in takes]
-        new_spikes = _spikes.record(spikes.rule, spikes.state, values[0], values[1], every, spike)
+        takes, new_spikes = _judge_spikes(spikes, parts, check, every, axis_name)
+    stats, writers = None, [None] * len(parts)
+    if record is not None and checked:
+        stats, writers = record[0], _record_writers(record, parts, check, axis_name)
     outs, states = [], []
-    for i, (part, take) in enumerate(zip(parts, takes, strict=True)):
-        rec = None
-        if stats is not None:
-            rec = Record(stats, positions[i], owner, parts_finite, known[i], flags[i], alone[i])
-        out, state, got = _run_part(part, take, unscale, call, axis_name, rec)
-        stats = got if stats is not None else None
+    for part, take, flags, write in zip(parts, takes, check.flags, writers, strict=True):
+        flags = None if write is None else flags  # only the record reads them
+        out, state, stats = _run_part(part, take, check.unscale, call, stats, flags, write)
         outs.append(out)
         states.append(state)
-    return Outcome(outs, states, ls_lib.update(ls, every), stats, every, new_spikes)
+    return Outcome(outs, states, update(ls, every), stats, every, new_spikes)

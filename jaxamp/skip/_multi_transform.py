@@ -15,20 +15,19 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._utils.tree import check_axis_name
-from jaxamp.loss_scale._state import LossScaleState
-from jaxamp.skip import _record as _leaf_stats
-from jaxamp.skip import _spikes
+from jaxamp.loss_scale import LossScaleState
+from jaxamp.skip import _record, _spikes
 from jaxamp.skip._guard import Call, Part, Spikes, guarded
-from jaxamp.skip._skip_nonfinite import (
-    _check_grads,
-    _check_inner,
-    _check_inner_state,
-    _check_spike_state,
-    _check_state_type,
-    _GuardedUpdate,
-    _loss_scale_arg,
-    _record,
-    _recorded,
+from jaxamp.skip._transformation import (
+    GuardedUpdate,
+    check_grads,
+    check_inner,
+    check_inner_state,
+    check_spike_state,
+    check_state_type,
+    loss_scale_arg,
+    record_of,
+    with_outcome,
 )
 
 __all__ = ["MultiTransformState", "multi_transform"]
@@ -108,7 +107,7 @@ def _merge(trees: Mapping[Any, Any], full_labels: Any, like_tree: Any) -> Any:
 # eq=False: hashed by identity, as a plain function is, so that `jax.jit(tx.update)`
 # works (a field such as multi_transform's dict of transforms is unhashable).
 @dataclasses.dataclass(frozen=True, eq=False)
-class _MultiTransformUpdate(_GuardedUpdate):
+class _MultiTransformUpdate(GuardedUpdate):
     """``multi_transform``'s update function; its parts are its fields."""
 
     transforms: dict[Any, optax.GradientTransformationExtraArgs]
@@ -120,15 +119,15 @@ class _MultiTransformUpdate(_GuardedUpdate):
         self, grads: Any, state: MultiTransformState, params: Any, call: Call
     ) -> tuple[Any, MultiTransformState]:
         fn = "jaxamp.step" if call.to_params else "multi_transform.update"
-        _check_state_type(state, MultiTransformState, fn)
-        _check_spike_state(self.spikes, state, fn)
-        _check_grads(grads, params, fn)
+        check_state_type(state, MultiTransformState, fn)
+        check_spike_state(self.spikes, state, fn)
+        check_grads(grads, params, fn)
         labels = _full_labels(self.param_labels, grads, self.transforms, fn)
         parts = []
         for label, tx in self.transforms.items():
             masked = _mask(grads, labels, label)
             masked_params = _mask(params, labels, label)
-            _check_inner_state(
+            check_inner_state(
                 tx,
                 state.inner_states[label],
                 masked if params is None else masked_params,
@@ -141,10 +140,10 @@ class _MultiTransformUpdate(_GuardedUpdate):
             loss = _spikes.loss_value(self.spikes, call.extra_args, fn)
             spikes = Spikes(self.spikes, state.spikes, loss)
         flat_labels = jax.tree.structure(grads).flatten_up_to(labels)
-        record = _record(state, _positions(flat_labels, self.transforms))
+        record = record_of(state, _positions(flat_labels, self.transforms))
         got = guarded(state.loss_scale, parts, call, self.axis_name, spikes, record)
         out = _merge(dict(zip(self.transforms, got.outs, strict=True)), labels, grads)
-        new = _recorded(state, got)
+        new = with_outcome(state, got)
         return out, new._replace(
             inner_states=dict(zip(self.transforms, got.inner_states, strict=True))
         )
@@ -200,8 +199,8 @@ def multi_transform(
             f"{fn}: `transforms` must be a non-empty mapping from label to optax "
             f"transformation, got {transforms!r}."
         )
-    checked = {k: _check_inner(v, fn, f"transforms[{k!r}]") for k, v in transforms.items()}
-    loss_scale = _loss_scale_arg(loss_scale, max_consecutive_nonfinite, fn)
+    checked = {k: check_inner(v, fn, f"transforms[{k!r}]") for k, v in transforms.items()}
+    loss_scale = loss_scale_arg(loss_scale, max_consecutive_nonfinite, fn)
     axis_name = check_axis_name(axis_name, fn)
     spikes = _spikes.check_rule(spikes, fn)
 
@@ -210,7 +209,7 @@ def multi_transform(
         states = {k: tx.init(_mask(params, labels, k)) for k, tx in checked.items()}
         ls = jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale)
         spike_state = None if spikes is None else _spikes.init(spikes)
-        return MultiTransformState(states, ls, _leaf_stats.init(params), spike_state)
+        return MultiTransformState(states, ls, _record.init(params), spike_state)
 
     return optax.GradientTransformationExtraArgs(
         init_fn, _MultiTransformUpdate(checked, param_labels, axis_name, spikes)

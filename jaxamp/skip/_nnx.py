@@ -23,14 +23,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxamp._utils.tree import render_path, select_tree
-from jaxamp.loss_scale import _lookup as ls_lib
-from jaxamp.loss_scale._state import LossScaleState
-from jaxamp.skip._guard import Call
+from jaxamp._utils.errors import named
+from jaxamp._utils.tree import render_path
+from jaxamp.loss_scale import LossScaleState, get_loss_scale, select_tree
 from jaxamp.skip._nnx_state import forward_written
 from jaxamp.skip._nnx_state import pure as _pure
-from jaxamp.skip._skip_nonfinite import _GuardedUpdate
 from jaxamp.skip._stepped import applied_calls, stepped
+from jaxamp.skip._transformation import GuardedUpdate, step
 from jaxamp.skip._value_and_grad import scaled_loss
 
 __all__ = ["Optimizer", "value_and_grad"]
@@ -95,7 +94,7 @@ class Optimizer(nnx.Optimizer):
                 f"and update(model, grads)); this is flax {flax.__version__}. The rest of "
                 "jaxamp works with it: use jaxamp.step on nnx.split states."
             )
-        if not isinstance(getattr(tx, "update", None), _GuardedUpdate):
+        if not isinstance(getattr(tx, "update", None), GuardedUpdate):
             raise TypeError(
                 "jaxamp.nnx.Optimizer: `tx` must come from jaxamp.skip_nonfinite(...) or "
                 f"jaxamp.multi_transform(...), got {type(tx).__name__}. For a plain optax "
@@ -118,7 +117,7 @@ class Optimizer(nnx.Optimizer):
     @property
     def loss_scale(self) -> LossScaleState:
         """The loss-scale state inside the optimizer state (plain arrays)."""
-        return ls_lib.get_loss_scale(_pure(self.opt_state))
+        return get_loss_scale(_pure(self.opt_state))
 
     def keep(self, model: nnx.Module) -> None:
         """Records ``model``'s state now as what a skipped step puts back.
@@ -172,9 +171,7 @@ class Optimizer(nnx.Optimizer):
         params = _pure(nnx.state(model, self.wrt, **kw))
         grads = _pure(nnx.state(grads, self.wrt, **kw))
         opt_state = _pure(self.opt_state)
-        new_params, new_opt_state = self.tx.update.run(
-            grads, opt_state, params, Call(_pure(kwargs), None, to_params=True)
-        )
+        new_params, new_opt_state = step(self.tx, grads, opt_state, params, **_pure(kwargs))
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, **kw))
         self.step[...] += applied_calls(opt_state, new_opt_state).astype(self.step.dtype)
@@ -248,7 +245,8 @@ def value_and_grad(
             if trained is not None:
                 optimizer.keep(trained)
         else:
-            ls = ls_lib.find_state(_pure(optimizer), "nnx.value_and_grad")
+            with named("nnx.value_and_grad"):
+                ls = get_loss_scale(_pure(optimizer))
         scaled = functools.wraps(f)(scaled_loss(f, has_aux, ls, "jaxamp.nnx.value_and_grad"))
         grad_fn = nnx.value_and_grad(scaled, argnums=argnums, has_aux=True)
         (_, (loss, aux)), grads = grad_fn(*args, **kwargs)

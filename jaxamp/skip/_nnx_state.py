@@ -1,6 +1,6 @@
 """The nnx model state a forward writes, and the one optimizer that cannot keep it.
 
-A skipped step must leave everything the step wrote as it was (API.md §7, §8). In
+A skipped step must leave everything the step wrote as it was. In
 NNX the forward writes model state in place (``BatchStat``, RNG counters); only an
 optimizer that sees the model can put it back, and Flax's own ``nnx.Optimizer``
 hands a jaxamp ``tx`` the params alone.

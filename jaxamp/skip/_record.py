@@ -8,8 +8,8 @@ through, so a finite step runs no op for it and pays only for carrying it:
 ``4 * n_leaves`` bytes of state, one buffer. Large leaves' flags come from the
 finite check itself (it reads each large leaf on its own, every step); only the
 small leaves, which the check reads joined per dtype, are read again, in the skip
-branch (reading the large ones there cost the optax path 6.5 MB of temp on the
-bench model: XLA kept more buffers live across the cond). [`jaxamp.explain`][jaxamp.explain]
+branch: reading the large ones there too would keep more buffers live across the
+cond. [`jaxamp.explain`][jaxamp.explain]
 turns the record into words on the host.
 """
 
@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._utils.tree import INT32_MAX, is_float_leaf, leaf_finite, render_path, saturating_inc
+from jaxamp._utils.dtypes import is_inexact
+from jaxamp._utils.finite import leaf_finite
+from jaxamp._utils.tree import render_path, saturating_inc
 
 __all__ = ["NonfiniteLeaves"]
 
@@ -148,7 +150,7 @@ def bad_leaves(tree: Any, axis_name: Any, known: Sequence[bool] = ()) -> jax.Arr
     """
     known = list(known) or [False] * len(jax.tree.leaves(tree))
     flags = [
-        ~leaf_finite(x) if is_float_leaf(x) and not k else jnp.array(False)
+        ~leaf_finite(x) if is_inexact(x) and not k else jnp.array(False)
         for x, k in zip(jax.tree.leaves(tree), known, strict=True)
     ]
     bad = jnp.stack(flags) if flags else jnp.zeros((0,), jnp.bool_)
@@ -165,6 +167,44 @@ def check_length(stats: NonfiniteLeaves, n_leaves: int) -> None:
             f"gradients have {n_leaves}: pass the opt_state that tx.init(params) "
             "returned for these params."
         )
+
+
+class Where(NamedTuple):
+    """Where one part's leaves sit, static: what its skip branch needs besides values.
+
+    Attributes:
+      positions: the part's leaves among all the params' leaves.
+      owner: for every leaf of the params, the index of the part it belongs to.
+      alone: ``(leaf of the part, group)`` for each leaf the finite check read on its
+        own: its flag is ``flags[group]``, and it is not read again.
+    """
+
+    positions: tuple[int, ...]
+    owner: tuple[int, ...]
+    alone: tuple[tuple[int, int], ...]
+
+
+def after_skip(
+    stats: NonfiniteLeaves,
+    where: Where,
+    grads: Any,
+    flags: jax.Array,
+    parts_finite: jax.Array,
+    axis_name: Any,
+) -> NonfiniteLeaves:
+    """The record after one part's step was skipped (run in its skip branch).
+
+    ``grads`` are the part's unscaled gradients, ``flags`` the finite check's agreed
+    flags for its groups, ``parts_finite`` bool[n_parts]: which parts were finite.
+    """
+    read_alone = {j for j, _ in where.alone}
+    n = len(jax.tree.leaves(grads))
+    bad = bad_leaves(grads, axis_name, [j in read_alone for j in range(n)])
+    if where.alone:
+        leaves, groups = zip(*where.alone, strict=True)
+        picked = flags[jnp.array(groups, jnp.int32)]
+        bad = bad.at[jnp.array(leaves, jnp.int32)].set(~picked)
+    return skipped(stats, bad, where.positions, where.owner, parts_finite)
 
 
 def skipped(
@@ -199,27 +239,3 @@ def skipped(
     return stats._replace(
         signed_counts=jnp.where(every, stats.signed_counts, jnp.where(last, -count, count))
     )
-
-
-def validate(stats: NonfiniteLeaves, where: str) -> None:
-    """Checks a restored record on the host: an int32 vector, one entry per leaf.
-
-    Leading device axes (a pmap-replicated state) are allowed.
-    """
-    counts = np.asarray(jax.device_get(stats.signed_counts))
-    problems = []
-    if counts.ndim < 1:
-        problems.append(f"signed_counts must be a vector (one entry per leaf), got {counts.shape}")
-    if counts.dtype != np.int32:
-        problems.append(f"signed_counts must be int32, got {counts.dtype}")
-    elif counts.size and int(counts.min()) < -INT32_MAX:
-        problems.append(f"signed_counts must be >= -(2**31 - 1), got {int(counts.min())}")
-    if stats.layout is not None and counts.ndim >= 1 and counts.shape[-1] != len(stats.layout):
-        problems.append(
-            f"signed_counts has {counts.shape[-1]} entries but the params have "
-            f"{len(stats.layout)} leaves"
-        )
-    if problems:
-        raise ValueError(
-            f"{where} holds an invalid per-leaf non-finite record: " + "; ".join(problems) + "."
-        )

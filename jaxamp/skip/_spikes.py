@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._utils.tree import is_float_leaf, saturating_inc
+from jaxamp._utils.dtypes import is_inexact
+from jaxamp._utils.tree import saturating_inc
 
 __all__ = ["SpikeRule", "SpikeState", "spike_rule"]
 
@@ -215,7 +216,7 @@ def loss_value(rule: SpikeRule, extra_args: dict[str, Any], fn: str) -> jax.Arra
             "loss=False (flax's own TrainState passes no optimizer arguments)."
         )
     value = jnp.asarray(extra_args["value"])
-    if value.shape != () or not is_float_leaf(value):
+    if value.shape != () or not is_inexact(value):
         raise ValueError(
             f"{fn}: value= must be the scalar floating loss, got {value.dtype}{list(value.shape)}."
         )
@@ -226,7 +227,7 @@ def sum_of_squares(tree: Any) -> jax.Array:
     """Sum of squares of a tree's floating leaves in float32 (one read per leaf)."""
     total = jnp.zeros((), jnp.float32)
     for x in jax.tree.leaves(tree):
-        if is_float_leaf(x):
+        if is_inexact(x):
             x = jnp.asarray(x)
             x = jnp.abs(x) if jnp.iscomplexobj(x) else x
             total = total + jnp.sum(jnp.square(x.astype(jnp.float32)))
@@ -284,52 +285,3 @@ def record(
         skips=skips,
         skipped=jnp.asarray(spike, jnp.bool_),
     )
-
-
-def validate(state: SpikeState, where: str) -> None:
-    """Checks a restored spike state on the host: counters in range, recorded values finite."""
-    host = jax.device_get(state)
-    window = int(jnp.shape(host.losses)[-1])
-    count, skips = int(jnp.max(host.count)), int(jnp.min(host.skips))
-    problems = []
-    if jnp.shape(host.grad_norms) != jnp.shape(host.losses):
-        problems.append("losses and grad_norms differ in shape")
-    if not 0 <= int(jnp.min(host.count)) <= count < 2 * window:
-        problems.append(f"count must be in [0, {2 * window}), got {count}")
-    if skips < 0:
-        problems.append(f"skips must be >= 0, got {skips}")
-    filled = min(count, window)
-    for name in ("losses", "grad_norms"):
-        ring = jnp.asarray(getattr(host, name))[..., :filled]
-        if not bool(jnp.all(jnp.isfinite(ring))):
-            problems.append(f"{name} holds a non-finite recorded value")
-    if problems:
-        raise ValueError(f"{where} holds an invalid spike state: " + "; ".join(problems) + ".")
-
-
-def resize(losses: Any, grad_norms: Any, count: Any, window: int) -> tuple[Any, Any, Any]:
-    """A saved history moved into a ring of ``window`` slots: the newest values kept.
-
-    Restoring a run into a rule of another window keeps the newest
-    ``min(recorded, window)`` values, in order, oldest first, with ``count`` set to
-    how many were kept: the ring a run of that window holds after recording them,
-    up to a rotation that no decision depends on (the mean and deviation read the
-    values as a set, and the next value overwrites the oldest either way). A smaller
-    window thus continues exactly as a run built with it would have; a larger one
-    starts with the saved values and fills up over the next steps. Leading axes (a
-    replicated state) are kept. Works on host or device arrays, returns jax arrays.
-    """
-    losses, grad_norms = jnp.asarray(losses), jnp.asarray(grad_norms)
-    count = jnp.asarray(count, jnp.int32)
-    old = losses.shape[-1]
-    kept = jnp.minimum(jnp.minimum(count, old), window)[..., None]
-    j = jnp.arange(window)
-    # Slot j of the new ring holds the value recorded `kept - j` steps ago, which the
-    # old ring keeps at slot (count - kept + j) mod old (its slot is the index mod old).
-    src = jnp.mod(count[..., None] - kept + j, old)
-    src = jnp.where(j < kept, src, 0)
-
-    def move(ring: jax.Array) -> jax.Array:
-        return jnp.where(j < kept, jnp.take_along_axis(ring, src, axis=-1), 0.0)
-
-    return move(losses), move(grad_norms), kept[..., 0].astype(jnp.int32)

@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxamp._utils.tree import all_finite, select_tree
-from jaxamp.loss_scale import _lookup as ls_lib
+from jaxamp._utils.errors import named
+from jaxamp._utils.tree import find_one
+from jaxamp.loss_scale import all_finite, get_loss_scale, select_tree
+from jaxamp.skip._metrics import find_spike_state
 from jaxamp.skip._skip_nonfinite import SkipNonfiniteState
 
 __all__ = ["stepped", "where_stepped"]
@@ -23,12 +25,13 @@ __all__ = ["stepped", "where_stepped"]
 
 def _window(opt_state: Any) -> SkipNonfiniteState | None:
     """The accumulating ``skip_nonfinite`` state inside ``opt_state``, if any."""
-    found = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SkipNonfiniteState))
-        if isinstance(x, SkipNonfiniteState) and x.mini_step is not None
-    ]
-    return found[0] if len(found) == 1 else None
+    found = find_one(
+        opt_state,
+        SkipNonfiniteState,
+        what="skip_nonfinite states",
+        hint="pass the sub-state you mean.",
+    )
+    return found if found is not None and found.mini_step is not None else None
 
 
 def stepped(opt_state: Any) -> jax.Array:
@@ -55,9 +58,10 @@ def stepped(opt_state: Any) -> jax.Array:
       >>> bool(jaxamp.stepped(state))
       False
     """
-    ls = ls_lib.find_state(opt_state, "stepped")
+    with named("stepped"):
+        ls = get_loss_scale(opt_state)
     taken = ~ls.nonfinite_streak.astype(jnp.bool_)
-    spikes = ls_lib.find_spike_state(opt_state)
+    spikes = find_spike_state(opt_state)
     if spikes is not None:
         taken = taken & ~jnp.asarray(spikes.skipped)
     window = _window(opt_state)

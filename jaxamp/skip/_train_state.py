@@ -11,11 +11,9 @@ import numpy as np
 from flax.core import FrozenDict
 from flax.training import train_state
 
-from jaxamp._utils.tree import select_tree
-from jaxamp.loss_scale._lookup import get_loss_scale
-from jaxamp.loss_scale._state import LossScaleState
-from jaxamp.skip._skip_nonfinite import step
+from jaxamp.loss_scale import LossScaleState, get_loss_scale, select_tree
 from jaxamp.skip._stepped import stepped, where_stepped
+from jaxamp.skip._transformation import step
 
 __all__ = ["TrainState"]
 

@@ -8,9 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxamp._utils.tree import is_float_leaf
-from jaxamp.loss_scale import _lookup, _rule
-from jaxamp.loss_scale._state import LossScaleState
+from jaxamp._utils.dtypes import is_inexact
+from jaxamp.loss_scale import LossScaleState, get_loss_scale, scale
 
 __all__ = ["scaled_loss", "value_and_grad"]
 
@@ -31,14 +30,14 @@ def scaled_loss(
             loss, aux = out
         else:
             loss, aux = out, None
-        if jnp.shape(loss) != () or not is_float_leaf(jnp.asarray(loss)):
+        if jnp.shape(loss) != () or not is_inexact(jnp.asarray(loss)):
             raise TypeError(
                 f"{where}: `fun` must return a scalar floating loss"
                 + (" as the first element of its pair" if has_aux else "")
                 + f", got {jnp.asarray(loss).dtype}{list(jnp.shape(loss))}. Use has_aux=True "
                 "to return (loss, aux)."
             )
-        return _rule.scale(ls, loss), (loss, aux)
+        return scale(ls, loss), (loss, aux)
 
     return scaled
 
@@ -96,7 +95,7 @@ def value_and_grad(
 
     def wrapped(state: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         try:
-            ls = _lookup.get_loss_scale(state)
+            ls = get_loss_scale(state)
         except ValueError as e:
             if "no LossScaleState" not in str(e):
                 raise ValueError(f"jaxamp.value_and_grad: {e}") from None

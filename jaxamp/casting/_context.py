@@ -1,0 +1,117 @@
+"""One autocast trace: its configuration, where it is in the program, and its memos."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from jaxamp.casting._casts import cast_jit
+from jaxamp.casting._primitives import Handlers
+from jaxamp.casting._rules import FLOAT32
+from jaxamp.casting._scopes import module_match, runs_as_written
+
+
+@dataclasses.dataclass
+class Context:
+    """One autocast trace: its configuration and per-trace memo tables.
+
+    Every memo is keyed by the object it describes (with that object kept
+    alive and checked by identity) plus everything else its answer depends on,
+    and lives only as long as this trace.
+    """
+
+    dtype: np.dtype
+    rules: Mapping[str, str]
+    unknown_higher_order: str
+    # Kind of higher-order primitive -> its handler (``_handlers.HANDLERS``).
+    handlers: Handlers
+    modules: tuple[tuple[str, Any], ...] = ()
+    axis_env: tuple[tuple[Any, int], ...] = ()
+    # False inside a custom_jvp rule, whose tangent ops must stay linear
+    # (JAX transposes them): even its constants' casts are plain casts.
+    saturate: bool = True
+    # Re-bind every equation under its own traceback and name stack (what
+    # ``jax.core.eval_jaxpr`` does), so the result's equations point at the
+    # user's source lines and module scopes (``find_overflow``).
+    source_info: bool = False
+    # True inside a loop body or a cond branch. There the forward and the backward
+    # pass land in different HLO computations, so XLA cannot CSE a rematerialised
+    # op into the forward and its checkpoint needs no optimisation barriers
+    # (``prevent_cse=False``, as JAX advises for remat inside scan): less to
+    # compile. Outside, the barriers stay: without them XLA merges the bfloat16
+    # upcasts of the forward and the backward and keeps more temporaries live.
+    in_region: bool = False
+    # The name stack around the jaxpr being evaluated (module scopes, markers).
+    stack: str = ""
+    # Inner jaxprs already autocast during this trace (key -> (jaxpr, result)).
+    cache: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    # Casts already made: (id(value), dtype, saturating) -> (value, cast).
+    casts: dict[tuple[int, Any], tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    # Resolved per-module rules per name stack.
+    scoped: dict[str, tuple[bool, Mapping[str, str]]] = dataclasses.field(default_factory=dict)
+
+    def sub(self, **changes: Any) -> Context:
+        """A context for an inner trace: the same caches, no casts (other tracers)."""
+        return dataclasses.replace(self, casts={}, **changes)
+
+    def at(self, stack: str) -> Context:
+        """This context under the name stack ``stack`` (the same trace and memos)."""
+        return dataclasses.replace(self, stack=stack)
+
+    @property
+    def cached(self) -> bool:
+        """Whether pure ops are bound through cached jits; not with ``source_info``,
+        where a cached trace would keep the source info of its first use."""
+        return not self.source_info
+
+    def rules_at(self, stack: str | None = None) -> tuple[bool, Mapping[str, str]]:
+        """``(run as written?, rules)`` for equations traced under ``stack`` (this
+        context's own by default): the markers and ``modules=`` patterns on it."""
+        stack = self.stack if stack is None else stack
+        hit = self.scoped.get(stack)
+        if hit is not None:
+            return hit
+        parts = [p for p in stack.split("/") if p]
+        full = runs_as_written(parts)
+        rules = self.rules
+        if self.modules and not full:
+            for pattern, value in self.modules:
+                if module_match(pattern, parts):
+                    if value == FLOAT32:
+                        full = True
+                        break
+                    rules = {**rules, **value}
+        self.scoped[stack] = (full, rules)
+        return full, rules
+
+    def memo(self, key: Any, owner: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, once per (key, owner) and everything in this context
+        that changes how an inner jaxpr is evaluated."""
+        key = (key, self.axis_env, self.saturate, self.in_region)
+        hit = self.cache.get(key)
+        if hit is not None and hit[0] is owner:
+            return hit[1]
+        value = make()
+        self.cache[key] = (owner, value)
+        return value
+
+    def cast(self, x: Any, dtype: Any, const: bool = False) -> Any:
+        """A cast, made once per (value, dtype) in this trace; saturating for a
+        trace-time constant (`const`), plain (inf beyond the range) otherwise."""
+        dtype = np.dtype(dtype)
+        saturate = const and self.saturate
+        key = (id(x), dtype, saturate)
+        hit = self.casts.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        src = np.dtype(x.dtype)
+        y = cast_jit(src, dtype, saturate)(x)
+        self.casts[key] = (x, y)
+        if dtype.itemsize > src.itemsize:
+            # An exact upcast: casting the result back down gives `x` again.
+            for s in (False, True):
+                self.casts[(id(y), src, s)] = (y, x)
+        return y

@@ -1,0 +1,56 @@
+"""What an equation's name stack says: jaxamp's markers, and which module it ran in.
+
+``full_precision``, a nested ``autocast`` and ``keep_float32`` leave
+``jax.named_scope`` markers; Flax names module calls (``_flax`` adds what it
+does not). Each equation's rules are read from its name stack:
+``Context.rules_at``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+#: Equations traced under it run as written (``full_precision``).
+FULL_PRECISION_SCOPE = "jaxamp_full_precision"
+#: Equations of a nested ``autocast``: it already applied its own rules.
+AUTOCAST_SCOPE = "jaxamp_autocast"
+#: The ``reduce_precision`` identity that ``keep_float32`` leaves in a jaxpr.
+KEEP_FLOAT32_SCOPE = "jaxamp_keep_float32"
+
+
+def join(outer: str, inner: str) -> str:
+    """Two name stacks, one inside the other, as one."""
+    return f"{outer}/{inner}" if outer and inner else outer or inner
+
+
+def runs_as_written(parts: list[str]) -> bool:
+    """Whether a name stack is inside ``full_precision`` or a nested ``autocast``."""
+    return any(p.startswith((FULL_PRECISION_SCOPE, AUTOCAST_SCOPE)) for p in parts)
+
+
+def module_match(pattern: str, parts: list[str]) -> bool:
+    """Whether `pattern` names a module on the name stack `parts`.
+
+    A pattern matches a module path ("Block_0/LayerNorm_1", nnx "blocks/0/ln"),
+    a module name, or a class name (linen auto-names are ``Class_N``; a
+    ``[Class]`` scope names the class of the module whose scope precedes it).
+    """
+    names = []
+    for p in parts:
+        name, _, cls = p.partition("[")
+        if name:
+            names.append(name)
+        if cls:
+            names.append(cls.rstrip("]"))
+        head, _, tail = name.rpartition("_")
+        if head and tail.isdigit():
+            names.append(head)
+    if "/" in pattern:
+        # A path names a module: its rule covers the ops of its submodules too.
+        path = [n for n in (p.partition("[")[0] for p in parts) if n]
+        for i in range(len(path), 0, -1):
+            prefix = "/".join(path[:i])
+            if fnmatch.fnmatchcase(prefix, pattern) or fnmatch.fnmatchcase(prefix, "*/" + pattern):
+                return True
+        return False
+    return any(fnmatch.fnmatchcase(n, pattern) for n in names)

@@ -1,0 +1,269 @@
+"""Calling an ``autocast`` function: trace, evaluate with the interpreter, cache.
+
+``autocast(f)`` traces `f` to a jaxpr with ``jax.make_jaxpr`` and evaluates it
+again with the interpreter (``_interpret``); nothing else is read or changed:
+the result depends only on `f`, its arguments and autocast's arguments. Flax
+modules are handled here too: an nnx module's state crosses the trace as the
+call's input and output, a linen method is lifted through Flax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp.casting import _flax
+from jaxamp.casting._config import Config
+from jaxamp.casting._context import Context
+from jaxamp.casting._handlers import HANDLERS
+from jaxamp.casting._interpret import eval_jaxpr
+from jaxamp.casting._scopes import AUTOCAST_SCOPE
+
+
+def _is_dynamic(x: Any) -> bool:
+    # Arrays (and tracers) are traced; Python scalars, strings, modules, ...
+    # are fixed at trace time like static arguments, so flags such as
+    # `train=False` keep working in Python control flow.
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _run(
+    f: Callable[..., Any],
+    cfg: Config,
+    leaves: list[Any],
+    treedef: Any,
+    dynamic: list[int],
+    dyn: Sequence[Any],
+) -> Any:
+    """Traces `f` on the dynamic leaves and evaluates it with autocast rules."""
+
+    def flat_f(*vals: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(dynamic, vals, strict=True):
+            full[i] = x
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        with _flax.linen_class_scopes() if cfg.modules else contextlib.nullcontext():
+            return f(*a, **k)
+
+    closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*dyn)
+    ctx = Context(
+        cfg.compute_dtype,
+        cfg.rules,
+        cfg.unknown_higher_order,
+        HANDLERS,
+        cfg.modules,
+        source_info=cfg.debug,
+    )
+    # f's float32 outputs count as float32 uses: the elementwise ops right
+    # before them run in float32 (the output is returned in float32 anyway).
+    wide_out = cfg.output_dtype is None or cfg.output_dtype.itemsize >= 4
+    with jax.named_scope(AUTOCAST_SCOPE):
+        outs, _ = eval_jaxpr(closed.jaxpr, closed.consts, dyn, ctx, float32_outputs=wide_out)
+        final = []
+        for x, shape in zip(outs, jax.tree_util.tree_leaves(out_shape), strict=True):
+            # A literal output (a constant `False`) comes back as a Python scalar.
+            x = x if hasattr(x, "dtype") else jnp.asarray(x, shape.dtype)
+            want = shape.dtype
+            if is_float_dtype(want) and cfg.output_dtype is not None:
+                want = cfg.output_dtype
+            if is_float_dtype(x.dtype) and x.dtype != want:
+                x = ctx.cast(x, want)
+            final.append(x)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), final)
+
+
+def make_wrapper(f: Callable[..., Any], cfg: Config) -> Callable[..., Any]:
+    """``f`` in mixed precision: a function with ``f``'s metadata, or a method bound
+    to the module when ``f`` is an nnx module or one of its methods."""
+    call = _Call(f, cfg)
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+
+    nnx = _flax.nnx_module()
+    node = f if nnx is not None and nnx.graph.is_graph_node(f) else getattr(f, "__self__", None)
+    if node is not None and nnx is not None and nnx.graph.is_graph_node(node):
+        # autocast(module) or autocast(module.method) is a method bound to the
+        # module, so nnx.capture / nnx.view find the module behind it.
+        @functools.wraps(getattr(f, "__func__", type(f).__call__))
+        def method(_module: Any, *args: Any, **kwargs: Any) -> Any:
+            return wrapper(*args, **kwargs)
+
+        return types.MethodType(method, node)
+    return wrapper
+
+
+class _Call:
+    """One ``autocast(f)``: how a call of it reaches ``_run``, and its eager-call cache."""
+
+    def __init__(self, f: Callable[..., Any], cfg: Config) -> None:
+        self.f = f
+        self.cfg = cfg
+        self.cache: dict[Any, Callable[..., Any]] = {}
+        self.linen_lifted: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args and _flax.is_bound_linen(args[0]) and not _flax.is_bound_linen(self.f):
+            # The decorator form on a linen method: lift through flax so that
+            # parameters, collections and RNGs cross the trace (init and apply).
+            return self._linen_call(*args, **kwargs)
+        nnx = _flax.nnx_module()
+        is_node = nnx.graph.is_graph_node if nnx is not None else (lambda x: False)
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
+        node_idx = [i for i, x in enumerate(leaves) if is_node(x)]
+        self_node = None
+        if is_node(self.f):
+            self_node = self.f
+        elif getattr(self.f, "__self__", None) is not None and is_node(self.f.__self__):
+            self_node = self.f.__self__
+        if node_idx or self_node is not None:
+            return self._call_nnx(nnx, leaves, treedef, node_idx, self_node)
+        dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+        return self._dispatch(self.f, leaves, treedef, dynamic, (), *(leaves[i] for i in dynamic))
+
+    def _dispatch(
+        self,
+        fn: Callable[..., Any],
+        leaves: list[Any],
+        treedef: Any,
+        dynamic: list[int],
+        closed_over: Any,
+        *dyn: Any,
+    ) -> Any:
+        """``fn`` on ``leaves`` (the ``dynamic`` ones replaced by ``dyn``), under autocast."""
+        if any(isinstance(x, jax.core.Tracer) for x in dyn):
+            return _run(fn, self.cfg, leaves, treedef, dynamic, dyn)
+        # Eager call: one jitted program per call signature (jit caches per
+        # shapes and dtypes), instead of re-tracing `f` op by op every call. The
+        # key holds everything that changes the answer: the static leaves, and
+        # what `fn` closes over (an nnx graph's static attributes, such as the
+        # mode model.eval() sets, and the call's static arguments).
+        static = tuple(x for i, x in enumerate(leaves) if i not in set(dynamic))
+        try:
+            key = (treedef, tuple(dynamic), static, closed_over)
+            hash(key)
+        except TypeError:
+            return _run(fn, self.cfg, leaves, treedef, dynamic, dyn)
+        jitted = self.cache.get(key)
+        if jitted is None:
+            template = list(leaves)
+            for i in dynamic:
+                template[i] = None
+            cfg = self.cfg
+
+            def flat(*vals: Any) -> Any:
+                return _run(fn, cfg, template, treedef, dynamic, vals)
+
+            jitted = self.cache[key] = jax.jit(flat)
+            if len(self.cache) > 64:
+                self.cache.pop(next(iter(self.cache)))
+        return jitted(*dyn)
+
+    def _call_nnx(
+        self, nnx: Any, leaves: list[Any], treedef: Any, node_idx: list[int], self_node: Any
+    ) -> Any:
+        """A call with nnx modules: split into a graph and a state, the state traced like
+        any other input and the updated state (BatchStat, RNG counts, ...) written back
+        after the call, as ``nnx.jit`` does."""
+        nodes = tuple(leaves[i] for i in node_idx) + ((self_node,) if self_node is not None else ())
+        graphdef, state = nnx.split(nodes)
+        state_leaves, state_def = jax.tree_util.tree_flatten(state)
+        rest = [i for i, x in enumerate(leaves) if i not in set(node_idx) and _is_dynamic(x)]
+        static_leaves = list(leaves)
+        for i in node_idx:
+            static_leaves[i] = None
+        method = self.f.__func__ if self_node is not None and self_node is not self.f else None
+        call = _NnxCall(self, nnx, graphdef, state_def, len(state_leaves), treedef, node_idx, rest)
+        pure = functools.partial(call, static_leaves, self_node, method)
+        flat_args = [*state_leaves, *(leaves[i] for i in rest)]
+        p_leaves, p_def = jax.tree_util.tree_flatten((tuple(flat_args), {}))
+        statics = tuple(x for i, x in enumerate(static_leaves) if i not in set(rest))
+        closed_over = (graphdef, treedef, tuple(rest), statics, id(method), self_node is None)
+        dynamic = list(range(len(p_leaves)))
+        out, updated = self._dispatch(pure, p_leaves, p_def, dynamic, closed_over, *p_leaves)
+        if _flax.flat_variables(nnx, updated):
+            nnx.update(nodes, updated)
+        return out
+
+    def _linen_call(self, *args: Any, **kwargs: Any) -> Any:
+        if self.linen_lifted is None:
+            self.linen_lifted = _lift_linen(self.f, self.cfg)
+        return self.linen_lifted(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NnxCall:
+    """The pure function of an nnx call that ``_dispatch`` traces: the modules merged
+    from the traced state, ``f`` called, and the state it changed returned."""
+
+    owner: _Call
+    nnx: Any
+    graphdef: Any  # the modules' graph, from nnx.split
+    state_def: Any  # the treedef of their state
+    nstate: int  # how many of the traced values are state leaves (the rest: `rest`)
+    treedef: Any  # the treedef of the call's (args, kwargs)
+    node_idx: list[int]  # where the modules sit among the call's leaves
+    rest: list[int]  # where the other dynamic leaves sit
+
+    def __call__(self, static_leaves: list[Any], self_node: Any, method: Any, *vals: Any) -> Any:
+        nnx, cfg = self.nnx, self.owner.cfg
+        state = jax.tree_util.tree_unflatten(self.state_def, vals[: self.nstate])
+        merged = nnx.merge(self.graphdef, state)
+        full = list(static_leaves)
+        for i, x in zip(self.node_idx, merged, strict=False):
+            full[i] = x
+        for i, x in zip(self.rest, vals[self.nstate :], strict=True):
+            full[i] = x
+        a, k = jax.tree_util.tree_unflatten(self.treedef, full)
+        target = self.owner.f
+        if self_node is not None:
+            target = merged[-1] if method is None else functools.partial(method, merged[-1])
+        named = cfg.modules or cfg.debug
+        names = _flax.nnx_scopes(nnx, merged) if named else contextlib.nullcontext()
+        # The leaf objects now (a Variable in the state is the live one).
+        before = {
+            path: jax.tree_util.tree_leaves(var)
+            for path, var in _flax.flat_variables(nnx, nnx.state(merged))
+        }
+        with names:
+            out = target(*a, **k)
+        # Only the Variables the call changed or created (BatchStat, RNG counts,
+        # sow, nnx.capture's __captures__) come back and are written back:
+        # unchanged parameters must not be written from inside a trace.
+        updated = {
+            path
+            for path, var in _flax.flat_variables(nnx, nnx.state(merged))
+            if path not in before or not _flax.same_leaves(before[path], var)
+        }
+        return out, nnx.state(merged, lambda path, _: path in updated)
+
+
+def _lift_linen(f: Callable[..., Any], cfg: Config) -> Callable[..., Any]:
+    """``f`` (a linen method) lifted through Flax, its body run under autocast."""
+    from flax.core import lift
+    from flax.linen import transforms as nn_transforms
+
+    def core(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(
+            scope_fn: Any, repack_fn: Any, variable_groups: Any, rng_groups: Any, *a: Any, **k: Any
+        ) -> Any:
+            def pure(variable_groups: Any, rng_groups: Any, a: Any, k: Any) -> Any:
+                scope = scope_fn(variable_groups, rng_groups)
+                y = fn(scope, *a, **k)
+                return y, repack_fn(scope)
+
+            return make_wrapper(pure, cfg)(variable_groups, rng_groups, a, k)
+
+        return lift.pack(inner, (True,), (True,), (True,), name="autocast", enable_kwargs=True)
+
+    return nn_transforms.lift_transform(core, f)

@@ -1,0 +1,89 @@
+"""Gradient accumulation with PyTorch's semantics: ``skip_nonfinite(..., every_k=k)``.
+
+Calls 1..k-1 of a window add the scaled gradients to an accumulator and change
+nothing else; call k runs one guarded step on the window's mean and resets the
+accumulator by replacement, so an overflowing micro-batch costs one window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp._utils.dtypes import is_inexact
+from jaxamp._utils.tree import like, zeros_of
+from jaxamp.skip._guard import cond_traced_once
+
+
+class Window(NamedTuple):
+    """An accumulation window's last call: the sum so far and the incoming gradients.
+
+    ``every_k``'s guarded step reads the window's mean through ``Part.prepare``
+    (``mean(Window)``), so the mean is never materialised as a tree of its own.
+    """
+
+    acc: Any
+    grads: Any
+
+
+#: ``window_step(grads, state, prepare, loss) -> (out, state)``: one guarded step.
+WindowStep = Callable[..., tuple[Any, Any]]
+
+
+def _add(a: Any, g: Any) -> Any:
+    return a + g.astype(a.dtype) if is_inexact(a) else a
+
+
+def accumulate(
+    every_k: int,
+    grads: Any,
+    state: Any,
+    params: Any,
+    window_step: WindowStep,
+    to_params: bool,
+    loss: Any,
+) -> tuple[Any, Any]:
+    """One call of a window: add ``grads`` to ``state.acc``, or end the window with one
+    guarded step on its mean (``window_step``). ``loss`` is None without a spike rule."""
+
+    def finish(grads: Any, state: Any) -> tuple[Any, Any]:
+        # The window's mean over the micro-batches it holds: k, or more when a
+        # window saved under a larger every_k is restored here (it ends now, as
+        # one step of the right size, never k-times too large).
+        count = state.mini_step + 1
+
+        def mean(window: Window) -> Any:
+            return jax.tree.map(
+                lambda a, g: (
+                    (_add(a, g) / count.astype(a.dtype)).astype(a.dtype) if is_inexact(a) else g
+                ),
+                window.acc,
+                window.grads,
+            )
+
+        # One guarded step on the mean, computed where it is read.
+        window_loss = None
+        if loss is not None:
+            window_loss = (state.spikes.pending + loss) / count.astype(jnp.float32)
+            state = state._replace(spikes=state.spikes._replace(pending=jnp.zeros_like(loss)))
+        out, state = window_step(Window(state.acc, grads), state, mean, window_loss)
+        # Reset by replacement: `acc * 0` would keep an overflowed micro-batch's NaN.
+        zeros = jax.tree.map(jnp.zeros_like, state.acc)
+        # zeros_like keeps the counter's type: per-device (varying) under shard_map.
+        return out, state._replace(acc=zeros, mini_step=jnp.zeros_like(state.mini_step))
+
+    def add(shapes: Any, grads: Any, state: Any) -> tuple[Any, Any]:
+        out = params if to_params else zeros_of(shapes[0])
+        state = state._replace(
+            acc=jax.tree.map(_add, state.acc, grads), mini_step=state.mini_step + 1
+        )
+        if loss is not None:
+            state = state._replace(
+                spikes=state.spikes._replace(pending=state.spikes.pending + loss)
+            )
+        return like((out, state), shapes)
+
+    return cond_traced_once(state.mini_step >= every_k - 1, finish, add, grads, state)

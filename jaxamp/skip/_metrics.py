@@ -1,0 +1,62 @@
+"""Scalars to log: the loss scale, its counters, and what the last step skipped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxamp._utils.errors import named
+from jaxamp._utils.tree import find_one
+from jaxamp.loss_scale import LossScaleState, get_loss_scale
+from jaxamp.skip._spikes import SpikeState
+
+__all__ = ["metrics"]
+
+
+def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
+    """Scalars to log: loss scale, counters and whether the last step was skipped.
+
+    Jit-safe: returns arrays, never pulls them to the host.
+
+    Args:
+      opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
+        containing one (from [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite]).
+
+    Returns:
+      A dict of scalar arrays: ``loss_scale``, ``growth_tracker``,
+      ``nonfinite_streak``, ``skipped_steps`` (steps skipped for non-finite
+      gradients) and ``skipped`` (bool: the last step was skipped). With a
+      [`jaxamp.spike_rule`][jaxamp.spike_rule], also ``spike_skipped_steps`` (steps skipped as
+      spikes, counted apart) and ``spike_skipped`` (the last step was one);
+      ``skipped`` is then True for either reason.
+
+    Examples:
+      >>> import jaxamp
+      >>> sorted(jaxamp.metrics(jaxamp.dynamic_scale()))
+      ['growth_tracker', 'loss_scale', 'nonfinite_streak', 'skipped', 'skipped_steps']
+    """
+    with named("metrics"):
+        s = get_loss_scale(opt_state_or_loss_scale_state)
+    out = {
+        "loss_scale": s.scale,
+        "growth_tracker": s.growth_tracker,
+        "nonfinite_streak": s.nonfinite_streak,
+        "skipped_steps": s.skipped_steps,
+        # streak != 0 without a Python constant: eagerly, that would be a host transfer.
+        "skipped": s.nonfinite_streak.astype(jnp.bool_),
+    }
+    spikes = find_spike_state(opt_state_or_loss_scale_state)
+    if spikes is not None:
+        out["spike_skipped_steps"] = jnp.asarray(spikes.skips)
+        out["spike_skipped"] = jnp.asarray(spikes.skipped)
+        out["skipped"] = out["skipped"] | out["spike_skipped"]
+    return out
+
+
+def find_spike_state(opt_state: Any) -> SpikeState | None:
+    """The one [`jaxamp.SpikeState`][jaxamp.SpikeState] inside an optimizer state, or None."""
+    if isinstance(opt_state, LossScaleState):
+        return None
+    return find_one(opt_state, SpikeState, what="SpikeStates", hint="pass the sub-state you mean.")

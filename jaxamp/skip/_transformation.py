@@ -1,0 +1,206 @@
+"""What ``skip_nonfinite`` and ``multi_transform`` share: the update function's base,
+``step`` that runs it with the parameter update fused in, and their argument checks.
+
+Each transformation is a plain ``optax.GradientTransformationExtraArgs`` whose
+``update`` is a small object holding the transformation's parts as fields (equinox
+style), so that ``tx._replace(...)`` and pytree round trips keep them and
+[`step`][jaxamp.step] can run the same guarded core (``_guard.guarded``) with the
+parameter update fused in.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxamp._utils.tree import render_path
+from jaxamp.loss_scale import LossScaleState, Mode, no_scale
+from jaxamp.skip import _spikes
+from jaxamp.skip._guard import Call, Outcome
+from jaxamp.skip._nnx_state import refuse_flax_optimizer
+
+__all__ = ["step"]
+
+
+class GuardedUpdate:
+    """An update function that [`step`][jaxamp.step] can also run with the param update fused in."""
+
+    def __call__(
+        self,
+        updates: optax.Updates,
+        state: Any,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, Any]:
+        refuse_flax_optimizer(sys._getframe(1))
+        return self.run(updates, state, params, Call(extra_args, None, to_params=False))
+
+    def run(self, grads: Any, state: Any, params: Any, call: Call) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+
+def step(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    *,
+    finite: Any = None,
+    **extra_args: Any,
+) -> tuple[Any, Any]:
+    """One optimizer step: ``tx.update`` and ``optax.apply_updates`` fused.
+
+    PyTorch's ``scaler.step(optimizer)``. For a [`skip_nonfinite`][jaxamp.skip_nonfinite] or
+    [`multi_transform`][jaxamp.multi_transform] transformation the results equal ``tx.update``
+    followed by ``optax.apply_updates`` bit for bit, but a non-finite step is
+    skipped as a whole (params and inner state pass through a ``lax.cond``), so no
+    zero updates and no second copy of the optimizer state are materialised. Any
+    other transformation takes the plain ``update`` + ``apply_updates`` path.
+
+    Args:
+      tx: the optimizer, ideally one [`skip_nonfinite`][jaxamp.skip_nonfinite] or
+        [`multi_transform`][jaxamp.multi_transform] returned.
+      grads: the (scaled) gradients; with ``finite=``, already unscaled.
+      opt_state: ``tx``'s state.
+      params: the parameters.
+      finite: PyTorch's ``unscale_`` then ``step``: a bool scalar saying that
+        ``grads`` were already unscaled and checked (by
+        [`jaxamp.unscale_and_check`][jaxamp.unscale_and_check], then clipped or edited). They are
+        not unscaled or checked again; the step is skipped where ``finite`` is False, and the scale
+        updates with it.
+      **extra_args: forwarded to the inner optimizer (e.g. ``value=`` for
+        ``optax.contrib.reduce_on_plateau``).
+
+    Returns:
+      ``(new_params, new_opt_state)``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.5), jaxamp.static_scale(2.0))
+      >>> params = {"w": jnp.ones(2)}
+      >>> params, state = jaxamp.step(tx, {"w": jnp.array([2.0, 4.0])}, tx.init(params), params)
+      >>> params["w"]
+      Array([0.5, 0. ], dtype=float32)
+    """
+    if params is None:
+        raise ValueError(
+            "jaxamp.step needs the params (it returns the new params); to get updates "
+            "instead, call tx.update(grads, opt_state, params)."
+        )
+    update = getattr(tx, "update", None)
+    if isinstance(update, GuardedUpdate):
+        return update.run(grads, opt_state, params, Call(extra_args, finite, to_params=True))
+    if finite is not None:
+        raise TypeError(
+            "jaxamp.step: finite= needs a transformation from jaxamp.skip_nonfinite or "
+            f"jaxamp.multi_transform, got {type(tx).__name__}."
+        )
+    updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> LossScaleState:
+    if loss_scale is None:
+        # Check and skip, never scale: the bfloat16 case.
+        loss_scale = no_scale().replace(mode=Mode.CHECK_ONLY)
+    elif not isinstance(loss_scale, LossScaleState):
+        raise TypeError(
+            f"{fn}: `loss_scale` must be a LossScaleState (jaxamp.dynamic_scale(), "
+            f"jaxamp.static_scale(), jaxamp.no_scale()) or None, got {type(loss_scale).__name__}."
+        )
+    if max_consecutive_nonfinite is not None:
+        # An int N, or math.inf to never raise (the loss-scale state's own spellings).
+        limit = max_consecutive_nonfinite
+        if isinstance(limit, bool) or not (isinstance(limit, int) or limit == float("inf")):
+            raise TypeError(
+                f"{fn}: max_consecutive_nonfinite must be None (check_health's default "
+                "rule), an integer >= 0, or math.inf (never raise), got "
+                f"{max_consecutive_nonfinite!r}."
+            )
+        try:
+            loss_scale = loss_scale.replace(max_consecutive_nonfinite=max_consecutive_nonfinite)
+        except ValueError as e:
+            raise ValueError(f"{fn}: {e}") from None
+    return loss_scale
+
+
+def check_inner(inner: Any, fn: str, what: str = "inner") -> optax.GradientTransformationExtraArgs:
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
+        raise TypeError(
+            f"{fn}: `{what}` must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
+            f"got {type(inner).__name__}."
+        )
+    return optax.with_extra_args_support(inner)
+
+
+def check_grads(grads: Any, params: Any, fn: str) -> None:
+    """Gradients must match the params leaf for leaf, shapes included (no broadcasting)."""
+    if params is None:
+        return
+    g_def, p_def = jax.tree.structure(grads), jax.tree.structure(params)
+    if g_def != p_def:
+        raise ValueError(
+            f"{fn}: the gradients' tree does not match the params' tree.\n  grads:  {g_def}\n"
+            f"  params: {p_def}\nPass the gradients of the loss with respect to these params."
+        )
+    for (path, g), p in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(params), strict=True
+    ):
+        g_shape, p_shape = jnp.shape(g), jnp.shape(p)
+        if g_shape != p_shape:
+            raise ValueError(
+                f"{fn}: the gradient at `{render_path(path)}` has shape {g_shape} but the "
+                f"param has shape {p_shape}; gradients must have their params' shapes exactly."
+            )
+
+
+def check_inner_state(inner: Any, state: Any, like_params: Any, fn: str, where: str) -> None:
+    """The opt state must be the one ``inner.init`` builds (same tree), or a clear error."""
+    expected = jax.tree.structure(jax.eval_shape(inner.init, like_params))
+    got = jax.tree.structure(state)
+    if expected != got:
+        raise TypeError(
+            f"{fn}: {where} does not match the inner optimizer: it was not made by this "
+            f"transformation's init.\n  expected: {expected}\n  got:      {got}\n"
+            "Pass the opt_state that tx.init(params) returned for this same tx."
+        )
+
+
+def check_state_type(state: Any, cls: type, fn: str) -> None:
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"{fn}: expected the state returned by this transformation's init (a "
+            f"{cls.__name__}), got {type(state).__name__}. Pass the opt_state that "
+            "tx.init(params) returned for this transformation."
+        )
+
+
+def check_spike_state(rule: Any, state: Any, fn: str) -> None:
+    if rule is not None and not isinstance(state.spikes, _spikes.SpikeState):
+        raise TypeError(
+            f"{fn}: this transformation skips spikes but opt_state.spikes is "
+            f"{type(state.spikes).__name__}: pass the opt_state that tx.init(params) returned "
+            "for this same tx."
+        )
+
+
+def record_of(state: Any, positions: list[list[int]] | None = None) -> Any:
+    """``guarded``'s ``record=``: the state's per-leaf record and the parts' positions
+    (None: one part holding every leaf, in order)."""
+    if state.nonfinite_leaves is None:
+        return None
+    return state.nonfinite_leaves, positions
+
+
+def with_outcome(state: Any, got: Outcome) -> Any:
+    """``state`` with the guarded step's loss scale, non-finite leaves and spike history."""
+    new = state._replace(loss_scale=got.loss_scale)
+    if got.nonfinite_leaves is not None:
+        new = new._replace(nonfinite_leaves=got.nonfinite_leaves)
+    if got.spikes is not None:
+        new = new._replace(spikes=got.spikes)
+    return new
