@@ -2,16 +2,35 @@
 ``jaxamp.checkpoint``, with each function's and class's parameters (names, kinds, defaults).
 
 The snapshot was taken from the tree before the package was re-cut by concept (issue 32):
-moving modules must change nothing here. A deliberate change of the public API is made
-here too, by hand, and listed in the CHANGELOG.
+moving modules must change nothing here. A deliberate change of the public API is listed
+in ``CHANGED`` (and in the CHANGELOG), and its old spelling tested below.
 """
 
+import copy
 import dataclasses
 import enum
 import inspect
 import types
+import warnings
+
+import pytest
 
 import jaxamp
+
+# Deliberate changes since the snapshot: parameters made keyword-only in 0.4 (passed
+# by position they still work, with a DeprecationWarning, until 0.5).
+CHANGED = {
+    ("jaxamp", "dynamic_scale"): (
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "hysteresis",
+        "min_scale",
+        "max_scale",
+        "max_consecutive_nonfinite",
+    ),
+    ("jaxamp", "static_scale"): ("skip_nonfinite",),
+}
 
 
 def params(obj):
@@ -64,13 +83,46 @@ def snapshot_now():
     }
 
 
+def expected():
+    """The snapshot with the deliberate changes made."""
+    want = copy.deepcopy(SNAPSHOT)
+    for (ns, name), keyword_only in CHANGED.items():
+        kind, params = want[ns][name]
+        params = [(p, "KEYWORD_ONLY" if p in keyword_only else k, d) for p, k, d in params]
+        want[ns][name] = (kind, params)
+    return want
+
+
 def test_the_public_api_is_the_pinned_one():
-    now = snapshot_now()
-    assert now.keys() == SNAPSHOT.keys()
-    for ns, names in SNAPSHOT.items():
+    now, want = snapshot_now(), expected()
+    assert now.keys() == want.keys()
+    for ns, names in want.items():
         assert now[ns]["__all__"] == names["__all__"], ns
-        for name, want in names.items():
-            assert now[ns][name] == want, f"{ns}.{name}"
+        for name, pinned in names.items():
+            assert now[ns][name] == pinned, f"{ns}.{name}"
+
+
+def test_the_old_positional_spellings_still_work_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match=r"growth_factor, backoff_factor by position"):
+        old = jaxamp.dynamic_scale(8.0, 4.0, 0.25)
+    new = jaxamp.dynamic_scale(8.0, growth_factor=4.0, backoff_factor=0.25)
+    assert [float(x) for x in jax_leaves(old)] == [float(x) for x in jax_leaves(new)]
+    with pytest.warns(DeprecationWarning, match=r"skip_nonfinite by position"):
+        assert jaxamp.static_scale(4.0, False).mode == "static_unchecked"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spellings do not warn
+        jaxamp.dynamic_scale(8.0, growth_interval=3)
+        jaxamp.static_scale(4.0, skip_nonfinite=False)
+    with pytest.raises(TypeError, match="multiple values for argument 'growth_factor'"):
+        jaxamp.dynamic_scale(8.0, 4.0, growth_factor=2.0)
+    with pytest.raises(TypeError, match=r"takes 1 positional argument\(s\) \(8 until jaxamp 0.5"):
+        jaxamp.dynamic_scale(*range(1, 10))
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
 
 
 # fmt: off

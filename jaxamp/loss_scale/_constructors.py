@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxamp._utils.deprecation import positional_deprecated
 from jaxamp.loss_scale._state import LossScaleState, Mode, fixed_state, fresh_state
 
 __all__ = ["dynamic_scale", "no_scale", "static_scale"]
 
 
+@positional_deprecated(
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "min_scale",
+    "max_scale",
+    "max_consecutive_nonfinite",
+    removed_in="0.5",
+)
 def dynamic_scale(
     init_scale: float = 2.0**15,
+    *,
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
@@ -18,11 +30,13 @@ def dynamic_scale(
     min_scale: float = 1.0,
     max_scale: float = 2.0**24,
     max_consecutive_nonfinite: int | float | None = None,
-    *,
     hysteresis_refill: str = "finite_and_backoff",
     raise_at_min_scale: bool = False,
 ) -> LossScaleState:
     """Dynamic loss scaling: grow after clean stretches, back off on overflow.
+
+    Every argument but ``init_scale`` is keyword-only. Passed by position (0.3's
+    signature) they still work, with a ``DeprecationWarning``, until jaxamp 0.5.
 
     Args:
       init_scale: the starting scale; within [min_scale, max_scale] and ``[2**-126, 2**126]``.
@@ -74,8 +88,12 @@ def dynamic_scale(
     )
 
 
-def static_scale(scale: float = 2.0**15, skip_nonfinite: bool = True) -> LossScaleState:
+@positional_deprecated("skip_nonfinite", removed_in="0.5")
+def static_scale(scale: float = 2.0**15, *, skip_nonfinite: bool = True) -> LossScaleState:
     """A fixed loss scale that never changes.
+
+    ``skip_nonfinite`` is keyword-only; passed by position it still works, with a
+    ``DeprecationWarning``, until jaxamp 0.5.
 
     Args:
       scale: the loss scale, in ``[2**-126, 2**126]``.

@@ -71,9 +71,9 @@ def value_and_grad(
       has_aux: whether ``fun`` returns ``(loss, aux)``.
 
     Returns:
-      A function ``(state, *args, **kwargs) -> (value, grads)`` (``((value, aux),
-      grads)`` with ``has_aux``): the loss as ``fun`` computed it and the gradients
-      of the scaled loss, ready for [`jaxamp.step`][jaxamp.step] or ``tx.update``.
+      A function ``(opt_state_or_loss_scale_state, *args, **kwargs) -> (value, grads)``
+      (``((value, aux), grads)`` with ``has_aux``): the loss as ``fun`` computed it and
+      the gradients of the scaled loss, ready for [`jaxamp.step`][jaxamp.step] or ``tx.update``.
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp
@@ -93,7 +93,10 @@ def value_and_grad(
     # no user function has, so it is neither counted nor differentiated.
     grad_fn = jax.value_and_grad(scaled_fun, argnums=argnums, has_aux=True)
 
-    def wrapped(state: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def wrapped(
+        opt_state_or_loss_scale_state: Any, /, *args: Any, **kwargs: Any
+    ) -> tuple[Any, Any]:
+        state = opt_state_or_loss_scale_state
         try:
             ls = get_loss_scale(state)
         except ValueError as e:
