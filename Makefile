@@ -81,9 +81,9 @@ test-oldest:
 	$(OLDEST)/bin/python -m pip install --quiet "jax==0.5.0" "jaxlib==0.5.0" "flax==0.10.2" \
 		"optax==0.2.4" "chex==0.1.90" "orbax-checkpoint==0.11.0" pytest hypothesis
 	$(OLDEST)/bin/python -m pip install --quiet --no-deps -e .
-	$(OLDEST)/bin/python -m pytest -q tests/test_loss_scale.py tests/test_compat.py \
-		tests/test_transform.py tests/test_tree.py tests/test_autocast.py tests/test_policy.py \
-		tests/test_jax_compat.py tests/test_autocast_rules.py
+	$(OLDEST)/bin/python -m pytest -q tests/loss_scale/test_state.py tests/loss_scale/test_compat.py \
+		tests/skip/test_skip_nonfinite.py tests/utils/test_tree.py tests/casting/test_autocast.py \
+		tests/casting/test_policy.py tests/utils/test_jax_compat.py tests/casting/test_rules.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

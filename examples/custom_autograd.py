@@ -12,7 +12,7 @@ PyTorch's AMP examples show two cases for ``torch.autograd.Function``:
    In jaxamp wrap the call in ``jaxamp.full_precision``: float32 inputs, autocast
    off inside, for the forward and for the backward rule.
 
-``tests/test_examples.py`` checks, against hand-written JAX without jaxamp, that
+``tests/repo/test_examples.py`` checks, against hand-written JAX without jaxamp, that
 ``mymm`` under autocast computes what float16 inputs give, that its backward rule's
 matmuls are float16, that ``full_precision(l2_norm)`` gives the float32 value and
 gradient exactly, and that the loop (float32 compute) with an inf batch at step 2

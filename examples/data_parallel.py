@@ -10,7 +10,7 @@
 
 At step 3 one device's gradients get an inf; every device skips that step.
 Runs on any number of devices; on CPU it asks XLA for 8 simulated ones.
-``tests/test_examples.py`` checks all three runs against single-device plain optax
+``tests/repo/test_examples.py`` checks all three runs against single-device plain optax
 on the whole batch that leaves step 3 out (to float32 rounding: the per-device
 means are summed in another order than the whole batch's mean).
 

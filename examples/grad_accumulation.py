@@ -23,7 +23,7 @@ Do not nest ``optax.MultiSteps(jaxamp.skip_nonfinite(...))`` for this: MultiStep
 resets its accumulator by multiplying it by 0, and ``inf * 0`` is NaN, so after one
 overflowing micro-batch every later step would be skipped.
 
-``tests/test_examples.py`` runs this loop with float32 compute and an inf in one
+``tests/repo/test_examples.py`` runs this loop with float32 compute and an inf in one
 micro-batch of window 2, and checks that micro-batches 1..K-1 leave the params
 unchanged bit for bit, that the scale moves once, at the end of window 2, and the
 parameters after every window against PyTorch's loop written in plain JAX + optax

@@ -9,7 +9,7 @@ inner chain: ``skip_nonfinite`` unscales before ``inner`` runs, so
 skipped before anything is clipped. (To *see* the norm, or edit the gradients
 yourself, see ``unscaled_grads.py``.)
 
-``tests/test_examples.py`` runs this loop with float32 compute and an inf batch at
+``tests/repo/test_examples.py`` runs this loop with float32 compute and an inf batch at
 step 2, and checks that the parameters equal, to float32 rounding, those of the
 plain float32 ``optax.chain(clip_by_global_norm, sgd)`` loop that leaves that batch out.
 """

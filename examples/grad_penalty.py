@@ -19,7 +19,7 @@ free: ``jax.grad`` inside the loss is differentiable. ``jaxamp.unscale_and_check
 is differentiable too; its ``finite`` flag is not needed here because
 ``jaxamp.step`` checks the final gradients (an inf anywhere makes them non-finite).
 
-``tests/test_examples.py`` runs this loop with float32 compute and an inf batch at
+``tests/repo/test_examples.py`` runs this loop with float32 compute and an inf batch at
 step 2, and checks that the parameters equal, to float32 rounding, those of the plain
 float32 optax loop on ``loss + ||grad loss||`` that leaves that batch out.
 """

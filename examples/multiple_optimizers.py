@@ -19,7 +19,7 @@ of ``loss0 + loss1``. A non-finite gradient in model1's partition skips
 optimizer1's step (model1's params unchanged bit for bit, its Adam count not advanced) while
 optimizer0 steps as usual, and the scale backs off once.
 
-``tests/test_examples.py`` runs this loop with float32 compute, overflows model1's
+``tests/repo/test_examples.py`` runs this loop with float32 compute, overflows model1's
 gradients at step 2, and checks the parameters against the plain float32 loop of
 two optax optimizers in which only optimizer1 leaves out step 2 (to float32 rounding).
 """

@@ -8,7 +8,7 @@ transformation whose state holds the loss scale, and ``scaler.step`` +
 ``jaxamp.compat.torch_grad_scaler()`` has ``GradScaler``'s defaults and scale
 trajectory (init 2**16, x2 after 2000 clean steps, x0.5 on overflow).
 
-An overflowing step is skipped as a whole: ``tests/test_examples.py`` feeds this
+An overflowing step is skipped as a whole: ``tests/repo/test_examples.py`` feeds this
 loop (with float32 compute) an inf batch and checks that the skipped step leaves the
 parameters unchanged bit for bit and that every step equals the plain float32 optax
 loop that leaves that batch out (to float32 rounding).

@@ -21,7 +21,7 @@ checked: it neither unscales nor checks them again, skips the step where
 ``finite`` is False and updates the scale with it. The norm is computed once, from
 the one unscale, and reused for the clipping.
 
-``tests/test_examples.py`` runs this loop with float32 compute and an inf batch at
+``tests/repo/test_examples.py`` runs this loop with float32 compute and an inf batch at
 step 2, and checks that the returned norms equal ``optax.global_norm`` of the plain
 float32 gradients (bit for bit) and that the parameters equal, to float32 rounding,
 those of the plain

@@ -4,7 +4,7 @@ Supported JAX versions: 0.5.0 (``make test-oldest``) to 0.10.2 (``make test``).
 
 Everything else in ``jaxamp.casting`` uses ``jax.make_jaxpr``,
 ``jax.extend.core`` and ``Primitive.bind`` / ``Primitive.get_bind_params``.
-What is left here is small, and ``tests/test_jax_compat.py`` checks each piece
+What is left here is small, and ``tests/utils/test_jax_compat.py`` checks each piece
 so that a JAX upgrade that changes one of them fails loudly in CI instead of
 silently miscasting.
 """

@@ -1,5 +1,4 @@
-"""Loss scaling: the state, its constructors (and other systems', in ``compat``), the pure
-functions that drive it, reading it back from an optimizer state, checking it agrees everywhere."""
+"""Loss scaling: the state and its constructors, the functions that drive it, reading it back."""
 
 from jaxamp._utils.finite import all_finite
 from jaxamp._utils.tree import select_tree

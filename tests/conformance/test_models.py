@@ -48,7 +48,7 @@ def test_raw_features_past_float16_are_reported_not_clipped() -> None:
     ``jaxamp.find_overflow`` names a float16 op of the forward pass, and its
     advice, followed, removes that overflow.
     """
-    from tests.test_find_overflow import assert_advice_works
+    from tests.casting.test_find_overflow import assert_advice_works
 
     built = harness.build("jraph-gnn")
     ref = np.asarray(built.apply(built.params, None, built.batch)[0])

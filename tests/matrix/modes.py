@@ -9,7 +9,7 @@ equal on finite steps (``reference``):
 - ``multi``: ``jaxamp.multi_transform`` (first layer: adam, the rest: sgd with
   momentum); reference ``optax.multi_transform``, each label stepped on its own;
 - ``spikes``: ``skip_nonfinite(adam, spikes=spike_rule(...))``; whether a step is
-  a spike comes from ``tests/test_spikes.py``'s plain-Python rule;
+  a spike comes from ``tests/skip/test_spikes.py``'s plain-Python rule;
 - ``sr`` / ``kahan``: bfloat16 params, ``chain(adam, jaxamp.stochastic_rounding(key))``
   or ``chain(adam, jaxamp.kahan_summation())``; the reference is the same chain
   without the skip (the rounding transformations are jaxamp's, the skip is what
@@ -33,7 +33,7 @@ import optax
 
 import jaxamp
 from tests.matrix.models import label_of
-from tests.test_spikes import Reference as SpikeReference
+from tests.skip.test_spikes import Reference as SpikeReference
 
 NAMES = ("plain", "every_k", "multi", "spikes", "sr", "kahan")
 LABELS = ("a", "b")
@@ -161,7 +161,7 @@ def inner_leaves(opt_state: Any, label: str, *, reference: bool) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------
-# Oracles: the loss scale (API.md §2), spikes (tests/test_spikes.py), windows.
+# Oracles: the loss scale (API.md §2), spikes (tests/skip/test_spikes.py), windows.
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
-from tests.test_find_overflow import assert_advice_works, marker_line
+from tests.casting.test_find_overflow import assert_advice_works, marker_line
 
 N_DEV = 8
 

@@ -11,7 +11,7 @@ import re
 
 import jaxamp
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 NAMESPACES = {
     "jaxamp": [n for n in jaxamp.__all__ if n not in ("checkpoint", "compat", "nnx")],
     "jaxamp.nnx": jaxamp.nnx.__all__,

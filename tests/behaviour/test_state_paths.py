@@ -505,12 +505,23 @@ def test_a_refused_mode_change_names_the_mode() -> None:
         state.replace(mode="dynamic")
 
 
-@pytest.mark.parametrize("field", ["skipped_steps", "nonfinite_streak", "growth_tracker"])
-def test_counters_saturate_instead_of_wrapping(field) -> None:
+@pytest.mark.parametrize(
+    ("field", "finite", "after", "scale"),
+    [
+        # A non-finite step: the counter stays at its largest value; the scale backs off.
+        ("skipped_steps", False, 2**31 - 1, 2.0**14),
+        ("nonfinite_streak", False, 2**31 - 1, 2.0**14),
+        # A finite step: the tracker stays at 2**31 - 1 >= growth_interval, so the
+        # scale grows and the tracker restarts at 0 (wrapped, it would be -2**31 and
+        # postpone growth by 2**31 steps).
+        ("growth_tracker", True, 0, 2.0**16),
+    ],
+)
+def test_counters_saturate_instead_of_wrapping(field, finite, after, scale) -> None:
     # replace accepts 2**31 - 1 (an integer >= 0); one more step wraps it to -2**31,
-    # a state that replace and a checkpoint restore then refuse ("must be >= 0"), and a
-    # negative growth_tracker postpones growth by 2**31 steps. optax's
-    # numerics.safe_increment saturates instead.
+    # a state that replace and a checkpoint restore then refuse ("must be >= 0").
+    # optax's numerics.safe_increment saturates instead.
     state = jaxamp.dynamic_scale(growth_interval=2**31 - 1).replace(**{field: 2**31 - 1})
-    finite = field == "growth_tracker"
-    assert int(getattr(jaxamp.update(state, finite), field)) >= 0
+    new = jaxamp.update(state, finite)
+    assert int(getattr(new, field)) == after
+    assert float(new.scale) == scale

@@ -4,7 +4,7 @@ namespace (the guide is the README's long form and builds on its quick start).""
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_readme_and_guide_python_blocks_run():

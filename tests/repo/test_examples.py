@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 TINY = [
     "--steps", "30", "--batch-size", "8", "--seq-len", "32", "--model-dim", "32",
@@ -149,21 +151,76 @@ def test_demo_rejects_bad_flags(argv: list[str], flag: str, capsys) -> None:
     assert flag in capsys.readouterr().err
 
 
-# Examples without a reference test below; those with one run their main() there.
-EXAMPLE_NAMES = [
-    "quickstart",
-    "flax_train_state",
-    "checkpointing",
-    "module_rules",
-]
+# Examples without a reference test below (those with one run their main() there), and
+# what each must print: its own claims, read back from its output.
+STEP = re.compile(r"^step +(\d+) +loss ([-\d.e+]+) +scale (\d+) +skipped (\d+)", re.M)
 
 
-@pytest.mark.parametrize("name", EXAMPLE_NAMES)
+def _steps(out: str) -> tuple[list[int], list[float], list[int], list[int]]:
+    rows = STEP.findall(out)
+    assert rows, out
+    steps, losses, scales, skipped = zip(*rows, strict=True)
+    return (
+        [int(i) for i in steps],
+        [float(x) for x in losses],
+        list(map(int, scales)),
+        list(map(int, skipped)),
+    )
+
+
+def _quickstart(out: str) -> None:
+    steps, losses, scales, skipped = _steps(out)
+    assert steps == [0, 50, 100, 150, 200]
+    assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] / 10
+    assert scales == [2**15] * 5 and skipped == [0] * 5  # growth_interval 2000: no growth yet
+
+
+def _flax_train_state(out: str) -> None:
+    steps, losses, scales, skipped = _steps(out)
+    assert steps == [0, 100, 200, 300]
+    assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] / 10
+    assert scales == [2**15, 2**16, 2**17, 2**18]  # growth_interval=100, no overflow
+    assert skipped == [0] * 4
+    (accuracy,) = re.findall(r"^train accuracy ([\d.]+)$", out, re.M)
+    assert float(accuracy) >= 0.95
+
+
+def _checkpointing(out: str) -> None:
+    # The injected inf at step 11 backed the scale off once before the save at step 12.
+    assert "restored step 12: scale=16384 hysteresis_tracker=1 nonfinite_streak=1 skipped=1" in out
+    assert "resumed run equals the uninterrupted one bit for bit: True" in out
+    assert "'skipped_steps': 1.0" in out
+    assert re.search(
+        r"plain optax checkpoint: .* has no loss-scale state at `opt_state.loss_scale`", out
+    )
+
+
+def _module_rules(out: str) -> None:
+    dtypes = dict(re.findall(r"^matmul in (\S+) +(\w+)$", out, re.M))
+    assert dtypes == {
+        **{f"Classifier/Dense_{i}": "float16" for i in range(4)},
+        "Classifier/head": "float32",  # modules={"head": "float32"}
+    }
+    rows = re.findall(r"^step +(\d+) loss ([-\d.e+]+)$", out, re.M)
+    assert [int(i) for i, _ in rows] == [0, 5, 10, 15, 19]
+    losses = [float(x) for _, x in rows]
+    assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] / 5
+
+
+EXAMPLE_CHECKS = {
+    "quickstart": _quickstart,
+    "flax_train_state": _flax_train_state,
+    "checkpointing": _checkpointing,
+    "module_rules": _module_rules,
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLE_CHECKS))
 def test_small_example_runs(name: str, jax_cache: Path) -> None:
-    """Each example runs as a user runs it and prints finite losses."""
+    """Each example runs as a user runs it and prints what it claims."""
     proc = _run([str(EXAMPLES / f"{name}.py")], jax_cache, timeout=120)
-    assert "loss" in proc.stdout or "bit for bit: True" in proc.stdout
     assert "nan" not in proc.stdout.lower()
+    EXAMPLE_CHECKS[name](proc.stdout)
 
 
 def test_nnx_example_claims(jax_cache: Path) -> None:
@@ -292,6 +349,9 @@ def _amp_loop(train_step, params, opt_state, batches):
     return out, opt_state, extras
 
 
+LOSS = re.compile(r"\b(loss\w*(?: \+ penalty)?) ([-\d.e+]+|nan|inf)\b")
+
+
 @pytest.fixture
 def run_main(capsys):
     """Runs an example's main() (float16 autocast, as a user runs it) in this process."""
@@ -299,7 +359,15 @@ def run_main(capsys):
     def run(ex) -> str:
         ex.main()
         out = capsys.readouterr().out
-        assert "loss" in out and "nan" not in out.lower(), out
+        assert "nan" not in out.lower(), out
+        # Every loss it prints is finite, and each one it tracks went down.
+        series: dict[str, list[float]] = {}
+        for label, value in LOSS.findall(out):
+            series.setdefault(label, []).append(float(value))
+        assert series, out
+        for label, values in series.items():
+            assert all(math.isfinite(v) for v in values), (label, values)
+            assert len(values) < 2 or values[-1] < values[0], (label, values)
         return out
 
     return run

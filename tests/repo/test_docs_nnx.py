@@ -3,7 +3,7 @@
 import pathlib
 import re
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "nnx.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "nnx.md"
 
 
 def test_nnx_doc_blocks_run():

@@ -22,7 +22,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import jaxamp
-from tests import autocast_graphs as G
+from tests.casting import autocast_graphs as G
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 

@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxamp
-from tests.test_spikes import N, Reference, _grads
+from tests.skip.test_spikes import N, Reference, _grads
 
 
 def _tx(window):

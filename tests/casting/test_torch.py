@@ -1,7 +1,7 @@
 """jaxamp.autocast against torch.autocast("cpu", dtype=torch.bfloat16) (issue 31).
 
 Random graphs of activations, float32 inputs, parameters and constants
-(``tests/autocast_graphs.py``) run under torch.autocast, which reports the dtype
+(``tests/casting/autocast_graphs.py``) run under torch.autocast, which reports the dtype
 it gives each op; jaxamp.autocast in bfloat16 must then be finite where torch
 is, and within the error bound of those dtypes against exact float64
 arithmetic. torch's own result is checked against the same bound, so the bound
@@ -20,7 +20,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import jaxamp
-from tests import autocast_graphs as G
+from tests.casting import autocast_graphs as G
 
 torch = pytest.importorskip(
     "torch", reason="torch is not installed: pip install -e '.[torch]' (a large download)"

@@ -26,8 +26,7 @@ import pytest
 from flax import nnx
 
 import jaxamp
-
-from .conformance import harness
+from tests.conformance import harness
 
 F16_MAX = 65504.0
 

@@ -578,3 +578,41 @@ def test_a_record_of_the_wrong_length_is_refused_when_the_step_traces() -> None:
     state = tx.init(params)._replace(nonfinite_leaves=tx.init({"a": jnp.ones(3)}).nonfinite_leaves)
     with pytest.raises(ValueError, match="tracks 1 gradient leaves but the gradients have 2"):
         jax.jit(tx.update)(params, state, params)
+
+
+def test_a_checkpoint_names_no_python_module(tmp_path) -> None:
+    # What a restore reads is key paths and arrays: where jaxamp's classes live (they
+    # moved in 0.4's re-cut by concept) is in no file of a checkpoint, so checkpoints
+    # written by 0.3 restore unchanged.
+    from flax import nnx
+
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    skip = jaxamp.skip_nonfinite(
+        optax.adam(1e-2), jaxamp.dynamic_scale(), every_k=2, spikes=jaxamp.spike_rule(window=4)
+    )
+    multi = jaxamp.multi_transform(
+        {"a": optax.sgd(0.1), "b": optax.adam(0.1)}, {"w": "a", "b": "b"}, jaxamp.static_scale(8.0)
+    )
+    rounding = optax.chain(optax.sgd(0.1), jaxamp.stochastic_rounding(jax.random.key(0)))
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = jaxamp.nnx.Optimizer(
+        model, jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale()), wrt=nnx.Param
+    )
+    state = {
+        "skip": skip.init(params),
+        "multi": multi.init(params),
+        "rounding": rounding.init(params),
+        "kahan": jaxamp.kahan_summation().init(params),
+        "nnx": nnx.state(optimizer),
+    }
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "all", state)
+    ckptr.wait_until_finished()
+    named = [
+        str(f.relative_to(tmp_path))
+        for f in (tmp_path / "all").rglob("*")
+        if f.is_file() and b"jaxamp" in f.read_bytes()
+    ]
+    assert not named, named
+    restored = jaxamp.checkpoint.restore(ckptr, _abstract(state), directory=tmp_path / "all")
+    assert jax.tree.structure(restored) == jax.tree.structure(state)

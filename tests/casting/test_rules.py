@@ -965,7 +965,7 @@ def test_module_rules_example_claims():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "module_rules.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "module_rules.py"
     spec = importlib.util.spec_from_file_location("module_rules_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

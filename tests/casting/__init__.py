@@ -1,0 +1,1 @@
+"""Tests of ``jaxamp/casting/``: autocast (rules, interpreter, wrapper), policies, find_overflow."""

@@ -1,0 +1,1 @@
+"""Tests of ``jaxamp/checkpoint/``: orbax round trips, what a checkpoint lacks, restored states."""

@@ -1,0 +1,1 @@
+"""Tests of ``jaxamp/_utils/``: one file per module."""
