@@ -6,6 +6,7 @@ The modules are private; everything public is re-exported here (and in the
 
 from jaxamp import checkpoint, compat, nnx
 from jaxamp._autocast import DEFAULT_RULES, autocast, full_precision, keep_float32
+from jaxamp._conversion_checks import ConversionWarning as ConversionWarning
 from jaxamp._distributed import check_in_sync
 from jaxamp._explain import Explanation, explain
 from jaxamp._find_overflow import OverflowReport, find_overflow

@@ -26,6 +26,7 @@ from jax import lax
 
 from jaxamp import _leaf_stats, _spikes
 from jaxamp import _scaling as ls_lib
+from jaxamp._conversion_checks import check_scale_read
 from jaxamp._jax_compat import aval_of
 from jaxamp._loss_scale import LossScaleState
 from jaxamp._tree import agree, is_float_leaf, like, zeros_of
@@ -231,6 +232,7 @@ def guarded(
     Returns:
       An ``Outcome``; the scale advances with "every part finite".
     """
+    check_scale_read(ls)  # trace time: gradients never scaled by this dynamic scale
     sizes = [len(jax.tree.leaves((p.prepare or (lambda g: g))(p.grads))) for p in parts]
     # Per part: the check's agreed flags (None: the skip branch reads every leaf),
     # which leaves the check read alone, and their groups' indices in the flags.

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._conversion_checks import mark_scale_read
 from jaxamp._loss_scale import (
     _FIELDS,
     DEFAULT_PINNED_STREAK,
@@ -45,6 +46,7 @@ def get_loss_scale(opt_state: Any) -> LossScaleState:
       >>> float(jaxamp.get_loss_scale(tx.init({"w": jnp.ones(2)})).scale)
       32768.0
     """
+    mark_scale_read()  # the scale handed out: a loss may be multiplied by it by hand
     if isinstance(opt_state, LossScaleState):
         return _plain(opt_state)
     found = [

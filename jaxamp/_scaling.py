@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxamp import _jax_compat
+from jaxamp._conversion_checks import mark_scale_read
 from jaxamp._loss_scale import (
     _CONFIG_FIELDS,
     HYSTERESIS_REFILL,
@@ -81,6 +82,7 @@ def scale(state: LossScaleState, tree: Any) -> Any:
       Array(4., dtype=float16)
     """
     _check_state(state, "scale")
+    mark_scale_read()
     if not state.mode.scales:
         return tree
 

@@ -19,6 +19,7 @@ import optax
 
 from jaxamp import _leaf_stats, _spikes
 from jaxamp import _loss_scale as ls_lib
+from jaxamp._conversion_checks import check_flax_train_state
 from jaxamp._guard import Call, Outcome, Part, Spikes, cond_traced_once, guarded
 from jaxamp._loss_scale import LossScaleState
 from jaxamp._nnx_state import refuse_flax_optimizer
@@ -182,6 +183,7 @@ class _GuardedUpdate:
         **extra_args: Any,
     ) -> tuple[optax.Updates, Any]:
         refuse_flax_optimizer(sys._getframe(1))
+        check_flax_train_state(sys._getframe(1))
         return self.run(updates, state, params, Call(extra_args, None, to_params=False))
 
     def run(self, grads: Any, state: Any, params: Any, call: Call) -> tuple[Any, Any]:
