@@ -58,7 +58,16 @@ conformance: $(STAMP)
 matrix: $(STAMP)
 	MATRIX_FULL=1 $(MULTIDEVICE) $(PY) -m pytest -q -n 2 -p no:cacheprovider tests/matrix
 
-demo: $(STAMP)
+# The demo needs jaxamp, matplotlib and tqdm only: its own stamp installs the
+# `examples` extra into the same venv (`make test` adds the rest later).
+DEMO_STAMP := $(VENV)/.installed-demo
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[examples]"
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) examples/train_lm.py
 
 bench: $(STAMP)
