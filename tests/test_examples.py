@@ -149,9 +149,64 @@ def test_demo_rejects_bad_flags(argv: list[str], flag: str, capsys) -> None:
     assert flag in capsys.readouterr().err
 
 
+def test_make_demo_installs_only_what_the_demo_needs(tmp_path: Path) -> None:
+    """`make demo` installs jaxamp with its `examples` extra (matplotlib, tqdm), not the
+    test, docs, conformance and bench extras `make test` needs (1.2 GB)."""
+    venv = tmp_path / "venv"  # absent: make prints the whole recipe (-n runs nothing)
+    proc = subprocess.run(
+        ["make", "-n", "demo", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    installs = [line for line in proc.stdout.splitlines() if "pip install" in line]
+    assert any('-e ".[examples]"' in line for line in installs), proc.stdout
+    for extra in ("dev", "docs", "conformance", "bench"):
+        assert not any(extra in line for line in installs), (extra, installs)
+    assert "examples/train_lm.py" in proc.stdout
+    # The demo needs nothing outside that extra: its imports are jaxamp's own
+    # dependencies, matplotlib and tqdm.
+    source = (EXAMPLES / "train_lm.py").read_text()
+    imported = {
+        line.split()[1].split(".")[0]
+        for line in source.splitlines()
+        if line.startswith(("import ", "from ")) and not line.startswith("from __future__")
+    }
+    extra = {"matplotlib", "tqdm"}
+    allowed = {"jax", "flax", "optax", "orbax", "numpy", "jaxamp", *extra}
+    assert {m for m in imported if m not in sys.stdlib_module_names} <= allowed, imported
+
+
+def test_quickstart_prints_what_its_docstring_shows(jax_cache: Path) -> None:
+    """examples/quickstart.py prints the lines its docstring says a user will see: the
+    loss falling, the scale at 2**15 halving on the one inf batch, one skipped step
+    that left the params as they were."""
+    proc = _run([str(EXAMPLES / "quickstart.py")], jax_cache, timeout=120)
+    got = proc.stdout.strip().splitlines()
+    doc = _load_source_docstring("quickstart")
+    shown = [line.strip() for line in doc.splitlines() if line.startswith("    ")]
+    assert len(got) == len(shown) == 6, (got, shown)
+    steps = [line.split() for line in got[:5]]
+    assert [int(s[1]) for s in steps] == [0, 50, 100, 150, 200]
+    assert [float(s[6]) for s in steps] == [2.0**15] * 2 + [2.0**14] * 3
+    assert [int(s[9]) for s in steps] == [0, 0, 1, 1, 1]
+    assert ["<-" in line for line in got[:5]] == [False, False, True, False, False]
+    losses = [float(s[3]) for s in steps]
+    assert np.isnan(losses[2]) and losses[4] < losses[0] / 10, losses
+    assert got[5] == "the skipped step left the params as they were: True"
+    for line, want in zip(got, shown, strict=True):  # the docstring is what it prints
+        a, b = line.split(), want.split()
+        assert a[:3] == b[:3] and a[4:] == b[4:], (line, want)
+        if a[2] == "loss" and a[3] != "nan":
+            assert abs(float(a[3]) - float(b[3])) <= 0.1 * float(b[3]), (line, want)
+
+
+def _load_source_docstring(name: str) -> str:
+    import ast
+
+    return ast.get_docstring(ast.parse((EXAMPLES / f"{name}.py").read_text())) or ""
+
+
 # Examples without a reference test below; those with one run their main() there.
 EXAMPLE_NAMES = [
-    "quickstart",
     "flax_train_state",
     "checkpointing",
     "module_rules",
