@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MULTIDEVICE := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: test demo bench bench-gpu lint clean test-oldest conformance dist wheel-smoke docs matrix \
+.PHONY: test test-multiprocess demo bench bench-gpu lint clean test-oldest conformance dist wheel-smoke docs matrix \
 	docs-serve docs-check
 
 $(STAMP): pyproject.toml
@@ -17,8 +17,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 jaxamp tests --ignore=tests/multidevice --ignore=tests/multiprocess \
 		--ignore=tests/matrix
 	$(MULTIDEVICE) $(PY) -m pytest -q -n 2 tests/multidevice tests/matrix
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-multiprocess wheel-smoke docs-check
+
+# The multi-process tests wait on their workers much of the time: run beside the wheel
+# smoke test and the docs check (make test's last line).
+test-multiprocess: $(STAMP)
 	$(PY) -m pytest -q tests/multiprocess
-	$(MAKE) --no-print-directory wheel-smoke docs-check
 
 # An sdist and a wheel of the distribution `jax-mixed-precision` (import name `jaxamp`).
 dist: $(STAMP)
