@@ -5,7 +5,14 @@ The modules are private; everything public is re-exported here (and in the
 """
 
 from jaxamp import checkpoint, compat, nnx
-from jaxamp._autocast import DEFAULT_RULES, autocast, full_precision, keep_float32
+from jaxamp._autocast import (
+    DEFAULT_RULES,
+    Fp8Config,
+    autocast,
+    fp8,
+    full_precision,
+    keep_float32,
+)
 from jaxamp._conversion_checks import ConversionWarning as ConversionWarning
 from jaxamp._distributed import check_in_sync
 from jaxamp._explain import Explanation, explain
@@ -35,6 +42,7 @@ __version__ = "0.3.0"
 __all__ = [
     "DEFAULT_RULES",
     "Explanation",
+    "Fp8Config",
     "KahanSummationState",
     "LossScaleState",
     "Mode",
@@ -56,6 +64,7 @@ __all__ = [
     "dynamic_scale",
     "explain",
     "find_overflow",
+    "fp8",
     "full_precision",
     "get_loss_scale",
     "kahan_summation",

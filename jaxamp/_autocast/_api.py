@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxamp._autocast import _flax, _rules
+from jaxamp._autocast import _flax, _fp8, _rules
 from jaxamp._autocast._interpret import (
     AUTOCAST_SCOPE,
     FULL_PRECISION_SCOPE,
@@ -82,6 +82,8 @@ class _Config:
     # find_overflow: name nnx module calls even without `modules=` rules, and
     # keep each equation's traceback and name stack in the result.
     debug: bool = False
+    # FP8 matrix products (``jaxamp.fp8``), or None.
+    fp8: _fp8.Fp8Config | None = None
 
 
 def _run(
@@ -99,7 +101,8 @@ def _run(
         for i, x in zip(dynamic, vals, strict=True):
             full[i] = x
         a, k = jax.tree_util.tree_unflatten(treedef, full)
-        with _flax.linen_class_scopes() if cfg.modules else contextlib.nullcontext():
+        named = cfg.modules or (cfg.fp8 is not None and cfg.fp8.modules)
+        with _flax.linen_class_scopes() if named else contextlib.nullcontext():
             return f(*a, **k)
 
     closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*dyn)
@@ -110,6 +113,7 @@ def _run(
         cfg.modules,
         source_info=cfg.debug,
     )
+    ctx.fp8 = _fp8.plan(cfg.fp8, closed.jaxpr, ctx)
     # f's float32 outputs count as float32 uses: the elementwise ops right
     # before them run in float32 (the output is returned in float32 anyway).
     wide_out = cfg.output_dtype is None or cfg.output_dtype.itemsize >= 4
@@ -212,7 +216,8 @@ def _make_wrapper(f: Callable[..., Any], cfg: _Config) -> Callable[..., Any]:
             target = f
             if self_node is not None:
                 target = merged[-1] if method is None else functools.partial(method, merged[-1])
-            named = cfg.modules or cfg.debug
+            # FP8 names nnx modules too: its first / last layers and modules= rules.
+            named = cfg.modules or cfg.debug or cfg.fp8 is not None
             names = _flax.nnx_scopes(nnx, merged) if named else contextlib.nullcontext()
             # The leaf objects now (a Variable in the state is the live one).
             before = {
@@ -300,6 +305,7 @@ def autocast(
     rules: Mapping[Any, str] | None = None,
     modules: Mapping[str, Any] | None = None,
     unknown_higher_order: str = "warn",
+    fp8: _fp8.Fp8Config | bool | None = None,
 ) -> Callable[..., Any]:
     """Runs `f` in mixed precision, choosing each operation's dtype by op class.
 
@@ -355,6 +361,10 @@ def autocast(
       unknown_higher_order: what to do with a primitive that carries a jaxpr
         but is not in the table: ``"warn"`` (default) or ``"as_written"`` run
         it in its original dtypes, ``"error"`` raises.
+      fp8: [`jaxamp.fp8`][jaxamp.fp8]``(...)`` (or True for its defaults): the
+        matrix products that run in `dtype` run as FP8 GEMMs with current
+        scaling instead (float8_e4m3fn operands, float8_e5m2 gradients,
+        float32 accumulation, results in `dtype`). Default None: no FP8.
 
     Returns:
       A function with the signature of `f`.
@@ -374,7 +384,7 @@ def autocast(
     if f is None:
         return _Decorator(functools.partial(
             autocast, dtype=dtype, policy=policy, enabled=enabled, rules=rules,
-            modules=modules, unknown_higher_order=unknown_higher_order,
+            modules=modules, unknown_higher_order=unknown_higher_order, fp8=fp8,
         ))  # fmt: skip
     if isinstance(f, str):
         raise TypeError(
@@ -385,7 +395,7 @@ def autocast(
         )
     if not callable(f):
         raise TypeError(f"autocast: f must be callable, got {type(f).__name__}")
-    cfg = _build_config(dtype, policy, rules, modules, unknown_higher_order)
+    cfg = _build_config(dtype, policy, rules, modules, unknown_higher_order, fp8=fp8)
     if not enabled:
         return f
     return _make_wrapper(f, cfg)
@@ -421,8 +431,15 @@ def _build_config(
     modules: Mapping[str, Any] | None,
     unknown_higher_order: str,
     debug: bool = False,
+    fp8: Any = None,
 ) -> _Config:
     compute_dtype, output_dtype = _resolve_dtype(dtype, policy)
+    if compute_dtype.itemsize == 1:
+        raise ValueError(
+            f"autocast: dtype={compute_dtype.name} would run every matrix product's result "
+            "and the ops after it in 8 bits. FP8 is an option of autocast: write "
+            "jaxamp.autocast(f, dtype=jnp.bfloat16, fp8=jaxamp.fp8())"
+        )
     resolved_rules = {**DEFAULT_RULES, **_rules.resolve_rules(rules)}
     resolved_modules = _rules.resolve_modules(modules)
     if unknown_higher_order not in ("warn", "as_written", "error"):
@@ -437,6 +454,7 @@ def _build_config(
         resolved_modules,
         unknown_higher_order,
         debug,
+        _fp8.resolve(fp8),
     )
 
 

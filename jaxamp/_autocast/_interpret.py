@@ -112,6 +112,8 @@ class Context:
     casts: dict[tuple[int, Any], tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     # Resolved per-module rules per name stack.
     scoped: dict[str, tuple[bool, Mapping[str, str]]] = dataclasses.field(default_factory=dict)
+    # The FP8 plan of this trace (``_fp8.Plan``), or None: no FP8.
+    fp8: Any = None
 
     def sub(self, **changes: Any) -> Context:
         """A context for an inner trace: the same caches, no casts (other tracers)."""
@@ -282,6 +284,8 @@ def scope_rules(ctx: Context, stack: str) -> tuple[bool, Mapping[str, str]]:
                     full = True
                     break
                 rules = {**rules, **value}
+    if ctx.fp8 is not None and not full:
+        rules = ctx.fp8.scope_rules(parts, stack, rules)
     ctx.scoped[stack] = (full, rules)
     return full, rules
 
@@ -369,6 +373,10 @@ def eval_eqn(
             params = dict(params, preferred_element_type=target)
         elif np.dtype(pref).itemsize >= 4:
             out_mark = F32
+    if ctx.fp8 is not None and name == "dot_general" and rule == _rules.LOWER:
+        fp8_outs = ctx.fp8.dot(eqn, args, params, target, rules, stack)
+        if fp8_outs is not None:
+            return fp8_outs, [out_mark] * nout
     return bind(eqn, args, params, cached), [out_mark] * nout
 
 
