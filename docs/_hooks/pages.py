@@ -30,6 +30,8 @@ def _example_page(path: pathlib.Path) -> str:
     doc = ast.get_docstring(ast.parse(source)) or ""
     fence = _fence(source)
     return (
+        # no table of contents: the width goes to the source, written to 100 columns
+        "---\nhide:\n  - toc\n---\n\n"
         f"# `examples/{path.name}`\n\n{doc}\n\n"
         f"Run it from the repository root, after `make test` or `make demo` has created "
         f"the environment: `.venv/bin/python examples/{path.name}` "
