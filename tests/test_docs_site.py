@@ -19,14 +19,18 @@ there in the form that works from ``file://`` (the offline plugin's
 
 from __future__ import annotations
 
+import functools
 import html.parser
+import http.server
 import os
 import pathlib
 import posixpath
 import re
 import subprocess
 import sys
+import threading
 import urllib.parse
+import urllib.request
 
 import pytest
 
@@ -228,3 +232,25 @@ def test_every_example_and_the_results_have_a_page(site):
         shown = max(page.code_blocks, key=len, default="")
         assert shown.strip() == source.strip(), f"examples/{example.name}: source not shown"
     assert "benchmarks.html" in pages
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@needs_mkdocs
+def test_served_as_make_docs_serve_serves_it(site):
+    # `make docs-serve` is http.server over the built directory: the pages, their
+    # assets and the search index come back, each linked page included.
+    handler = functools.partial(QuietHandler, directory=str(site["out"]))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        base = f"http://127.0.0.1:{server.server_address[1]}/"
+        try:
+            for path in ("", "start/pytorch.html", "api/jaxamp.html", "search/search_index.json"):
+                with urllib.request.urlopen(base + path, timeout=10) as response:
+                    assert response.status == 200, path
+                    assert response.read(), path
+        finally:
+            server.shutdown()
