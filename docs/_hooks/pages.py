@@ -68,7 +68,9 @@ def _results_page() -> str:
 def on_files(files: Files, config) -> Files:
     examples = sorted((ROOT / "examples").glob("*.py"))
     for path in examples:
-        files.append(File.generated(config, f"examples/{path.stem}.md", content=_example_page(path)))
+        files.append(
+            File.generated(config, f"examples/{path.stem}.md", content=_example_page(path))
+        )
     files.append(File.generated(config, "examples/index.md", content=_examples_index(examples)))
     files.append(File.generated(config, "benchmarks.md", content=_results_page()))
     return files
