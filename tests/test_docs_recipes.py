@@ -160,3 +160,49 @@ def test_log_metrics_tensorboard_and_wandb_lines(tmp_path) -> None:
     assert {"loss", "loss_scale", "skipped", "skipped_steps"} <= keys
     assert len(tb.calls) == 10 * len(keys)
     assert {(tag, step) for tag, _, step in tb.calls} == {(k, s) for k in keys for s in range(10)}
+
+
+# ---------------------------------------------------------------------------------------
+# Item 11: migration rows
+
+
+def _sections(page: str) -> tuple[str, list[tuple[str, str, str]]]:
+    """The setup block, then per section (name, before block, after block)."""
+    codes = blocks(page)
+    setup, rest = codes[0], codes[1:]
+    assert setup.startswith("# setup") and len(rest) % 2 == 0
+    out = []
+    for before, after in zip(rest[::2], rest[1::2], strict=True):
+        assert before.startswith("# before: ") and after.startswith("# after: ")
+        out.append((before.splitlines()[0][len("# before: ") :], before, after))
+    return setup, out
+
+
+MIGRATIONS = ["optax.apply_if_finite", "flax.training.dynamic_scale", "jmp"]
+
+
+@pytest.mark.parametrize("name", MIGRATIONS)
+def test_migration_before_and_after_train_alike(name: str) -> None:
+    """Both blocks run on the same batches (one with an inf); their parameters agree
+    to float32 rounding (each skips the bad batch: the parameters it would have made
+    are NaN) and so do their loss scales, exactly (powers of two)."""
+    setup, sections = _sections("migration.md")
+    assert [s[0] for s in sections] == MIGRATIONS
+    _, before, after = next(s for s in sections if s[0] == name)
+    package = {"optax.apply_if_finite": "optax", "jmp": "jmp"}.get(name, "flax")
+    after_ns = run_blocks("migration.md", [setup, after])
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed: the after block ran alone")
+    before_ns = run_blocks("migration.md", [setup, before])
+    got, want = after_ns["params"], before_ns["params"]
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.all(np.isfinite(a))
+        # Unscaling by a power of two is exact; what remains is the order of float32
+        # operations inside jaxamp's lax.cond (last bits after 7 steps of size ~1e-2).
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    moved = jax.tree.leaves(jax.tree.map(lambda p, q: float(np.abs(p - q).max()),
+                                         got, after_ns["init_params"]))  # fmt: skip
+    assert max(moved) > 1e-3  # the runs trained: the comparison is not of two no-ops
+    if "scale" in before_ns:
+        assert after_ns["scale"] == before_ns["scale"], (after_ns["scale"], before_ns["scale"])
