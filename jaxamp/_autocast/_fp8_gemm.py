@@ -194,17 +194,36 @@ def wgrad_dims(dims: DotDims, nl: int, nr: int) -> tuple[DotDims, list[int]]:
     return new, perm
 
 
-def _sharding_before(target: Any, perm: list[int]) -> Any:
-    """The out_sharding that makes ``transpose(result, perm)`` sharded as `target`
-    on an Explicit mesh (None elsewhere: there XLA's partitioner chooses)."""
-    spec = _jax_compat.typed_spec(target)
-    if spec is None:
+def _explicit_mesh(x: Any) -> Any:
+    sharding = getattr(_jax_compat.aval_of(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    if mesh is None or not any(t == explicit for t in getattr(mesh, "axis_types", ())):
         return None
-    spec = tuple(spec) + (None,) * (len(perm) - len(spec))
+    return mesh
+
+
+def _sharding_before(target: Any, perm: list[int], *operands: Any) -> Any:
+    """The out_sharding that makes ``transpose(result, perm)`` sharded as `target`
+    on an Explicit mesh (None elsewhere: there XLA's partitioner chooses).
+
+    Even a replicated target needs one: JAX refuses a product whose contracted
+    dimensions are sharded (a wgrad over the batch) without it. A target with
+    no mesh in its type (an array passed in unsharded) is replicated over the
+    operands' mesh.
+    """
+    mesh = _explicit_mesh(target)
+    if mesh is None:
+        mesh = next((m for m in map(_explicit_mesh, operands) if m is not None), None)
+        if mesh is None:
+            return None
+        spec: tuple[Any, ...] = (None,) * len(perm)
+    else:
+        spec = tuple(_jax_compat.aval_of(target).sharding.spec)
+    spec = spec + (None,) * (len(perm) - len(spec))
     before = [None] * len(perm)
     for a, p in enumerate(perm):
         before[p] = spec[a]
-    mesh = jax.typeof(target).sharding.mesh
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*before))
 
 
@@ -245,11 +264,11 @@ def _bwd(gemm: Gemm, res: tuple[Any, ...], g: Any) -> tuple[Any, Any]:
     if gemm.rowwise:
         qg, ig = quantize(g, E5M2, d_dims[0][0])
         qr, ir = quantize(rhs, E4M3, d_dims[0][1])
-    dl = scaled_dot(qg, ig, qr, ir, d_dims, gemm, _sharding_before(lhs, d_perm))
+    dl = scaled_dot(qg, ig, qr, ir, d_dims, gemm, _sharding_before(lhs, d_perm, qg, qr))
     if gemm.rowwise:
         ql, il = quantize(lhs, E4M3, w_dims[0][0])
         qg, ig = quantize(g, E5M2, w_dims[0][1])
-    dr = scaled_dot(ql, il, qg, ig, w_dims, gemm, _sharding_before(rhs, w_perm))
+    dr = scaled_dot(ql, il, qg, ig, w_dims, gemm, _sharding_before(rhs, w_perm, ql, qg))
     dl = lax.transpose(dl.astype(gemm.lhs_dtype), d_perm)
     dr = lax.transpose(dr.astype(gemm.rhs_dtype), w_perm)
     return dl, dr
