@@ -206,3 +206,77 @@ def test_migration_before_and_after_train_alike(name: str) -> None:
     assert max(moved) > 1e-3  # the runs trained: the comparison is not of two no-ops
     if "scale" in before_ns:
         assert after_ns["scale"] == before_ns["scale"], (after_ns["scale"], before_ns["scale"])
+
+
+# ---------------------------------------------------------------------------------------
+# Item 12: routes real programs take
+
+
+def _route_blocks() -> dict[str, str]:
+    """docs/routes.md's blocks by section: the pmap block (run in tests/multidevice) and
+    the three that run on one device."""
+    codes = blocks("routes.md")
+    assert len(codes) == 4 and codes[0].startswith("# under pmap")
+    return dict(zip(["pmap", "nnx_split", "flax_checkpoints", "model_dtype"], codes, strict=True))
+
+
+def test_routes_nnx_split_train_state_keeps_batch_stats_and_explain_names_modules(capsys):
+    ns = run_blocks("routes.md", [_route_blocks()["nnx_split"]])
+    why = ns["why"]
+    assert int(jax.device_get(ns["state"].loss_scale.skipped_steps)) == 1
+    assert why.last and all(not name.endswith(".value") for name in why.last), why.last
+    assert "lin.kernel" in capsys.readouterr().out
+
+
+def test_routes_flax_checkpoints_restores_a_zero_scale_and_both_checks_catch_it(capsys):
+    ns = run_blocks("routes.md", [_route_blocks()["flax_checkpoints"]])
+    assert float(ns["restored"].loss_scale.scale) == 0.0
+    out = capsys.readouterr().out.splitlines()
+    replaced = [line for line in out if line.startswith("scale (0.0) must lie in")]
+    restored = [line for line in out if "holds an invalid loss-scale state" in line]
+    assert len(replaced) == 1 and len(restored) == 1, out
+    assert "checkpoint_100" in restored[0] and "opt_state.loss_scale" in restored[0]
+
+
+def _dot_dtypes(f, *args) -> list[str]:
+    """The operand dtype of each dot_general ``f`` runs (nested jaxprs included)."""
+    found = []
+
+    def walk(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(str(eqn.invars[0].aval.dtype))
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", None)
+                if inner is not None:
+                    walk(getattr(inner, "jaxpr", inner))
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return found
+
+
+def test_routes_model_dtype_flag_claims(capsys):
+    """What docs/routes.md says of a model's own dtype=float16 under autocast."""
+    import jax.numpy as jnp
+
+    import jaxamp
+
+    ns = run_blocks("routes.md", [_route_blocks()["model_dtype"]])
+    out = capsys.readouterr().out
+    assert "dtype=float32: autocast on -> float32, off -> float32" in out
+    assert "dtype=float16: autocast on -> float16, off -> float16" in out
+    net, params, x = ns["Net"], ns["params"], ns["x"]
+    f32, f16 = net(), net(dtype=jnp.float16)
+
+    def dots(model, **kw):
+        return _dot_dtypes(jaxamp.autocast(model.apply, **kw), params, x)
+
+    # autocast still picks the products' dtype: bfloat16 between the model's casts
+    assert dots(f16, dtype=jnp.bfloat16) == ["bfloat16", "bfloat16"]
+    # but the per-module float32 find_overflow suggests does not reach a self-cast layer
+    first_f32 = {"dtype": jnp.float16, "modules": {"Dense_0": "float32"}}
+    assert dots(f32, **first_f32) == ["float32", "float16"]
+    assert dots(f16, **first_f32) == ["float16", "float16"]
+    # and enabled=False leaves the model's float16 products
+    assert dots(f32, dtype=jnp.float16, enabled=False) == ["float32", "float32"]
+    assert dots(f16, dtype=jnp.float16, enabled=False) == ["float16", "float16"]
