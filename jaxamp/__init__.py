@@ -5,6 +5,7 @@ The modules are private; everything public is re-exported here (and in the
 """
 
 from jaxamp import checkpoint, compat, nnx
+from jaxamp._audit import AuditReport, audit
 from jaxamp._autocast import (
     DEFAULT_RULES,
     Fp8Config,
@@ -40,6 +41,7 @@ from jaxamp._value_and_grad import value_and_grad
 __version__ = "0.3.0"
 
 __all__ = [
+    "AuditReport",
     "DEFAULT_RULES",
     "Explanation",
     "Fp8Config",
@@ -56,6 +58,7 @@ __all__ = [
     "StochasticRoundingState",
     "TrainState",
     "all_finite",
+    "audit",
     "autocast",
     "check_health",
     "check_in_sync",

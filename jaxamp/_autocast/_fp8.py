@@ -225,7 +225,11 @@ class Plan:
             rhs_dtype=np.dtype(rhs.dtype),
             out_sharding=params.get("out_sharding"),
         )
-        return [_fp8_gemm.fp8_dot_general(lhs, rhs, gemm)]
+        # Under the equation's own source info: the FP8 GEMMs, forward and
+        # backward, carry the user's line and module path into the HLO metadata
+        # (what ``jaxamp.audit`` reads), not autocast's.
+        with _jax_compat.source_info_context(eqn):
+            return [_fp8_gemm.fp8_dot_general(lhs, rhs, gemm)]
 
 
 def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
