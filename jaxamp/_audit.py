@@ -149,8 +149,11 @@ def _is_matmul(ins: _hlo_text.Instr) -> bool:
 
 
 def _key(mod: _hlo_text.Module, ins: _hlo_text.Instr) -> tuple[Any, ...]:
+    """What a product keeps through XLA's passes: its metadata and its result's
+    size (XLA reshapes a (batch, seq, features) product to a 2-D one and may
+    transpose it, which changes the dims, not their product)."""
     frames = mod.frames_of(ins)
-    return (ins.attr("op_name") or "", frames[0] if frames else None, tuple(sorted(ins.dims)))
+    return (ins.attr("op_name") or "", frames[0] if frames else None, _size(ins.dims))
 
 
 def _dtypes(mod: _hlo_text.Module, ins: _hlo_text.Instr, n: int) -> str:
