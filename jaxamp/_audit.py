@@ -181,7 +181,7 @@ def _flags(requested: str, executed: str, kernel: str, op_name: str, platform: s
     if any(d.startswith("f8") for d in req_in) and "FP8" not in kernel:
         if not any(d.startswith("f8") for d in ex_in) or kernel in ("dot", "convolution"):
             why = " (XLA:CPU has no FP8 GEMM)" if platform == "cpu" else ""
-            flags.append(f"FP8 requested, runs as a {'/'.join(sorted(set(ex_in)))} product{why}")
+            flags.append(f"FP8 requested, XLA runs it on {'/'.join(sorted(set(ex_in)))}{why}")
     low = {"bf16", "f16"}
     if set(req_in) & low and not set(ex_in) & low and not any(d.startswith("f8") for d in ex_in):
         why = " (XLA:CPU has no half-precision GEMM)" if platform == "cpu" else ""
