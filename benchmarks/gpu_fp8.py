@@ -100,11 +100,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         state = (p, init(p))
         t0 = time.perf_counter()
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*state, batches[0]).compile()
+        compile_s = time.perf_counter() - t0
         text = compiled.as_text()
         report = jaxamp.audit(step, *state, batches[0]) if name.startswith("fp8") else None
         entries.append({
             "name": name, "compiled": compiled, "state": state, "k": 0, "losses": [],
-            "times": [], "compile_s": time.perf_counter() - t0,
+            "times": [], "compile_s": compile_s,
             "cublaslt_fp8_calls": text.count('custom_call_target="__cublas$lt$matmul$f8"'),
             "audit_fp8_requested": sum(
                 r.requested.startswith("f8") for r in report.matmuls) if report else 0,
