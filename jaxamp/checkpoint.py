@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp import _checkpoint_spikes
+from jaxamp import _checkpoint_every_k, _checkpoint_spikes
 from jaxamp._leaf_stats import NonfiniteLeaves
 from jaxamp._leaf_stats import validate as validate_leaves
 from jaxamp._loss_scale import FIELD_NAMES, LossScaleState, Mode, validate
@@ -201,6 +201,7 @@ def _explain_failure(read_metadata: Any, target: Any, where: str, error: Excepti
     if tree is None or (isinstance(tree, Mapping) and not isinstance(tree, dict)):
         return  # nothing readable, or a multi-item manager's Composite: orbax's error stands
     try:
+        _checkpoint_every_k.explain(tree, target, where)
         check_restorable(tree, target, where=where)
         _checkpoint_spikes.explain(tree, target, _child, where)
     except ValueError as clear:
