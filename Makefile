@@ -4,7 +4,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MULTIDEVICE := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: test demo bench bench-gpu lint clean test-oldest conformance dist wheel-smoke docs matrix
+.PHONY: test test-multiprocess demo bench bench-gpu lint clean test-oldest conformance dist wheel-smoke docs matrix \
+	docs-serve docs-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,8 +17,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 jaxamp tests --ignore=tests/multidevice --ignore=tests/multiprocess \
 		--ignore=tests/matrix
 	$(MULTIDEVICE) $(PY) -m pytest -q -n 2 tests/multidevice tests/matrix
+	$(MAKE) --no-print-directory -j3 --output-sync=target test-multiprocess wheel-smoke docs-check
+
+# The multi-process tests wait on their workers much of the time: run beside the wheel
+# smoke test and the docs check (make test's last line).
+test-multiprocess: $(STAMP)
 	$(PY) -m pytest -q tests/multiprocess
-	$(MAKE) --no-print-directory wheel-smoke docs
 
 # An sdist and a wheel of the distribution `jax-mixed-precision` (import name `jaxamp`).
 dist: $(STAMP)
@@ -33,8 +38,34 @@ wheel-smoke: dist
 	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/.ci/wheel_smoke.py $(CURDIR)
 
 # The documentation site (docs/ and every public docstring) into site/; warnings are errors.
+# It works opened from disk (site/index.html) or served (`make docs-serve`).
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The built site at http://127.0.0.1:8000/ (Ctrl-C stops it).
+docs-serve: docs
+	$(PY) -m http.server --bind 127.0.0.1 --directory site 8000
+
+# The site read as a browser reads it (tests/repo/test_docs_site.py: every link and anchor,
+# API examples as code, no Sphinx roles, search from disk), then screenshots of the
+# home page, a guide, an API page and a search, from disk, with headless Chromium (for
+# people to look at; skipped where there is no chromium, as in CI).
+SHOTS := site-screenshots
+SHOT_PAGES := index start/pytorch guide api/jaxamp index.html?q=dynamic_scale
+CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser)
+docs-check: docs
+	$(PY) -m pytest -q -p no:cacheprovider tests/repo/test_docs_site.py
+	@if [ -z "$(CHROMIUM)" ]; then echo "docs-check: no chromium, screenshots skipped"; \
+	else rm -rf $(SHOTS) && mkdir -p $(SHOTS) && for page in $(SHOT_PAGES); do \
+		case $$page in *\?*) url=$$page;; *) url=$$page.html;; esac; \
+		png=$(SHOTS)/$$(echo $$page | sed 's/\.html//; s/[^a-z0-9_]/-/g').png; \
+		profile=$$(mktemp -d); \
+		$(CHROMIUM) --headless --no-sandbox --disable-gpu --disable-quic --no-first-run \
+			--disable-background-networking --disable-component-update --disable-sync \
+			--user-data-dir=$$profile --virtual-time-budget=5000 --window-size=1280,2000 \
+			--screenshot=$(CURDIR)/$$png "file://$(CURDIR)/site/$$url" >/dev/null 2>&1; \
+		rm -rf $$profile; test -s $$png || { echo "docs-check: no screenshot of $$url"; exit 1; }; \
+		echo "$$png"; done; fi
 
 # jaxamp.autocast + loss scaling on third-party models (tests/conformance; CI runs a
 # 10-step subset of the same tests in `make test`): all models, both dtypes, 30 steps,
@@ -58,7 +89,16 @@ conformance: $(STAMP)
 matrix: $(STAMP)
 	MATRIX_FULL=1 $(MULTIDEVICE) $(PY) -m pytest -q -n 2 -p no:cacheprovider tests/matrix
 
-demo: $(STAMP)
+# The demo needs jaxamp, matplotlib and tqdm only: its own stamp installs the
+# `examples` extra into the same venv (`make test` adds the rest later).
+DEMO_STAMP := $(VENV)/.installed-demo
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[examples]"
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) examples/train_lm.py
 
 bench: $(STAMP)

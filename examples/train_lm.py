@@ -630,12 +630,7 @@ def train_run(
             history["skipped"].append(int(m["skipped"]))
             history["spike_skipped"].append(int(m["spike_skipped"]))
         if bar is not None:
-            bar.set_postfix(
-                loss=f"{history['loss'][-1]:.3f}",
-                scale=_format_scale(history["loss_scale"][-1]),
-                skipped=history["skipped"][-1],
-                refresh=False,
-            )
+            bar.set_postfix(progress_postfix(spec, history), refresh=False)
             bar.update(len(pending))
         pending.clear()
 
@@ -856,6 +851,32 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def progress_postfix(spec: RunSpec, history: dict[str, Any]) -> dict[str, Any]:
+    """The progress bar's figures; a run without loss scaling shows no scale (its
+    "scale" is a constant 1 that nothing reads)."""
+    out: dict[str, Any] = {"loss": f"{history['loss'][-1]:.3f}"}
+    if spec.loss_scaling:
+        out["scale"] = _format_scale(history["loss_scale"][-1])
+    if spec.skip_nonfinite:
+        out["skipped"] = history["skipped"][-1]
+    return out
+
+
+def find_overflow_note(found: dict[str, Any], history: dict[str, Any]) -> str:
+    """What the find_overflow box says: a re-run after training (the final params on a
+    skipped step's batch), at a scale the run itself may never have reached."""
+    scale, top = found["loss_scale"], max(history["loss_scale"])
+    at = _format_scale(scale) + (
+        ", the run's largest" if scale == top else f", above the run's {_format_scale(top)}"
+    )
+    where = found["module_path"] or "?"
+    return (
+        f"find_overflow, re-run after training: the final params\n"
+        f"on step {found['step']}'s batch at scale {at}:\n"
+        f"{found['primitive']} ({found['pass_']}) in {where}, line {found['line']}"
+    )
+
+
 def _format_scale(scale: float) -> str:
     exponent = math.log2(scale) if scale > 0 else 0.5
     return f"2^{int(exponent)}" if exponent == int(exponent) else f"{scale:g}"
@@ -863,6 +884,16 @@ def _format_scale(scale: float) -> str:
 
 def plot(summary: dict[str, Any], path: str) -> None:
     """Loss curves, the loss-scale trajectory and the zero-gradient share, in one PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(summary)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(summary: dict[str, Any]) -> Any:
+    """The demo's figure. Its one legend sits below the panels and the find_overflow
+    note in headroom above the scale curve, so neither covers a curve."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -876,23 +907,24 @@ def plot(summary: dict[str, Any], path: str) -> None:
         "fp16-amp": {"lw": 1.4, "ls": "--"},
         "bf16": {"lw": 1.2, "ls": ":"},
     }
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.2))
     spikes: list[tuple[str, np.ndarray, np.ndarray]] = []
     ax_loss, ax_scale, ax_zero = axes
+    note = None
     for name, r in summary["runs"].items():
         h = r["history"]
         steps, loss = np.asarray(h["step"]), np.asarray(h["loss"])
         k = max(1, len(loss) // 50)  # light smoothing: a moving average over ~2% of the run
         smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
         style = {"color": colors[name], **styles[name]}
-        ax_loss.plot(steps[k - 1 :], smooth, label=f"{name} (train)", **style)
+        ax_loss.plot(steps[k - 1 :], smooth, label=name, **style)
         ax_loss.plot(h["eval_step"], h["eval_loss"], "o", color=colors[name], ms=4)
-        ax_zero.plot(steps, 100 * np.asarray(h["zero_grad_frac"]), label=name, **style)
+        ax_zero.plot(steps, 100 * np.asarray(h["zero_grad_frac"]), **style)
         spiked = np.diff(np.concatenate([[0], h["spike_skipped"]])) > 0
         if spiked.any():  # drawn once the y range is known: a spike's loss is off the top
             spikes.append((name, steps[spiked], loss[spiked]))
         if RUN_SPECS[name].loss_scaling:
-            ax_scale.step(steps, h["loss_scale"], where="post", color=colors[name], label=name)
+            ax_scale.step(steps, h["loss_scale"], where="post", **style)
             skipped = np.diff(np.concatenate([[0], h["skipped"]])) > 0
             if skipped.any():
                 ax_scale.plot(
@@ -901,6 +933,12 @@ def plot(summary: dict[str, Any], path: str) -> None:
                     "x",
                     color="tab:red",
                     label="skipped step (overflow)",
+                )
+            found = (r.get("find_overflow") or {}).get("last_skipped_step")
+            if found and found["found"]:  # what find_overflow named for the last overflow
+                note = find_overflow_note(found, h)
+                ax_scale.axhline(
+                    found["loss_scale"], color="0.4", lw=1, ls=":", label="find_overflow re-run"
                 )
     ax_loss.set(
         title="Loss (lines: train, dots: eval)", xlabel="step", ylabel="cross-entropy (nats/byte)"
@@ -917,37 +955,27 @@ def plot(summary: dict[str, Any], path: str) -> None:
         for x, v, yy in zip(at, value, y, strict=True):
             ax_loss.annotate(f"loss {v:.1f}", (x, yy), xytext=(-52, -3), textcoords="offset points",
                              fontsize=8, color=colors[name])  # fmt: skip
-    ax_loss.legend(fontsize=8, loc="upper right", bbox_to_anchor=(1.0, 0.8))
-    ax_scale.set(
-        title="fp16-amp dynamic loss scale",
-        xlabel="step",
-        ylabel="loss scale",
-        yscale="log",
-    )
+    ax_scale.set(title="fp16-amp dynamic loss scale", xlabel="step", ylabel="loss scale")
     ax_scale.set_yscale("log", base=2)
-    for r in summary["runs"].values():
-        found = (r.get("find_overflow") or {}).get("last_skipped_step")
-        if found and found["found"]:  # what find_overflow named for the first overflow
-            where = found["module_path"] or "?"
-            ax_scale.text(
-                0.02,
-                0.98,
-                f"find_overflow, step {found['step']} at 2^{int(math.log2(found['loss_scale']))}:\n"
-                f"{found['primitive']} ({found['pass_']}) in {where}, line {found['line']}",
-                transform=ax_scale.transAxes,
-                fontsize=8,
-                va="top",
-                bbox={"boxstyle": "round", "fc": "white", "alpha": 0.8},
-            )
-    if ax_scale.get_legend_handles_labels()[0]:
-        ax_scale.legend()
+    if note is not None:
+        # Headroom above the curve (and the re-run's scale, the dotted line) for the note.
+        lo_s, hi_s = ax_scale.get_ylim()
+        ax_scale.set_ylim(lo_s, hi_s * (hi_s / lo_s) ** 0.6)
+        ax_scale.text(0.02, 0.98, note, transform=ax_scale.transAxes, fontsize=8, va="top",
+                      bbox={"boxstyle": "round", "fc": "white", "alpha": 0.9})  # fmt: skip
     ax_zero.set(title="Gradient entries exactly zero", xlabel="step", ylabel="% of entries")
-    ax_zero.legend()
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    # One legend for the three panels, below them: the runs share colours and styles.
+    handles, labels = [], []
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
 
 
 # --------------------------------------------------------------------------- main

@@ -6,12 +6,17 @@ Everything public is re-exported here from the subpackages, one per concept
 """
 
 from jaxamp import checkpoint, compat, nnx
+from jaxamp._utils.conversion_checks import ConversionWarning as ConversionWarning
 from jaxamp.casting import (
     DEFAULT_RULES,
+    AuditReport,
+    Fp8Config,
     OverflowReport,
     Policy,
+    audit,
     autocast,
     find_overflow,
+    fp8,
     full_precision,
     keep_float32,
 )
@@ -59,8 +64,10 @@ from jaxamp.skip import (
 __version__ = "0.3.0"
 
 __all__ = [
+    "AuditReport",
     "DEFAULT_RULES",
     "Explanation",
+    "Fp8Config",
     "KahanSummationState",
     "LossScaleState",
     "Mode",
@@ -74,6 +81,7 @@ __all__ = [
     "StochasticRoundingState",
     "TrainState",
     "all_finite",
+    "audit",
     "autocast",
     "check_health",
     "check_in_sync",
@@ -82,6 +90,7 @@ __all__ = [
     "dynamic_scale",
     "explain",
     "find_overflow",
+    "fp8",
     "full_precision",
     "get_loss_scale",
     "kahan_summation",

@@ -1,7 +1,9 @@
 """Casting: ``autocast`` (each op in the dtype its class calls for), policies, ``find_overflow``."""
 
 from jaxamp.casting._api import autocast, full_precision, keep_float32
+from jaxamp.casting._audit import AuditReport, audit
 from jaxamp.casting._find_overflow import OverflowReport, find_overflow
+from jaxamp.casting._fp8 import Fp8Config, fp8
 from jaxamp.casting._policy import Policy
 from jaxamp.casting._rules import (
     AS_WRITTEN_OPS,
@@ -15,16 +17,20 @@ from jaxamp.casting._rules import (
 
 __all__ = [
     "AS_WRITTEN_OPS",
+    "AuditReport",
     "DEFAULT_RULES",
     "ELEMENTWISE_OPS",
     "FLOAT32_FUNCTIONS",
     "FLOAT32_OPS",
+    "Fp8Config",
     "LOWER_PRECISION_OPS",
     "OverflowReport",
     "Policy",
     "WIDEST_OPS",
+    "audit",
     "autocast",
     "find_overflow",
+    "fp8",
     "full_precision",
     "keep_float32",
 ]

@@ -12,6 +12,7 @@ from jax import lax
 
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._config import build_config
+from jaxamp.casting._fp8 import Fp8Config
 from jaxamp.casting._policy import Policy
 from jaxamp.casting._scopes import FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
 from jaxamp.casting._wrapper import make_wrapper
@@ -28,6 +29,7 @@ def autocast(
     rules: Mapping[Any, str] | None = None,
     modules: Mapping[str, Any] | None = None,
     unknown_higher_order: str = "warn",
+    fp8: Fp8Config | bool | None = None,
 ) -> Callable[..., Any]:
     """Runs `f` in mixed precision, choosing each operation's dtype by op class.
 
@@ -83,6 +85,10 @@ def autocast(
       unknown_higher_order: what to do with a primitive that carries a jaxpr
         but is not in the table: ``"warn"`` (default) or ``"as_written"`` run
         it in its original dtypes, ``"error"`` raises.
+      fp8: [`jaxamp.fp8`][jaxamp.fp8]``(...)`` (or True for its defaults): the
+        matrix products that run in `dtype` run as FP8 GEMMs with current
+        scaling instead (float8_e4m3fn operands, float8_e5m2 gradients,
+        float32 accumulation, results in `dtype`). Default None: no FP8.
 
     Returns:
       A function with the signature of `f`.
@@ -102,7 +108,7 @@ def autocast(
     if f is None:
         return _Decorator(functools.partial(
             autocast, dtype=dtype, policy=policy, enabled=enabled, rules=rules,
-            modules=modules, unknown_higher_order=unknown_higher_order,
+            modules=modules, unknown_higher_order=unknown_higher_order, fp8=fp8,
         ))  # fmt: skip
     if isinstance(f, str):
         raise TypeError(
@@ -113,7 +119,7 @@ def autocast(
         )
     if not callable(f):
         raise TypeError(f"autocast: f must be callable, got {type(f).__name__}")
-    cfg = build_config(dtype, policy, rules, modules, unknown_higher_order)
+    cfg = build_config(dtype, policy, rules, modules, unknown_higher_order, fp8=fp8)
     if not enabled:
         return f
     return make_wrapper(f, cfg)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp.casting import _fp8
 from jaxamp.casting._policy import Policy
 from jaxamp.casting._resolve import resolve_modules, resolve_rules
 from jaxamp.casting._rules import DEFAULT_RULES
@@ -27,6 +28,8 @@ class Config:
     # find_overflow: name nnx module calls even without `modules=` rules, and
     # keep each equation's traceback and name stack in the result.
     debug: bool = False
+    # FP8 matrix products (``jaxamp.fp8``), or None.
+    fp8: _fp8.Fp8Config | None = None
 
 
 def _default_dtype() -> np.dtype:
@@ -67,8 +70,15 @@ def build_config(
     modules: Mapping[str, Any] | None,
     unknown_higher_order: str,
     debug: bool = False,
+    fp8: Any = None,
 ) -> Config:
     compute_dtype, output_dtype = _resolve_dtype(dtype, policy)
+    if compute_dtype.itemsize == 1:
+        raise ValueError(
+            f"autocast: dtype={compute_dtype.name} would run every matrix product's result "
+            "and the ops after it in 8 bits. FP8 is an option of autocast: write "
+            "jaxamp.autocast(f, dtype=jnp.bfloat16, fp8=jaxamp.fp8())"
+        )
     resolved_rules = {**DEFAULT_RULES, **resolve_rules(rules)}
     resolved_modules = resolve_modules(modules)
     if unknown_higher_order not in ("warn", "as_written", "error"):
@@ -83,4 +93,5 @@ def build_config(
         resolved_modules,
         unknown_higher_order,
         debug,
+        _fp8.resolve(fp8),
     )

@@ -52,6 +52,8 @@ class Context:
     casts: dict[tuple[int, Any], tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     # Resolved per-module rules per name stack.
     scoped: dict[str, tuple[bool, Mapping[str, str]]] = dataclasses.field(default_factory=dict)
+    # The FP8 plan of this trace (``_fp8.Plan``), or None: no FP8.
+    fp8: Any = None
 
     def sub(self, **changes: Any) -> Context:
         """A context for an inner trace: the same caches, no casts (other tracers)."""
@@ -84,6 +86,8 @@ class Context:
                         full = True
                         break
                     rules = {**rules, **value}
+        if self.fp8 is not None and not full:
+            rules = self.fp8.scope_rules(parts, stack, rules)
         self.scoped[stack] = (full, rules)
         return full, rules
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -35,6 +35,7 @@ from jaxamp.casting._rules import (
     FLOAT32,
     FLOAT32_DTYPE,
     FOLLOW,
+    LOWER,
     NONE,
     OPMATH_OPS,
     PIN,
@@ -214,13 +215,22 @@ def eval_eqn(
         for i in floats
     ]
     target, out_mark = choose(rule, float_ins, ctx.dtype, demanded)
-    return _eval_in(eqn, ins, ctx, floats, target, out_mark)
+    fp8 = ctx.fp8 is not None and name == "dot_general" and rule == LOWER
+    return _eval_in(eqn, ins, ctx, floats, target, out_mark, rules if fp8 else None)
 
 
 def _eval_in(
-    eqn: Any, ins: Ins, ctx: Context, floats: list[int], target: np.dtype, out_mark: int
+    eqn: Any,
+    ins: Ins,
+    ctx: Context,
+    floats: list[int],
+    target: np.dtype,
+    out_mark: int,
+    fp8_rules: Mapping[str, str] | None = None,
 ) -> Outs:
-    """An equation with its floating inputs (at ``floats``) cast to ``target``."""
+    """An equation with its floating inputs (at ``floats``) cast to ``target``; with
+    ``fp8_rules`` (the rules in force for a ``"lower"`` ``dot_general`` under FP8), as
+    an FP8 product where the trace's FP8 plan wants one."""
     nout = len(eqn.outvars)
     if eqn.primitive.name in OPMATH_OPS and target == ctx.dtype and target.itemsize < 4:
         outs = bind_opmath(eqn, ins.vals[floats[0]], target, ctx, ctx.cached)
@@ -233,6 +243,10 @@ def _eval_in(
             else:
                 args[i] = ctx.cast(ins.vals[i], target, const=ins.marks[i] == CONST)
     params, out_mark = _accumulation(eqn, floats, target, out_mark)
+    if fp8_rules is not None:
+        fp8_outs = ctx.fp8.dot(eqn, args, params, target, fp8_rules, ctx.stack)
+        if fp8_outs is not None:
+            return fp8_outs, [out_mark] * nout
     return bind(eqn, args, params, ctx.cached), [out_mark] * nout
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting import _flax
+from jaxamp.casting import _flax, _fp8
 from jaxamp.casting._config import Config
 from jaxamp.casting._context import Context
 from jaxamp.casting._handlers import HANDLERS
@@ -51,7 +51,8 @@ def _run(
         for i, x in zip(dynamic, vals, strict=True):
             full[i] = x
         a, k = jax.tree_util.tree_unflatten(treedef, full)
-        with _flax.linen_class_scopes() if cfg.modules else contextlib.nullcontext():
+        named = cfg.modules or (cfg.fp8 is not None and cfg.fp8.modules)
+        with _flax.linen_class_scopes() if named else contextlib.nullcontext():
             return f(*a, **k)
 
     closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*dyn)
@@ -63,6 +64,7 @@ def _run(
         cfg.modules,
         source_info=cfg.debug,
     )
+    ctx.fp8 = _fp8.plan(cfg.fp8, closed.jaxpr, ctx)
     # f's float32 outputs count as float32 uses: the elementwise ops right
     # before them run in float32 (the output is returned in float32 anyway).
     wide_out = cfg.output_dtype is None or cfg.output_dtype.itemsize >= 4
@@ -228,7 +230,8 @@ class _NnxCall:
         target = self.owner.f
         if self_node is not None:
             target = merged[-1] if method is None else functools.partial(method, merged[-1])
-        named = cfg.modules or cfg.debug
+        # FP8 names nnx modules too: its first / last layers and modules= rules.
+        named = cfg.modules or cfg.debug or cfg.fp8 is not None
         names = _flax.nnx_scopes(nnx, merged) if named else contextlib.nullcontext()
         # The leaf objects now (a Variable in the state is the live one).
         before = {

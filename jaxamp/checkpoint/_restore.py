@@ -43,7 +43,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from jaxamp.checkpoint import _spike_windows
+from jaxamp.checkpoint import _every_k, _spike_windows
 from jaxamp.checkpoint._metadata import check_restorable, child, saved_tree
 from jaxamp.checkpoint._validate import validate_restored
 
@@ -67,6 +67,7 @@ def _explain_failure(read_metadata: Any, target: Any, where: str, error: Excepti
     if tree is None or (isinstance(tree, Mapping) and not isinstance(tree, dict)):
         return  # nothing readable, or a multi-item manager's Composite: orbax's error stands
     try:
+        _every_k.explain(tree, target, where)
         check_restorable(tree, target, where=where)
         _spike_windows.explain(tree, target, child, where)
     except ValueError as clear:

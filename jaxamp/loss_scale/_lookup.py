@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp._utils.conversion_checks import mark_scale_read
 from jaxamp._utils.errors import named
 from jaxamp._utils.tree import find_one
 from jaxamp.loss_scale._state import (
@@ -45,6 +46,7 @@ def get_loss_scale(opt_state: Any) -> LossScaleState:
       >>> float(jaxamp.get_loss_scale(tx.init({"w": jnp.ones(2)})).scale)
       32768.0
     """
+    mark_scale_read()  # the scale handed out: a loss may be multiplied by it by hand
     found = find_one(
         opt_state,
         LossScaleState,

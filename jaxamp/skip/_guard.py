@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxamp._utils.conversion_checks import check_scale_read
 from jaxamp._utils.dtypes import is_inexact
 from jaxamp._utils.finite import agree, as_finite, group_flags, unscaled
 from jaxamp._utils.jax_compat import aval_of
@@ -283,6 +284,7 @@ def guarded(
     Returns:
       An ``Outcome``; the scale advances with "every part finite".
     """
+    check_scale_read(ls)  # trace time: gradients never scaled by this dynamic scale
     check = _check(ls, parts, call, axis_name)
     checked = [t for t in check.takes if t is not None]
     every = jnp.all(jnp.stack(checked)) if checked else jnp.array(True)

@@ -62,6 +62,11 @@ class Optimizer(nnx.Optimizer):
     writes that state between updates (a load, an EMA written after the update, another optimizer's
     step on the same model), call [`keep`][jaxamp.nnx.Optimizer.keep] after it. Params outside
     ``wrt`` (a frozen base under LoRA) are not copied: a forward does not write them.
+    Only this model's state is put back: another module the loss runs in train mode (a
+    teacher, a GAN's generator) keeps what its forward wrote: run it in eval mode, or put
+    its state back with [`jaxamp.where_stepped`][jaxamp.where_stepped]; and a forward of
+    this model before [`value_and_grad`][jaxamp.nnx.value_and_grad] (metrics in train
+    mode) is not undone, so run those after the update or in eval mode.
     ``optimizer.step`` counts the calls applied: with ``every_k=k`` it moves by k when a window is
     applied, not at all for a skipped window.
 
@@ -184,20 +189,24 @@ class Optimizer(nnx.Optimizer):
 
 
 def _trained_module(optimizer: Optimizer, argnums: Any, args: tuple[Any, ...]) -> Any:
-    """The differentiated argument that is a module of the optimizer's kind, or None.
+    """The differentiated argument that is the optimizer's model, or None.
 
     A loss may take other modules first (a distillation teacher): only a module in
-    ``argnums`` whose state outside ``wrt`` has the optimizer's layout is recorded.
+    ``argnums`` whose state outside ``wrt`` has the optimizer's layout is recorded. When
+    several have it (two peers of one architecture, each with its own optimizer), which
+    one is this optimizer's cannot be told from the arguments: nothing is recorded, and
+    a skip puts back the state as the last update left it.
     """
     nums = argnums if isinstance(argnums, tuple | list) else (argnums,)
     kept = jax.tree.structure(_pure(optimizer.kept))
+    found: list[Any] = []
     for n in nums:
         n = getattr(n, "argnum", n)  # nnx.DiffState(argnum, filter)
         module = args[n] if isinstance(n, int) and -len(args) <= n < len(args) else None
-        if isinstance(module, nnx.Module):
+        if isinstance(module, nnx.Module) and all(module is not m for m in found):
             if jax.tree.structure(optimizer._written(module)) == kept:
-                return module
-    return None
+                found.append(module)
+    return found[0] if len(found) == 1 else None
 
 
 def _as_kept(tree: Any) -> Any:

@@ -45,9 +45,13 @@ def refuse_flax_optimizer(frame: FrameType | None) -> None:
     for _ in range(_FRAMES_UP):
         if frame is None:
             return
-        caller, model = frame.f_locals.get("self"), frame.f_locals.get("model")
-        if isinstance(caller, nnx.Optimizer) and isinstance(model, nnx.Module):
-            _refuse(caller, model)
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, nnx.Optimizer):
+            # Flax names it `model`; a subclass's own update may call it anything.
+            models = [v for v in frame.f_locals.values() if isinstance(v, nnx.Module)]
+            for model in models:
+                if model is not caller:
+                    _refuse(caller, model)
             return
         frame = frame.f_back
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp._utils.conversion_checks import check_flax_train_state
 from jaxamp._utils.tree import render_path
 from jaxamp.loss_scale import LossScaleState, Mode, no_scale
 from jaxamp.skip import _spikes
@@ -37,6 +38,7 @@ class GuardedUpdate:
         **extra_args: Any,
     ) -> tuple[optax.Updates, Any]:
         refuse_flax_optimizer(sys._getframe(1))
+        check_flax_train_state(sys._getframe(1))
         return self.run(updates, state, params, Call(extra_args, None, to_params=False))
 
     def run(self, grads: Any, state: Any, params: Any, call: Call) -> tuple[Any, Any]:

@@ -112,6 +112,33 @@ def test_a_teacher_passed_first_is_not_what_the_student_gets_back(teacher_width:
     )
 
 
+def test_two_peers_of_one_architecture_each_get_their_own_state_back() -> None:
+    # Deep mutual learning: both peers differentiated by one call, the scale from the
+    # second's optimizer. Which peer is that optimizer's cannot be told from the
+    # arguments: the skip puts back each peer's state as its last update left it.
+    a, opt_a = _setup()
+    b = Net(nnx.Rngs(1))
+    opt_b = jaxamp.nnx.Optimizer(b, opt_a.tx, wrt=nnx.Param)
+    mutual = lambda a, b, x: jnp.mean((a(x) - b(x)) ** 2)
+
+    @nnx.jit
+    def step(a, b, opt_a, opt_b, x):
+        _, (ga, gb) = jaxamp.nnx.value_and_grad(mutual, argnums=(0, 1))(opt_b, a, b, x)
+        opt_a.update(a, ga)
+        opt_b.update(b, gb)
+
+    step(a, b, opt_a, opt_b, X)
+    a_before, b_before = _host(a), _host(b)
+    assert not np.array_equal(
+        jax.tree.leaves(_host(a, nnx.BatchStat))[0], jax.tree.leaves(_host(b, nnx.BatchStat))[0]
+    )
+    step(a, b, opt_a, opt_b, BAD)
+    assert bool(jaxamp.metrics(opt_a.opt_state)["skipped"])
+    assert bool(jaxamp.metrics(opt_b.opt_state)["skipped"])
+    _assert_same(_host(a), a_before)
+    _assert_same(_host(b), b_before)
+
+
 def test_flax_own_value_and_grad_with_the_loss_scaled_by_hand() -> None:
     model, optimizer = _setup()
     _finite_step(model, optimizer)
@@ -267,6 +294,23 @@ def test_flax_optimizer_is_refused_through_a_chain_too() -> None:
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         with pytest.raises(TypeError, match=r"jaxamp\.nnx\.Optimizer\(model, tx, wrt=\.\.\.\)"):
             optimizer.update(model, nnx.grad(_loss)(model, X))
+
+
+def test_a_subclass_of_flax_optimizer_is_refused_too() -> None:
+    # A user's own nnx.Optimizer subclass whose update names the model otherwise.
+    class MyOptimizer(nnx.Optimizer):
+        def update(self, net, grads, **kwargs):
+            params = nnx.as_pure(nnx.state(net, self.wrt))
+            grads = nnx.as_pure(nnx.state(grads, self.wrt))
+            updates, new = self.tx.update(grads, nnx.as_pure(self.opt_state), params)
+            nnx.update(net, optax.apply_updates(params, updates))
+            nnx.update(self.opt_state, nnx.state(new))
+
+    model = Net(nnx.Rngs(0))
+    inner = jaxamp.skip_nonfinite(optax.adam(1e-2), jaxamp.dynamic_scale(2.0**8))
+    optimizer = MyOptimizer(model, inner, wrt=nnx.Param)
+    with pytest.raises(TypeError, match=r"jaxamp\.nnx\.Optimizer\(model, tx, wrt=\.\.\.\)"):
+        optimizer.update(model, nnx.grad(_loss)(model, X))
 
 
 def test_state_created_after_the_optimizer_is_named() -> None:

@@ -1,0 +1,147 @@
+"""Warnings for conversions that run but train wrong, seen at trace time.
+
+Two mistakes a user converting a script makes that no error catches, because each
+call is valid on its own:
+
+* the gradients were never scaled (``jax.grad`` of the plain loss) but the optimizer
+  holds a dynamic loss scale: jaxamp divides them by the scale before the update, so
+  the run trains with no loss scaling and a learning rate off by the scale;
+* Flax's own ``TrainState.apply_gradients`` given model state (``batch_stats=``) with
+  a jaxamp ``tx``: Flax replaces those fields after ``tx.update`` returns, so a step
+  jaxamp skips keeps the non-finite batch's statistics.
+
+Each warns once per process (a ``ConversionWarning``, which users can filter) and
+never touches a device value: the checks read Python state at trace time only.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from types import FrameType
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["ConversionWarning"]
+
+
+class ConversionWarning(UserWarning):
+    """A jaxamp conversion that runs but trains wrong; the message says what to write.
+
+    Issued once per process, at trace time. Silence it with
+    ``warnings.filterwarnings("ignore", category=jaxamp.ConversionWarning)``.
+    """
+
+
+# Whether this process has handed a loss scale to anything that can scale a loss with
+# it: `jaxamp.scale` (so `value_and_grad` and `jaxamp.nnx.value_and_grad`) or the
+# accessors a hand-scaled loss reads (`get_loss_scale`, `TrainState.loss_scale`,
+# `nnx.Optimizer.loss_scale`). One flag for the process, not one per trace: gradients
+# are often taken in one jitted function and applied in another, so "not read in the
+# trace that applies them" would be a false alarm there.
+_scale_read = False
+_warned: set[str] = set()
+
+_OUR_PACKAGES = ("jaxamp", "jax", "jaxlib", "optax", "flax", "chex")
+
+
+def mark_scale_read() -> None:
+    """Records that a loss scale reached code that can multiply a loss by it."""
+    global _scale_read
+    _scale_read = True
+
+
+def reset() -> None:
+    """Forgets what was read and warned (for tests)."""
+    global _scale_read
+    _scale_read = False
+    _warned.clear()
+
+
+def _stacklevel() -> int:
+    """The stack level of the first frame outside jaxamp, JAX, optax and Flax: the
+    user's line, so the warning points at the call they wrote."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in _OUR_PACKAGES and module not in ("contextlib", "functools"):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(message, ConversionWarning, stacklevel=_stacklevel())
+
+
+def check_scale_read(ls: Any) -> None:
+    """Warns if a dynamic loss scale is stepped before any loss could have been scaled."""
+    if _scale_read or getattr(ls, "dynamic", False) is not True:
+        return
+    _warn_once(
+        "unscaled",
+        "jaxamp: this optimizer holds a dynamic loss scale, but no loss has been "
+        "multiplied by it (nothing called jaxamp.value_and_grad, jaxamp.scale or "
+        "get_loss_scale before this step). The gradients were taken without loss "
+        "scaling, and the step divides them by the scale before the update: float16 "
+        "gradients underflow and the updates come out too small. Take them with "
+        "jaxamp.value_and_grad(loss_fn)(opt_state, params, ...) (NNX: "
+        "jaxamp.nnx.value_and_grad(loss_fn)(optimizer, model, ...)), or differentiate "
+        "jaxamp.scale(jaxamp.get_loss_scale(opt_state), loss). A bfloat16 run needs no "
+        "scale: jaxamp.skip_nonfinite(inner) with no loss_scale.",
+    )
+
+
+# optax.chain, MultiSteps, inject_hyperparams and multi_transform each add a frame or two.
+_FRAMES_UP = 12
+
+
+def check_flax_train_state(frame: FrameType | None) -> None:
+    """Warns if this ``tx.update`` runs inside Flax's own ``TrainState.apply_gradients``
+    that will also write model state (``batch_stats=``, fp8 metadata) on a skipped step.
+
+    ``frame`` is the caller's. Only Flax's own method is recognised (its code object),
+    so a subclass that overrides ``apply_gradients`` (``jaxamp.TrainState``, or the
+    user's own with ``jaxamp.where_stepped``) is never warned about.
+    """
+    if "flax_train_state" in _warned:
+        return
+    from flax.training import train_state
+
+    code = train_state.TrainState.apply_gradients.__code__
+    for _ in range(_FRAMES_UP):
+        if frame is None:
+            return
+        if frame.f_code is code:
+            _warn_flax_train_state(frame.f_locals)
+            return
+        frame = frame.f_back
+
+
+def _has_array(tree: Any) -> bool:
+    # What jaxamp.TrainState keeps on a skip: array leaves (a tracer is a jax.Array).
+    return any(isinstance(x, jax.Array | np.ndarray) for x in jax.tree.leaves(tree))
+
+
+def _warn_flax_train_state(local: dict[str, Any]) -> None:
+    state, kwargs, grads = local.get("self"), local.get("kwargs") or {}, local.get("grads")
+    written = [f"{name}=" for name, value in kwargs.items() if _has_array(value)]
+    if isinstance(grads, dict) and "_overwrite_with_gradient" in grads:
+        written.append("the fp8 metadata (_overwrite_with_gradient)")
+    if not written:
+        return
+    cls = type(state).__name__
+    _warn_once(
+        "flax_train_state",
+        f"jaxamp: Flax's TrainState.apply_gradients (of your {cls}) writes "
+        f"{', '.join(written)} even on a step jaxamp skips: Flax replaces those fields "
+        "after tx.update returns, so a non-finite batch's values (NaN BatchNorm "
+        "statistics) stay. Derive the state class from jaxamp.TrainState instead of "
+        "flax.training.train_state.TrainState (the same create / apply_gradients; a "
+        "skipped step keeps those fields).",
+    )

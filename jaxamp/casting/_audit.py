@@ -1,0 +1,270 @@
+"""``jaxamp.audit``: what precision each matrix product really runs in, after XLA.
+
+autocast decides the dtype of every product in the program it gives XLA; XLA
+may still run it otherwise: its GPU GEMM rewriter turns an FP8 product into a
+cuBLASLt FP8 call only for the shapes it matches (else an f16 GEMM), XLA:CPU
+has no FP8 or bfloat16 GEMM and computes them in float32, and a float32 value
+somewhere upstream makes a product float32. ``audit`` compiles the function,
+reads the program XLA was given (the request) and the one it will run (the
+optimized HLO), and lists every matrix product and convolution with both,
+where it comes from (module path and source line, from the HLO metadata), and
+a flag wherever they disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxamp.casting import _hlo_text
+from jaxamp.casting._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
+
+__all__ = ["AuditReport", "MatmulRow", "audit"]
+
+_GEMM_TARGETS = {
+    "__cublas$lt$matmul$f8": "cuBLASLt FP8 GEMM",
+    "__cublas$lt$matmul": "cuBLASLt GEMM",
+    "__cublas$gemm": "cuBLAS GEMM",
+}
+_PASSTHROUGH = {"parameter", "convert", "bitcast", "copy", "transpose", "reshape", "broadcast"}
+_LIBRARIES = tuple(
+    os.path.dirname(m.__file__) + os.sep
+    for m in (jax, __import__("jaxamp"))
+    if getattr(m, "__file__", None)
+) + (os.sep + "site-packages" + os.sep,)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulRow:
+    """One matrix product or convolution of the compiled program.
+
+    Attributes:
+      kernel: how XLA runs it (``"cuBLASLt FP8 GEMM"``, ``"cuBLAS GEMM"``,
+        ``"Triton GEMM"``, ``"dot"``, ``"convolution"``, a custom call target).
+      requested: operand and result dtypes in the program XLA was given, e.g.
+        ``"f8e4m3fn x f8e4m3fn -> f32"`` (``"?"``: XLA made this product itself).
+      executed: operand and result dtypes XLA runs.
+      accumulation: the accumulation dtype (the product's result type in HLO;
+        float32 for cuBLASLt FP8, which always accumulates in float32).
+      shape: the result shape.
+      pass_: ``"forward"`` or ``"backward"`` (a transposed product).
+      module: the module path (Flax module names, ``jax.named_scope``s).
+      source: the user's ``file:line (function)`` it was traced from.
+      flags: what autocast asked for that XLA does not do, or worth a look.
+    """
+
+    kernel: str
+    requested: str
+    executed: str
+    accumulation: str
+    shape: str
+    pass_: str
+    module: str
+    source: str
+    flags: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """What ``jaxamp.audit`` found: ``matmuls`` and ``large_converts``; ``str()`` is a table.
+
+    Attributes:
+      platform: the backend compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
+      matmuls: one `MatmulRow` per product / convolution, in program order.
+      large_converts: standalone dtype conversions of at least `large` elements
+        (an extra pass over memory that a fused cast would not cost).
+    """
+
+    platform: str
+    matmuls: tuple[MatmulRow, ...]
+    large_converts: tuple[str, ...]
+
+    @property
+    def flagged(self) -> tuple[MatmulRow, ...]:
+        return tuple(r for r in self.matmuls if r.flags)
+
+    def __str__(self) -> str:
+        head = ("pass", "module", "requested", "executed", "kernel", "source", "flags")
+        rows = [head] + [
+            (r.pass_, r.module or "-", r.requested, r.executed, r.kernel, r.source,
+             "; ".join(r.flags))
+            for r in self.matmuls
+        ]  # fmt: skip
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+        lines = [f"jaxamp.audit ({self.platform}): {len(self.matmuls)} products, "
+                 f"{len(self.flagged)} flagged"]  # fmt: skip
+        for row in rows:
+            lines.append(
+                "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
+            )
+        lines += [f"large convert: {c}" for c in self.large_converts]
+        return "\n".join(lines)
+
+
+def _split_scopes(op_name: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in op_name:
+        if ch == "/" and depth == 0:
+            parts.append(cur)
+            cur = ""
+            continue
+        depth += (ch == "(") - (ch == ")")
+        cur += ch
+    return [*parts, cur]
+
+
+def _module_path(op_name: str) -> str:
+    """``jit(f)/transpose(jvp(jaxamp_autocast))/M/mid/dot_general`` -> ``M/mid``."""
+    names: list[str] = []
+    for i, part in enumerate(_split_scopes(op_name)[:-1]):
+        if i == 0 and re.match(r"^(jit|pjit|pmap|xla_pmap)\(", part):
+            continue
+        while (m := re.fullmatch(r"\w+\((.*)\)", part)) is not None:
+            part = m.group(1)
+        names += [p for p in _split_scopes(part) if p]
+    own = (AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE)
+    return "/".join(n for n in names if not n.startswith(own))
+
+
+def _user_frame(frames: list[tuple[str, int, str]]) -> str:
+    for file, line, fn in frames:
+        if not file.startswith(_LIBRARIES) and os.sep + "site-packages" + os.sep not in file:
+            return f"{os.path.basename(file)}:{line} ({fn})" if fn else f"{file}:{line}"
+    if frames:
+        file, line, fn = frames[0]
+        return f"{os.path.basename(file)}:{line} ({fn})"
+    return "?"
+
+
+def _is_matmul(ins: _hlo_text.Instr) -> bool:
+    if ins.opcode in ("dot", "convolution"):
+        return True
+    target = ins.attr("custom_call_target") or ""
+    return ins.opcode == "custom-call" and (target in _GEMM_TARGETS or "conv" in target)
+
+
+def _key(mod: _hlo_text.Module, ins: _hlo_text.Instr) -> tuple[Any, ...]:
+    """What a product keeps through XLA's passes: its metadata and its result's
+    size (XLA reshapes a (batch, seq, features) product to a 2-D one and may
+    transpose it, which changes the dims, not their product)."""
+    frames = mod.frames_of(ins)
+    return (ins.attr("op_name") or "", frames[0] if frames else None, _size(ins.dims))
+
+
+def _dtypes(mod: _hlo_text.Module, ins: _hlo_text.Instr, n: int) -> str:
+    ops = [mod.instrs[o].dtype for o in ins.operands[:n] if o in mod.instrs]
+    return " x ".join(ops) + f" -> {ins.dtype}"
+
+
+def _kernel(mod: _hlo_text.Module, ins: _hlo_text.Instr) -> str:
+    if ins.opcode == "custom-call":
+        target = ins.attr("custom_call_target") or "custom-call"
+        return _GEMM_TARGETS.get(target, target)
+    caller = mod.instrs.get(mod.callers.get(ins.computation, ""))
+    if caller is not None and caller.opcode == "fusion":
+        if "__triton_gemm" in caller.attrs:
+            return f"Triton {ins.opcode}"
+        kind = re.search(r'"kind":"(\w+)"', caller.attrs)
+        return f"{ins.opcode} ({kind.group(1).strip('_') if kind else 'fusion'})"
+    return ins.opcode
+
+
+def _flags(requested: str, executed: str, kernel: str, op_name: str, platform: str) -> list[str]:
+    req_in = requested.split(" -> ")[0].split(" x ")
+    ex_in = executed.split(" -> ")[0].split(" x ")
+    flags = []
+    if any(d.startswith("f8") for d in req_in) and "FP8" not in kernel:
+        if not any(d.startswith("f8") for d in ex_in) or kernel in ("dot", "convolution"):
+            why = " (XLA:CPU has no FP8 GEMM)" if platform == "cpu" else ""
+            flags.append(f"FP8 requested, XLA runs it on {'/'.join(sorted(set(ex_in)))}{why}")
+    low = {"bf16", "f16"}
+    if set(req_in) & low and not set(ex_in) & low and not any(d.startswith("f8") for d in ex_in):
+        why = " (XLA:CPU has no half-precision GEMM)" if platform == "cpu" else ""
+        flags.append(f"{'/'.join(sorted(set(req_in)))} requested, XLA runs it in float32{why}")
+    inside = AUTOCAST_SCOPE in op_name and FULL_PRECISION_SCOPE not in op_name
+    if inside and req_in and all(d == "f32" for d in req_in):
+        flags.append("float32 product inside autocast (a rule, keep_float32 or a float32 input)")
+    return flags
+
+
+def audit(fn: Callable[..., Any], *args: Any, large: int = 2**20, **kwargs: Any) -> AuditReport:
+    """Compiles ``fn(*args, **kwargs)`` and lists every matrix product as XLA will run it.
+
+    For each ``dot`` / convolution (and the GEMM custom calls XLA makes of
+    them) of the optimized HLO: the dtypes in the program JAX gave XLA (what
+    autocast asked for), the dtypes and kernel XLA runs, the accumulation
+    dtype, forward or backward, the module path and the user's source line
+    (from the HLO metadata). Flagged: an FP8 product XLA does not run as an
+    FP8 GEMM, a bfloat16 / float16 one it runs in float32, a float32 product
+    inside ``autocast``. ``large_converts`` lists unfused dtype conversions of
+    at least `large` elements. Works on any backend: on the CPU every FP8 and
+    bfloat16 product is flagged, since XLA:CPU computes them in float32.
+
+    Args:
+      fn: the function, e.g. a training step (jitted or not).
+      *args: its arguments (arrays, or ``jax.ShapeDtypeStruct``s).
+      large: the element count from which a standalone convert is listed.
+      **kwargs: its keyword arguments.
+
+    Returns:
+      An ``AuditReport``; print it for a table.
+
+    Examples:
+      >>> f = jaxamp.autocast(lambda x, w: x @ w, dtype=jnp.bfloat16)
+      >>> report = jaxamp.audit(f, jnp.ones((16, 32)), jnp.ones((32, 16)))
+      >>> report.matmuls[0].requested
+      'bf16 x bf16 -> bf16'
+    """
+    lower = getattr(fn, "lower", None) or jax.jit(fn).lower
+    lowered = lower(*args, **kwargs)
+    try:
+        pre_text = lowered.as_text(dialect="hlo", debug_info=True)
+    except TypeError:  # pragma: no cover - JAX without debug_info
+        pre_text = lowered.as_text(dialect="hlo")
+    compiled = lowered.compile()
+    pre, post = _hlo_text.parse(pre_text), _hlo_text.parse(compiled.as_text())
+    platform = jax.devices()[0].platform
+    requests: dict[tuple[Any, ...], list[str]] = {}
+    for ins in pre.instrs.values():
+        if _is_matmul(ins):
+            requests.setdefault(_key(pre, ins), []).append(_dtypes(pre, ins, 2))
+    rows = []
+    for ins in post.instrs.values():
+        if not _is_matmul(ins):
+            continue
+        op_name = ins.attr("op_name") or ""
+        queue = requests.get(_key(post, ins)) or []
+        requested = queue.pop(0) if queue else "?"
+        executed, kernel = _dtypes(post, ins, 2), _kernel(post, ins)
+        accumulation = "f32" if "FP8" in kernel else ins.dtype
+        rows.append(MatmulRow(
+            kernel, requested, executed, accumulation, ins.type,
+            "backward" if "transpose(" in op_name else "forward", _module_path(op_name),
+            _user_frame(post.frames_of(ins)),
+            tuple(_flags(requested, executed, kernel, op_name, platform)),
+        ))  # fmt: skip
+    converts = []
+    for ins in post.instrs.values():
+        if ins.opcode != "convert" or not ins.dims or _size(ins.dims) < large:
+            continue
+        comp = post.computations.get(ins.computation, [])
+        if all(post.instrs[n].opcode in _PASSTHROUGH for n in comp):
+            src = post.instrs.get(ins.operands[0]) if ins.operands else None
+            converts.append(
+                f"{src.type if src else '?'} -> {ins.type} at "
+                f"{_module_path(ins.attr('op_name') or '') or '-'} "
+                f"({_user_frame(post.frames_of(ins))})"
+            )
+    return AuditReport(platform, tuple(rows), tuple(converts))
+
+
+def _size(dims: tuple[int, ...]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n

@@ -1,0 +1,261 @@
+"""FP8 matrix products inside ``autocast``: ``jaxamp.fp8`` and the plan of one trace.
+
+``autocast(f, dtype=jnp.bfloat16, fp8=jaxamp.fp8())`` runs every eligible
+``"lower"``-class ``dot_general`` of `f` as an FP8 product with current scaling
+(``_fp8_gemm.fp8_dot_general``); everything else runs as bfloat16 autocast
+does. Which products are eligible is decided here, once per trace, before any
+equation is evaluated (``plan``):
+
+* its rule where it stands is ``"lower"`` (``rules=`` / ``modules=`` of autocast,
+  ``full_precision`` regions and float64 products are not touched);
+* M, N and K (the products of its lhs free, rhs free and contracting
+  dimensions) are multiples of 16. XLA's GPU GEMM rewriter pads every
+  non-batch dimension of an FP8 operand to a multiple of 16 before it calls
+  cuBLASLt (``PadShapeToMultipleOf16`` / ``PadOperandToMultipleOf16`` in
+  ``CreateF8CustomCall``, ``xla/service/gpu/transforms/gemm_rewriter.cc``:
+  "as required by cuBLASLt FP8 gemms"), then slices the result: two copies
+  and a padded GEMM where bfloat16 needs none. Such products stay bfloat16;
+* it is not the model's first or last matrix-product layer (``first_last_bf16``),
+  unless a ``modules=`` rule of ``jaxamp.fp8`` says otherwise. These are the
+  first and the last ``"lower"`` ``dot_general`` of `f`'s forward program in
+  program order, among the products that run once per call: loop bodies
+  (``scan``, ``while_loop``: the repeated blocks) are not searched, calls,
+  ``remat``, custom derivatives, ``shard_map`` and ``cond`` branches are. The
+  product is identified by its equation and its module path (the name stack:
+  a Flax module's path, nnx paths included), so the same layer code called at
+  another place is not excluded. On a transformer whose embedding is a lookup
+  this keeps the LM head (or the tied ``attend``) and the first projection in
+  bfloat16; on a classifier, its first and last ``Dense``.
+
+A ``modules=`` rule of ``jaxamp.fp8`` is matched like autocast's: a pattern
+against each module's name and class, or, with a ``/``, its path; the last
+matching pattern wins, and it overrides the first/last default either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+from jaxamp._utils import jax_compat
+from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp.casting import _fp8_gemm, _rules
+from jaxamp.casting._scopes import join, module_match
+
+__all__ = ["Fp8Config", "fp8"]
+
+SCALINGS = ("tensorwise", "rowwise")
+#: The key a scope's rules carry when an FP8 decision depends on the scope; its
+#: value is the ``modules=`` verdict (True, False or None: no rule). A new
+#: mapping per such scope also keeps autocast's per-call-site cache apart.
+FP8_KEY = "jaxamp.fp8"
+#: Higher-order primitives whose body runs more than once per call.
+_LOOPS = frozenset({"scan", "while"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """What ``jaxamp.fp8(...)`` returns; pass it as ``autocast(..., fp8=...)``.
+
+    Attributes:
+      scaling: ``"tensorwise"`` or ``"rowwise"``.
+      modules: ``(pattern, on)`` pairs, in the order given.
+      first_last_bf16: keep the first and last matrix-product layers in the
+        autocast dtype.
+    """
+
+    scaling: str = "tensorwise"
+    modules: tuple[tuple[str, bool], ...] = ()
+    first_last_bf16: bool = True
+
+
+def fp8(
+    scaling: str = "tensorwise",
+    *,
+    modules: Mapping[str, bool] | None = None,
+    first_last_bf16: bool = True,
+) -> Fp8Config:
+    """FP8 matrix products for ``jaxamp.autocast``, with current scaling.
+
+    ``jaxamp.autocast(f, dtype=jnp.bfloat16, fp8=jaxamp.fp8())`` runs every
+    matrix product (``dot_general``: ``@``, ``einsum``, ``Dense``, attention)
+    of `f` that autocast runs in bfloat16 as an FP8 GEMM instead: both operands
+    scaled by ``fp8 max / amax`` of this step's values and rounded to
+    float8_e4m3fn, accumulated in float32, multiplied back and rounded once to
+    bfloat16. In the backward pass the incoming gradient is scaled the same
+    way into float8_e5m2, and the input gradient (dgrad) and the weight
+    gradient (wgrad) are each one FP8 GEMM. The scales come from each call's
+    own operands (current scaling): there is no state to carry or checkpoint,
+    and an unmodified linen, nnx or equinox model trains in FP8. On a mesh the
+    amax is the global one (every device computes the same scales).
+
+    Products whose M, N or K is not a multiple of 16 stay in bfloat16 (XLA
+    would pad them for the cuBLASLt FP8 kernel), as do the first and last
+    matrix-product layers by default (the embedding projection, the LM head or
+    classifier, as Megatron's ``first_last_layers_bf16``). Convolutions stay
+    in bfloat16.
+
+    Args:
+      scaling: ``"tensorwise"`` (one scale per operand; default) or
+        ``"rowwise"`` (one scale per row of the lhs and per column of the rhs,
+        i.e. per index of the dimensions that are not contracted; they factor
+        out of the sum, so an outlier costs only its own row's precision).
+      modules: per-module overrides, module pattern -> True (FP8, even for a
+        first or last layer) or False (stay in the autocast dtype). Patterns
+        are matched as autocast's ``modules=`` (name, class, or a path with
+        ``/``); the last matching pattern wins.
+      first_last_bf16: keep the first and last matrix-product layers of the
+        forward program out of FP8 (default True).
+
+    Returns:
+      An ``Fp8Config`` for ``autocast(..., fp8=...)``.
+
+    Raises:
+      ValueError: `scaling` is not ``"tensorwise"`` or ``"rowwise"``.
+      TypeError: a `modules` key is not a pattern string or a value is not a bool.
+
+    Examples:
+      >>> model = flax.linen.Dense(32)
+      >>> params = model.init(jax.random.key(0), jnp.ones((16, 64)))
+      >>> fwd = jaxamp.autocast(
+      ...     model.apply, dtype=jnp.bfloat16, fp8=jaxamp.fp8(first_last_bf16=False)
+      ... )
+      >>> fwd(params, jnp.ones((16, 64))).dtype  # an FP8 GEMM; f's output dtype
+      dtype('float32')
+    """
+    if scaling not in SCALINGS:
+        raise ValueError(
+            f"jaxamp.fp8: scaling={scaling!r}; write scaling='tensorwise' (one scale per "
+            "operand) or scaling='rowwise' (one per row / column)"
+        )
+    pairs = []
+    for pattern, on in (modules or {}).items():
+        if not isinstance(pattern, str) or not pattern:
+            raise TypeError(f"jaxamp.fp8: modules keys are module name patterns, got {pattern!r}")
+        if not isinstance(on, bool):
+            raise TypeError(
+                f"jaxamp.fp8: modules[{pattern!r}]={on!r}; write True to run the module's "
+                "matrix products in FP8 or False to keep them in the autocast dtype"
+            )
+        pairs.append((pattern, on))
+    if not isinstance(first_last_bf16, bool):
+        raise TypeError(
+            f"jaxamp.fp8: first_last_bf16 must be True or False, got {first_last_bf16!r}"
+        )
+    return Fp8Config(scaling, tuple(pairs), first_last_bf16)
+
+
+def resolve(value: Any) -> Fp8Config | None:
+    """autocast's ``fp8=`` argument: None / False (off), True (defaults) or an ``Fp8Config``."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return Fp8Config()
+    if isinstance(value, Fp8Config):
+        return value
+    raise TypeError(
+        f"autocast: fp8={value!r}; write fp8=jaxamp.fp8() (tensorwise current scaling), "
+        "fp8=jaxamp.fp8(scaling='rowwise'), or fp8=None"
+    )
+
+
+def _subjaxprs(params: Mapping[str, Any]) -> list[Jaxpr]:
+    found = []
+    for value in params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(sub, ClosedJaxpr):
+                found.append(sub.jaxpr)
+            elif isinstance(sub, Jaxpr):
+                found.append(sub)
+    return found
+
+
+@dataclasses.dataclass
+class Plan:
+    """The FP8 decisions of one autocast trace (``Context.fp8``)."""
+
+    config: Fp8Config
+    compute: np.dtype
+    # (id(eqn), stack) of the first and last layer's product -> the equation
+    # (kept alive so that its id stays its own).
+    excluded: dict[tuple[int, str], Any] = dataclasses.field(default_factory=dict)
+
+    def scope_rules(self, parts: list[str], stack: str, rules: Mapping[str, str]) -> Any:
+        """`rules` for the scope `stack`, marked where an FP8 decision depends on it."""
+        verdict = None
+        for pattern, on in self.config.modules:
+            if module_match(pattern, parts):
+                verdict = on
+        if verdict is None and not any(s == stack for _, s in self.excluded):
+            return rules
+        return {**rules, FP8_KEY: verdict}
+
+    def wants(self, eqn: Any, stack: str, rules: Mapping[str, str]) -> bool:
+        verdict = rules.get(FP8_KEY)
+        if verdict is not None:
+            return bool(verdict)
+        return (id(eqn), stack) not in self.excluded
+
+    def dot(
+        self, eqn: Any, args: list[Any], params: Mapping[str, Any], target: np.dtype,
+        rules: Mapping[str, str], stack: str,
+    ) -> list[Any] | None:  # fmt: skip
+        """The FP8 product for a ``"lower"`` ``dot_general`` bound on `args`, or None."""
+        if target != self.compute or not self.wants(eqn, stack, rules):
+            return None
+        lhs, rhs = args
+        dims = params["dimension_numbers"]
+        dims = tuple(tuple(tuple(int(i) for i in d) for d in pair) for pair in dims)
+        if not _fp8_gemm.eligible(lhs.shape, rhs.shape, dims):
+            return None
+        if np.dtype(lhs.dtype) != target or np.dtype(rhs.dtype) != target:
+            return None
+        pref = params.get("preferred_element_type")
+        gemm = _fp8_gemm.Gemm(
+            dims=dims,
+            rowwise=self.config.scaling == "rowwise",
+            out_dtype=np.dtype(pref) if pref is not None else target,
+            lhs_dtype=np.dtype(lhs.dtype),
+            rhs_dtype=np.dtype(rhs.dtype),
+            out_sharding=params.get("out_sharding"),
+        )
+        # Under the equation's own source info: the FP8 GEMMs, forward and
+        # backward, carry the user's line and module path into the HLO metadata
+        # (what ``jaxamp.audit`` reads), not autocast's.
+        with jax_compat.source_info_context(eqn):
+            return [_fp8_gemm.fp8_dot_general(lhs, rhs, gemm)]
+
+
+def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
+    """The FP8 plan of autocast's trace of `jaxpr` (`ctx`: its Context, still without one)."""
+    if config is None:
+        return None
+    # A throwaway cache: the trace's own scopes get the FP8 marks once planned.
+    probe = dataclasses.replace(ctx, scoped={}, fp8=None)
+    found: list[tuple[Any, str]] = []
+
+    def walk(jaxpr: Jaxpr, outer: str) -> None:
+        for eqn in jaxpr.eqns:
+            stack = join(outer, jax_compat.name_stack(eqn))
+            full, rules = probe.rules_at(stack)
+            rule = _rules.AS_WRITTEN if full else rules.get(eqn.primitive.name, _rules.FOLLOW)
+            if eqn.primitive.name == "dot_general":
+                dtypes = [np.dtype(v.aval.dtype) for v in eqn.invars]
+                if rule == _rules.LOWER and all(
+                    is_float_dtype(d) and d.itemsize <= 4 for d in dtypes
+                ):
+                    found.append((eqn, stack))
+            elif rule != _rules.AS_WRITTEN and eqn.primitive.name not in _LOOPS:
+                for sub in _subjaxprs(eqn.params):
+                    walk(sub, stack)
+
+    walk(jaxpr, "")
+    result = Plan(config, np.dtype(ctx.dtype))
+    if config.first_last_bf16 and found:
+        for eqn, stack in (found[0], found[-1]):
+            result.excluded[(id(eqn), stack)] = eqn
+    return result

@@ -1,0 +1,97 @@
+"""``jaxamp.audit``: every matrix product as XLA will run it (issue 33, part 3).
+
+On the CPU (where these run) XLA computes FP8 and bfloat16 products in float32:
+the audit must say so for each of them, with the module path and the user's
+line, and must flag a float32 product planted inside autocast.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxamp
+from jaxamp.casting import _hlo_text
+
+BF16 = jnp.bfloat16
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i, size in enumerate((48, 64, 80, 16)):
+            x = nn.Dense(size, name=f"layer{i}")(x)  # DENSE
+            x = nn.relu(x) if i < 3 else x
+        return x
+
+
+def _setup():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 32)), jnp.float32)
+    model = MLP()
+    return model, model.init(jax.random.key(0), x), x
+
+
+def _dense_line() -> int:
+    src, start = inspect.getsourcelines(MLP.__call__)
+    return start + next(i for i, line in enumerate(src) if "# DENSE" in line)
+
+
+def test_an_fp8_training_step_lists_each_fp8_product_and_where_it_runs():
+    model, params, x = _setup()
+    fwd = jaxamp.autocast(model.apply, dtype=BF16, fp8=jaxamp.fp8())
+
+    def loss(params, x):
+        return jnp.mean(fwd(params, x).astype(jnp.float32) ** 2)
+
+    report = jaxamp.audit(jax.grad(loss), params, x)
+    fp8 = [r for r in report.matmuls if r.requested.startswith("f8")]
+    # layer1 and layer2: forward, dgrad and wgrad each.
+    assert len(fp8) == 6
+    assert sorted((r.module, r.pass_) for r in fp8) == sorted(
+        [(f"MLP/layer{i}", p) for i in (1, 2) for p in ("forward", "backward", "backward")]
+    )
+    grads = [r for r in fp8 if r.pass_ == "backward"]
+    assert all("f8e5m2" in r.requested for r in grads)
+    for r in fp8:
+        assert r.source == f"test_audit.py:{_dense_line()} (MLP.__call__)", r
+        # XLA:CPU has no FP8 GEMM: the audit says what really runs.
+        assert r.executed == "f32 x f32 -> f32" and "FP8 requested" in " ".join(r.flags)
+    bf16 = [r for r in report.matmuls if r.requested.startswith("bf16")]
+    assert len(bf16) == 5  # layer0's forward and wgrad, layer3's forward, dgrad, wgrad
+    assert all("XLA runs it in float32" in " ".join(r.flags) for r in bf16)
+    assert "MLP/layer1" in str(report)
+
+
+def test_a_planted_float32_product_inside_autocast_is_flagged():
+    model, params, x = _setup()
+    fwd = jaxamp.autocast(model.apply, dtype=BF16, modules={"layer2": "float32"})
+    report = jaxamp.audit(fwd, params, x)
+    flagged = [r for r in report.matmuls if any("float32 product inside" in f for f in r.flags)]
+    assert [r.requested for r in flagged] == ["f32 x f32 -> f32"]
+    assert [r.shape for r in flagged] == ["f32[32,80]"]  # layer2's output
+    plain = jaxamp.audit(model.apply, params, x)  # no autocast: nothing to say
+    assert not plain.flagged and len(plain.matmuls) == 4
+
+
+def test_a_large_standalone_convert_is_listed():
+    report = jaxamp.audit(lambda x: x.astype(BF16), jnp.ones((64, 64)), large=1024)
+    assert report.large_converts and "bf16[64,64]" in report.large_converts[0]
+    assert not jaxamp.audit(lambda x: x.astype(BF16), jnp.ones((8, 8)), large=1024).large_converts
+
+
+def test_stack_frames_are_read_innermost_first():
+    def h(x):
+        return x @ x
+
+    def g(x):
+        return h(x) + 1
+
+    text = jax.jit(g).lower(jnp.ones((4, 4))).compile().as_text()
+    mod = _hlo_text.parse(text)
+    (dot,) = [i for i in mod.instrs.values() if i.opcode == "dot"]
+    frames = mod.frames_of(dot)
+    assert [f[2].rsplit(".", 1)[-1] for f in frames[:2]] == ["h", "g"]

@@ -1,0 +1,505 @@
+"""FP8 matrix products through ``jaxamp.autocast(f, dtype=jnp.bfloat16, fp8=jaxamp.fp8())``
+(issue 33, parts 1 to 3).
+
+Every numerical check compares against a float64 reference of the same
+bfloat16 inputs, within the error bound of the FP8 formats themselves: each
+element of an operand rounds to e4m3 (relative 2**-4, half its epsilon 2**-3)
+or, for the incoming gradient, e5m2 (2**-3), plus, below the format's smallest
+normal, an absolute error of half its smallest subnormal times the
+dequantization factor ``amax / fmax``; that bound is carried through the
+contraction, the float32 accumulation and the final rounding to bfloat16
+(``fp8_bound``). The products whose HLO is inspected are checked for the shape
+XLA's GPU GEMM rewriter turns into a cuBLASLt FP8 call (``gemm_rewriter.cc``:
+``MatchFp8Param`` takes an f8 ``dot`` operand, ``F8ScaleD`` folds the multiply
+of the float32 result by a broadcast scalar into the call).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxamp
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+FP8_ALL = jaxamp.fp8(first_last_bf16=False)  # a lone product is both first and last layer
+
+
+# ---------------------------------------------------------------- the error bound
+
+
+def _unit(dtype) -> float:
+    # Round to nearest: half the epsilon; 2**-20 covers the float32 rounding of
+    # the scale and of its inverse (relative 2**-24 each).
+    return float(jnp.finfo(dtype).eps) / 2 + 2.0**-20
+
+
+def _abs_floor(x: np.ndarray, dtype) -> float:
+    """Below the smallest normal: half a subnormal step, in the operand's units."""
+    fi = jnp.finfo(dtype)
+    return float(np.max(np.abs(x))) / float(fi.max) * float(fi.smallest_subnormal) / 2
+
+
+def fp8_bound(spec: str, a, b, da, db, k: int) -> np.ndarray:
+    """Per output element: |fp8 product - exact product| of ``einsum(spec, a, b)``,
+    `a` rounded to `da` and `b` to `db` with current scaling, summed over `k` terms
+    in float32 and rounded to bfloat16."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    ea = _unit(da) * np.abs(a) + _abs_floor(a, da)
+    eb = _unit(db) * np.abs(b) + _abs_floor(b, db)
+    quant = (
+        np.einsum(spec, ea, np.abs(b)) + np.einsum(spec, np.abs(a), eb) + np.einsum(spec, ea, eb)
+    )
+    size = np.einsum(spec, np.abs(a) + ea, np.abs(b) + eb)
+    acc = (k + 4) * 2.0**-24 * size  # float32 sums, then two scale multiplies
+    ref = np.abs(np.einsum(spec, a, b))
+    return (quant + acc) * (1 + 2.0**-8) + 2.0**-8 * ref
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, F32), np.float64)
+
+
+@functools.cache
+def _matmul_and_vjp(scaling: str):
+    f = jaxamp.autocast(
+        lambda x, w: x @ w, dtype=BF16, fp8=jaxamp.fp8(scaling, first_last_bf16=False)
+    )
+
+    def run(x, w, g):
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(g))
+
+    return jax.jit(run)
+
+
+def check_matmul(x, w, g, scaling: str) -> None:
+    """y = x @ w and its vjp with cotangent g, FP8 through autocast, against float64."""
+    y, dx, dw = _matmul_and_vjp(scaling)(x, w, g)
+    assert y.dtype == dx.dtype == dw.dtype == BF16
+    x64, w64, g64 = _f64(x), _f64(w), _f64(g)
+    k, n = w.shape
+    for got, spec, a, b, da, db, size in [
+        (y, "mk,kn->mn", x64, w64, E4M3, E4M3, k),
+        (dx, "mn,kn->mk", g64, w64, E5M2, E4M3, n),
+        (dw, "mk,mn->kn", x64, g64, E4M3, E5M2, x.shape[0]),
+    ]:
+        err = np.abs(_f64(got) - np.einsum(spec, a, b))
+        bound = fp8_bound(spec, a, b, da, db, size)
+        assert np.all(err <= bound), (spec, float(np.max(err - bound)))
+
+
+def _tensor(rng, shape, kind: str) -> jax.Array:
+    x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3)
+    if kind == "zero":
+        x = np.zeros(shape)
+    elif kind == "outlier":
+        idx = tuple(rng.integers(0, s) for s in shape)
+        x[idx] = np.sign(rng.standard_normal()) * np.abs(x).max() * 10.0 ** rng.uniform(2, 5)
+    return jnp.asarray(x, BF16)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    shape=st.sampled_from([(16, 32, 48), (48, 16, 32)]),
+    kinds=st.tuples(*[st.sampled_from(["normal", "normal", "zero", "outlier"])] * 3),
+    scaling=st.sampled_from(["tensorwise", "rowwise"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fp8_matmul_forward_and_backward_within_the_fp8_bound(shape, kinds, scaling, seed):
+    rng = np.random.default_rng(seed)
+    m, k, n = shape
+    x, w, g = (
+        _tensor(rng, s, kind) for s, kind in zip([(m, k), (k, n), (m, n)], kinds, strict=True)
+    )
+    check_matmul(x, w, g, scaling)
+
+
+def _representable(rng, n: int, dtype, exp: int) -> np.ndarray:
+    """An n x n matrix of random `dtype` values times 2**exp, with fmax * 2**exp on the
+    diagonal: every row's and every column's amax is fmax * 2**exp, so every scale,
+    tensorwise or rowwise, is exactly 2**-exp and the rounding to `dtype` exact."""
+    bits = rng.integers(0, 256, (n, n), dtype=np.uint8).view(jnp.dtype(dtype))
+    x = np.where(np.isfinite(bits.astype(np.float32)), bits.astype(np.float64), 0.0)
+    np.fill_diagonal(x, float(jnp.finfo(dtype).max) * np.sign(rng.standard_normal(n)))
+    return jnp.asarray(x * 2.0**exp, BF16)
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_operands_fp8_holds_exactly_come_back_exactly(scaling):
+    """No error but float32 summation and the final bfloat16 rounding: the scales
+    and their inverses cancel exactly (a scale off by 1% fails here, while it
+    could hide in the worst-case bound above)."""
+    rng = np.random.default_rng(4)
+    x, w = (_representable(rng, 32, E4M3, e) for e in (-7, 5))
+    g = _representable(rng, 32, E5M2, -20)
+    y, dx, dw = _matmul_and_vjp(scaling)(x, w, g)
+    for got, a, b in [(y, x, w), (dx, g, w.T), (dw, x.T, g)]:
+        a, b = _f64(a), _f64(b)
+        ref = a @ b
+        bound = 2.0**-8 * np.abs(ref) + 40 * 2.0**-24 * (np.abs(a) @ np.abs(b))
+        assert np.all(np.abs(_f64(got) - ref) <= bound)
+
+
+def test_all_zero_operands_give_exact_zeros():
+    x, w, g = jnp.zeros((16, 32), BF16), jnp.ones((32, 16), BF16), jnp.ones((16, 16), BF16)
+    f = jaxamp.autocast(lambda x, w: x @ w, dtype=BF16, fp8=FP8_ALL)
+    y, vjp = jax.vjp(f, x, w)
+    dx, dw = vjp(g)
+    assert np.all(np.asarray(y, F32) == 0) and np.all(np.asarray(dw, F32) == 0)
+    np.testing.assert_array_equal(np.asarray(dx, F32), np.full((16, 32), 16.0))
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_a_nonfinite_operand_stays_visible(bad):
+    x = np.ones((16, 32))
+    x[3, 4] = bad
+    f = jaxamp.autocast(lambda x, w: x @ w, dtype=BF16, fp8=FP8_ALL)
+    assert not np.all(np.isfinite(np.asarray(f(jnp.asarray(x, BF16), jnp.ones((32, 16), BF16)))))
+
+
+def test_rowwise_keeps_the_rows_without_the_outlier_precise():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((32, 64))
+    x[0, 0] = 1e6  # tensorwise, every other value falls to e4m3's subnormals
+    x, w = jnp.asarray(x, BF16), jnp.asarray(rng.standard_normal((64, 32)), BF16)
+    ref = _f64(x) @ _f64(w)
+    # The bound with the rows' own amax (1 to 4), not the tensor's (1e6).
+    x_rest = _f64(x)[1:]
+    tight = fp8_bound("mk,kn->mn", x_rest, _f64(w), E4M3, E4M3, 64)
+    errs = {}
+    for scaling in ["tensorwise", "rowwise"]:
+        f = jaxamp.autocast(
+            lambda x, w: x @ w, dtype=BF16, fp8=jaxamp.fp8(scaling, first_last_bf16=False)
+        )
+        errs[scaling] = np.abs(_f64(f(x, w))[1:] - ref[1:])
+    assert np.all(errs["rowwise"] <= tight)
+    # Tensorwise, those rows lose most of their precision (the bound above is a
+    # worst case; the typical errors differ by more than 5x).
+    assert np.median(errs["tensorwise"]) > 5 * np.median(errs["rowwise"])
+
+
+# ------------------------------------------------------------ HLO: what XLA fuses
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\((.*?)\)(?:,|$)")
+
+
+def parse_hlo(text: str) -> dict[str, tuple[str, str, list[str]]]:
+    """name -> (result type, opcode, operand names), for every instruction of `text`."""
+    out = {}
+    for line in text.splitlines():
+        m = _INSTR.match(line)
+        if m is None:
+            continue
+        name, typ, op, args = m.groups()
+        names = re.findall(r"%([\w.\-]+)", args) if "%" in args else [
+            a.strip() for a in args.split(",") if a.strip()
+        ]  # fmt: skip
+        out[name] = (typ.split("{")[0], op, names)
+    return out
+
+
+def _dtype(typ: str) -> str:
+    return typ.split("[")[0]
+
+
+def fp8_dots(text: str, rowwise: bool = False) -> list[tuple[str, str]]:
+    """The FP8 dots of an HLO module, each checked for the shape XLA's GEMM
+    rewriter fuses: both operands f8 (one of them e4m3fn), a float32 result,
+    whose only use is a multiply by a broadcast scale (a scalar tensorwise).
+    Returns each one's (result type, "e4m3" or "e5m2": its gradient operand's)."""
+    instrs = parse_hlo(text)
+    users: dict[str, list[str]] = {}
+    for name, (_, _, ops) in instrs.items():
+        for o in ops:
+            users.setdefault(o, []).append(name)
+    found = []
+    for name, (typ, op, ops) in instrs.items():
+        if op != "dot" or not any(_dtype(instrs[o][0]).startswith("f8") for o in ops):
+            continue
+        kinds = sorted(_dtype(instrs[o][0]) for o in ops)
+        assert kinds in (["f8e4m3fn", "f8e4m3fn"], ["f8e4m3fn", "f8e5m2"]), (name, kinds)
+        assert _dtype(typ) == "f32", (name, typ)
+        (user,) = users[name]
+        u_typ, u_op, u_ops = instrs[user]
+        assert u_op == "multiply" and u_typ == typ, (name, instrs[user])
+        (scale,) = [o for o in u_ops if o != name]
+        s_typ, s_op, s_ops = instrs[scale]
+        if not rowwise:
+            assert s_op == "broadcast" and instrs[s_ops[0]][0] == "f32[]", (name, instrs[scale])
+        found.append((typ, "e5m2" if "f8e5m2" in kinds else "e4m3"))
+    return found
+
+
+def mlp(params, x):
+    for w in params[:-1]:
+        x = jax.nn.relu(x @ w)
+    return x @ params[-1]
+
+
+SIZES = (32, 48, 64, 80, 16)  # first layer 32 -> 48 and last 80 -> 16 stay bfloat16
+
+
+def mlp_params(seed=0, sizes=SIZES):
+    keys = jax.random.split(jax.random.key(seed), len(sizes) - 1)
+    return [
+        jax.random.normal(k, (a, b)) / np.sqrt(a)
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:], strict=True)
+    ]
+
+
+def mlp_loss(fwd):
+    def loss(params, x, y):
+        return jnp.mean((fwd(params, x).astype(F32) - y) ** 2)
+
+    return loss
+
+
+def _data(batch=32, seed=1):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal((batch, SIZES[0])), F32), jnp.asarray(
+        rng.standard_normal((batch, SIZES[-1])), F32
+    )
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_every_fp8_matmul_of_a_training_step_has_the_shape_xla_fuses(scaling):
+    params, (x, y) = mlp_params(), _data()
+    fwd = jaxamp.autocast(mlp, dtype=BF16, fp8=jaxamp.fp8(scaling))
+    text = jax.jit(jax.grad(mlp_loss(fwd))).lower(params, x, y).as_text(dialect="hlo")
+    dots = fp8_dots(text, rowwise=scaling == "rowwise")
+    # Layers 2 and 3 forward ([32,64], [32,80]) in e4m3; backward, layer 3's
+    # dgrad and wgrad ([32,64], [64,80]) and layer 2's ([32,48], [48,64]) with
+    # the gradient in e5m2.
+    assert sorted(dots) == sorted(
+        [("f32[32,64]", "e4m3"), ("f32[32,80]", "e4m3")]
+        + [(t, "e5m2") for t in ["f32[32,64]", "f32[64,80]", "f32[32,48]", "f32[48,64]"]]
+    )
+    bf16_dots = [_norm(t) for t, op, _ in parse_hlo(text).values() if op == "dot" and "bf16" in t]
+    # Layer 1's forward and wgrad, layer 4's forward, dgrad and wgrad stay bfloat16.
+    assert sorted(bf16_dots) == sorted(
+        ["bf16[32,48]", "bf16[32,48]", "bf16[16,32]", "bf16[32,80]", "bf16[16,80]"]
+    )
+
+
+def _cosine(a, b) -> float:
+    a = np.concatenate([np.ravel(np.asarray(t, np.float64)) for t in jax.tree.leaves(a)])
+    b = np.concatenate([np.ravel(np.asarray(t, np.float64)) for t in jax.tree.leaves(b)])
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def _close_to_float32(loss_fn, ref_fn, *args):
+    (v, g) = jax.jit(jax.value_and_grad(loss_fn))(*args)
+    (rv, rg) = jax.jit(jax.value_and_grad(ref_fn))(*args)
+    assert abs(float(v) - float(rv)) <= 0.05 * abs(float(rv))
+    assert _cosine(g, rg) > 0.99
+
+
+# ------------------------------------------------------------------ composition
+
+
+def test_jit_and_grad_of_an_mlp_match_float32():
+    params, (x, y) = mlp_params(), _data()
+    fwd = jaxamp.autocast(mlp, dtype=BF16, fp8=jaxamp.fp8())
+    _close_to_float32(mlp_loss(fwd), mlp_loss(mlp), params, x, y)
+
+
+def test_vmap_scales_each_instance_by_its_own_amax():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((2, 16, 32))
+    x[1] *= 1e-5  # one global scale would leave instance 1 in e4m3's subnormals
+    x, w = jnp.asarray(x, BF16), jnp.asarray(rng.standard_normal((32, 16)), BF16)
+    f = jaxamp.autocast(lambda x, w: x @ w, dtype=BF16, fp8=FP8_ALL)
+    got = jax.vmap(f, in_axes=(0, None))(x, w)
+    for i in range(2):
+        a = _f64(x[i])
+        err = np.abs(_f64(got[i]) - a @ _f64(w))
+        assert np.all(err <= fp8_bound("mk,kn->mn", a, _f64(w), E4M3, E4M3, 32))
+
+
+def test_scan_and_checkpoint_bodies_run_fp8():
+    ws = jnp.stack(mlp_params(sizes=(64,) * 4))  # three 64 x 64 layers, scanned
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((32, 64)), F32)
+
+    def net(ws, x):
+        def body(h, w):
+            return jax.checkpoint(lambda h, w: jnp.tanh(h @ w))(h, w), None
+
+        return jax.lax.scan(body, x, ws)[0]
+
+    fwd = jaxamp.autocast(net, dtype=BF16, fp8=jaxamp.fp8())
+
+    def loss(f):
+        return lambda ws, x: jnp.sum(f(ws, x).astype(F32) ** 2)
+
+    text = jax.jit(jax.grad(loss(fwd))).lower(ws, x).as_text(dialect="hlo")
+    # Inside a loop body nothing is a first / last layer: forward, its
+    # recomputation under checkpoint, dgrad and wgrad are all FP8.
+    assert len(fp8_dots(text)) == 4
+    _close_to_float32(loss(fwd), loss(net), ws, x)
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i, size in enumerate(SIZES[1:]):
+            x = nn.Dense(size, name=f"layer{i}")(x)
+            x = nn.relu(x) if i < len(SIZES) - 2 else x
+        return x
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List(
+            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(SIZES[:-1], SIZES[1:], strict=True)]
+        )
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            x = jax.nn.relu(x) if i < len(self.layers) - 1 else x
+        return x
+
+
+class EqxMLP(eqx.Module):
+    layers: list
+
+    def __init__(self, key):
+        keys = jax.random.split(key, len(SIZES) - 1)
+        self.layers = [
+            eqx.nn.Linear(a, b, key=k) for a, b, k in zip(SIZES[:-1], SIZES[1:], keys, strict=True)
+        ]
+
+    def __call__(self, x):  # one example, as equinox models are written
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            x = jax.nn.relu(x) if i < len(self.layers) - 1 else x
+        return x
+
+
+def _norm(typ: str) -> str:
+    """An HLO type with its dimensions sorted: JAX computes some products transposed
+    (a vmapped equinox layer W @ x.T, a linen one x @ W; a wgrad g.T @ x)."""
+    dtype, _, dims = typ.partition("[")
+    return "{}[{}]".format(dtype, ",".join(sorted(dims.rstrip("]").split(","), key=int)))
+
+
+def _forward_fp8_shapes(text: str) -> set[str]:
+    """The (sorted) result shapes of the forward FP8 dots: both operands e4m3."""
+    instrs = parse_hlo(text)
+    return {
+        _norm(t)
+        for t, op, ops in instrs.values()
+        if op == "dot" and all(_dtype(instrs[o][0]) == "f8e4m3fn" for o in ops)
+    }
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx", "equinox"])
+def test_models_train_in_fp8_with_first_and_last_layers_in_bfloat16(framework):
+    x, y = _data()
+    if framework == "linen":
+        model = LinenMLP()
+        params = model.init(jax.random.key(0), x)
+        fp8_apply = jaxamp.autocast(model.apply, dtype=BF16, fp8=jaxamp.fp8())
+        loss, ref = mlp_loss(fp8_apply), mlp_loss(model.apply)
+    elif framework == "nnx":
+        model = NnxMLP(nnx.Rngs(0))
+        graphdef, params = nnx.split(model)
+
+        def loss(params, x, y):
+            m = nnx.merge(graphdef, params)
+            return jnp.mean((jaxamp.autocast(m, dtype=BF16, fp8=jaxamp.fp8())(x) - y) ** 2)
+
+        def ref(params, x, y):
+            return jnp.mean((nnx.merge(graphdef, params)(x) - y) ** 2)
+    else:
+        params = EqxMLP(jax.random.key(0))
+
+        def batched(model, x):
+            return jax.vmap(model)(x)
+
+        fp8_batched = jaxamp.autocast(batched, dtype=BF16, fp8=jaxamp.fp8())
+        loss, ref = mlp_loss(fp8_batched), mlp_loss(batched)
+
+    text = jax.jit(jax.grad(loss)).lower(params, x, y).as_text(dialect="hlo")
+    assert _forward_fp8_shapes(text) == {"f32[32,64]", "f32[32,80]"}, framework
+    _close_to_float32(loss, ref, params, x, y)
+
+
+def test_module_rules_override_the_first_last_default():
+    x = _data()[0]
+    model = LinenMLP()
+    params = model.init(jax.random.key(0), x)
+
+    def shapes(cfg):
+        f = jaxamp.autocast(model.apply, dtype=BF16, fp8=cfg)
+        return _forward_fp8_shapes(jax.jit(f).lower(params, x).as_text(dialect="hlo"))
+
+    # Sorted dims: the last layer's [32,16] reads [16,32].
+    assert shapes(jaxamp.fp8(modules={"layer3": True, "layer1": False})) == {
+        "f32[32,80]", "f32[16,32]"
+    }  # fmt: skip
+    assert shapes(jaxamp.fp8(first_last_bf16=False)) == {
+        "f32[32,48]", "f32[32,64]", "f32[32,80]", "f32[16,32]"
+    }  # fmt: skip
+    assert shapes(jaxamp.fp8(modules={"Dense": False})) == set()
+
+
+def test_dimensions_not_multiples_of_16_stay_bfloat16():
+    f = jaxamp.autocast(lambda x, w: x @ w, dtype=BF16, fp8=FP8_ALL)
+    for m, k, n in [(24, 32, 32), (32, 40, 32), (32, 32, 8)]:
+        text = jax.jit(f).lower(jnp.ones((m, k), BF16), jnp.ones((k, n), BF16)).as_text()
+        assert "f8E4M3FN" not in text, (m, k, n)
+    text = jax.jit(f).lower(jnp.ones((32, 32), BF16), jnp.ones((32, 32), BF16)).as_text()
+    assert "f8E4M3FN" in text
+
+
+def test_step_with_a_loss_scale_trains_and_the_scale_changes_nothing():
+    model = LinenMLP()
+    x, y = _data()
+    params = model.init(jax.random.key(0), x)
+    loss = mlp_loss(jaxamp.autocast(model.apply, dtype=BF16, fp8=jaxamp.fp8()))
+    tx = jaxamp.skip_nonfinite(optax.adam(1e-2), jaxamp.dynamic_scale(2.0**15))
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def train_step(params, opt_state):
+        value, grads = jaxamp.value_and_grad(loss)(opt_state, params, x, y)
+        params, opt_state = jaxamp.step(tx, grads, opt_state, params)
+        return params, opt_state, value, grads
+
+    first = float(loss(params, x, y))
+    _, _, _, scaled = train_step(params, opt_state)
+    # Current scaling divides a power-of-two loss scale out of every FP8 operand
+    # exactly, and bfloat16 has float32's range: unscaled, the gradients are
+    # those of the unscaled loss, bit for bit.
+    plain = jax.jit(jax.grad(loss))(params, x, y)
+    unscaled = jax.tree.map(lambda g: g / 2.0**15, scaled)
+    jax.tree.map(np.testing.assert_array_equal, unscaled, plain)
+    for _ in range(5):
+        params, opt_state, value, _ = train_step(params, opt_state)
+        assert not bool(jaxamp.metrics(opt_state)["skipped"])
+    assert float(loss(params, x, y)) < 0.9 * first
+
+
+def test_bad_arguments_say_what_to_write():
+    with pytest.raises(ValueError, match="scaling='tensorwise'"):
+        jaxamp.fp8("blockwise")
+    with pytest.raises(TypeError, match="write True"):
+        jaxamp.fp8(modules={"head": "bf16"})
+    with pytest.raises(TypeError, match=r"fp8=jaxamp.fp8\(\)"):
+        jaxamp.autocast(mlp, dtype=BF16, fp8="e4m3")
+    with pytest.raises(ValueError, match=r"fp8=jaxamp.fp8\(\)"):
+        jaxamp.autocast(mlp, dtype=E4M3)

@@ -1,0 +1,165 @@
+"""FP8 autocast on 8 simulated devices: every replica scales with the global amax
+(issue 33, part 1).
+
+The operands are split over the devices by rows, each device's block with its
+own magnitude and one block holding an outlier, so a device that scaled with
+its own block's amax would round its block differently from one device
+holding the whole array (``test_the_data_tells_local_from_global_scales``
+checks that the difference is visible). Each run is compared with the
+single-device FP8 run of the same arrays: the forward, the input gradient and
+the weight gradient.
+
+Tensorwise, the amax is global everywhere: on Auto and Explicit meshes it is a
+reduction over the global array (XLA's partitioner adds the all-reduce), in
+``shard_map`` a ``pmax`` over the manual axes. Rowwise, meshes are global too;
+in ``shard_map`` each device scales its own rows, which is the global row scale
+wherever the contraction is not split across devices (the forward and the
+input gradient here); the weight gradient contracts over the split rows, so
+there each device scales its partial sum with its own amax before the psum
+(same result on every device, not the single device's bits: documented).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxamp
+from tests.casting.test_fp8 import E4M3, E5M2, fp8_bound
+
+N_DEV = 8
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def _blocks(rng, shape, outlier_block: int) -> jax.Array:
+    """Rows in 8 blocks, block i scaled by 1.37**i, one entry of `outlier_block` 1e4."""
+    x = rng.standard_normal(shape)
+    rows = shape[0] // N_DEV
+    for i in range(N_DEV):
+        x[i * rows : (i + 1) * rows] *= 1.37**i
+    x[outlier_block * rows, 1] = 1e4
+    return jnp.asarray(x, BF16)
+
+
+def _arrays():
+    rng = np.random.default_rng(0)
+    x = _blocks(rng, (128, 32), outlier_block=5)
+    w = jnp.asarray(rng.standard_normal((32, 16)), BF16)
+    c = _blocks(rng, (128, 16), outlier_block=2)  # the cotangent of the output
+    return x, w, c
+
+
+@functools.cache
+def _run(scaling: str):
+    f = jaxamp.autocast(
+        lambda x, w: x @ w, dtype=BF16, fp8=jaxamp.fp8(scaling, first_last_bf16=False)
+    )
+
+    def run(x, w, c):
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(c))
+
+    return run
+
+
+def _shard_map_run(scaling: str, autocast_outside: bool):
+    mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Auto,))
+    fp8 = jaxamp.fp8(scaling, first_last_bf16=False)
+
+    def body(x, w):
+        return x @ w
+
+    if autocast_outside:
+        sharded = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
+        f = jaxamp.autocast(sharded, dtype=BF16, fp8=fp8)
+    else:
+        f = jax.shard_map(
+            jaxamp.autocast(body, dtype=BF16, fp8=fp8),
+            mesh=mesh,
+            in_specs=(P("data"), P()),
+            out_specs=P("data"),
+        )
+
+    def run(x, w, c):
+        y, vjp = jax.vjp(f, x, w)
+        return (y, *vjp(c))
+
+    return mesh, run
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _assert_same_as_one_device(got, scaling: str, parts=("y", "dx", "dw")) -> None:
+    want = jax.jit(_run(scaling))(*_arrays())
+    for name, g, w in zip(("y", "dx", "dw"), got, want, strict=True):
+        if name in parts:
+            # Rows are computed alike; only the order of float32 sums and the
+            # final bfloat16 rounding may differ: one bfloat16 step.
+            assert _rel(g, w) <= 2.0**-8, (name, _rel(g, w))
+
+
+def test_the_data_tells_local_from_global_scales():
+    """Each device's block run alone (its own amax) differs from its rows of the
+    one-device run by far more than the tolerance the mesh runs must meet."""
+    x, w, c = _arrays()
+    for scaling in ["tensorwise"]:
+        whole = jax.jit(_run(scaling))(x, w, c)
+        rows = 128 // N_DEV
+        block = jax.jit(_run(scaling))(x[:rows], w, c[:rows])
+        assert _rel(block[0], whole[0][:rows]) > 2.0**-5  # the forward
+        assert _rel(block[1], whole[1][:rows]) > 2.0**-5  # the input gradient
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_auto_mesh_scales_with_the_global_amax(scaling):
+    mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Auto,))
+    x, w, c = _arrays()
+    rows = NamedSharding(mesh, P("data"))
+    got = jax.jit(_run(scaling))(jax.device_put(x, rows), w, jax.device_put(c, rows))
+    assert got[0].sharding.spec == P("data")
+    _assert_same_as_one_device(got, scaling)
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_explicit_mesh_scales_with_the_global_amax(scaling):
+    mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Explicit,))
+    x, w, c = _arrays()
+    with jax.set_mesh(mesh):
+        xs, cs = jax.device_put(x, P("data")), jax.device_put(c, P("data"))
+        got = jax.jit(_run(scaling))(xs, w, cs)
+        assert jax.typeof(got[0]).sharding.spec == P("data", None)
+        assert jax.typeof(got[1]).sharding.spec == P("data", None)  # dx like x
+    _assert_same_as_one_device(got, scaling)
+
+
+@pytest.mark.parametrize(
+    "autocast_outside", [True, False], ids=["autocast(shard_map)", "shard_map(autocast)"]
+)
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_shard_map_scales_with_the_global_amax(scaling, autocast_outside):
+    mesh, run = _shard_map_run(scaling, autocast_outside)
+    x, w, c = _arrays()
+    rows = NamedSharding(mesh, P("data"))
+    got = jax.jit(run)(jax.device_put(x, rows), w, jax.device_put(c, rows))
+    # Rowwise, the weight gradient contracts over the split rows: each device
+    # scales its own partial sum (the module docstring); its psum is the same
+    # everywhere (w is replicated), so only the bits differ from one device's.
+    parts = ("y", "dx", "dw") if scaling == "tensorwise" else ("y", "dx")
+    _assert_same_as_one_device(got, scaling, parts)
+    if scaling == "rowwise":
+        # Within FP8's bound of the exact product (each device's scales are valid
+        # scales), plus the bfloat16 rounding of each device's partial sum.
+        a, b = np.asarray(x, np.float64), np.asarray(c, np.float64)
+        exact = np.einsum("mk,mn->kn", a, b)
+        bound = fp8_bound("mk,mn->kn", a, b, E4M3, E5M2, 128)
+        bound += 2.0**-8 * np.einsum("mk,mn->kn", np.abs(a), np.abs(b))
+        assert np.all(np.abs(np.asarray(got[2], np.float64) - exact) <= bound)
