@@ -960,7 +960,7 @@ def figure(summary: dict[str, Any]) -> Any:
     if note is not None:
         # Headroom above the curve (and the re-run's scale, the dotted line) for the note.
         lo_s, hi_s = ax_scale.get_ylim()
-        ax_scale.set_ylim(lo_s, hi_s * (hi_s / lo_s) ** 0.6)
+        ax_scale.set_ylim(lo_s, hi_s * (hi_s / lo_s) ** 0.45)
         ax_scale.text(0.02, 0.98, note, transform=ax_scale.transAxes, fontsize=8, va="top",
                       bbox={"boxstyle": "round", "fc": "white", "alpha": 0.9})  # fmt: skip
     ax_zero.set(title="Gradient entries exactly zero", xlabel="step", ylabel="% of entries")

@@ -65,6 +65,7 @@ __version__ = "0.3.0"
 
 __all__ = [
     "AuditReport",
+    "ConversionWarning",
     "DEFAULT_RULES",
     "Explanation",
     "Fp8Config",
