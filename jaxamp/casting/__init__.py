@@ -1,4 +1,4 @@
-"""Casting: ``autocast`` (each op in the dtype its class calls for), policies, ``find_overflow``."""
+"""Casting: ``autocast`` (each op in its class's dtype, FP8 products), policies, find / audit."""
 
 from jaxamp.casting._api import autocast, full_precision, keep_float32
 from jaxamp.casting._audit import AuditReport, audit
