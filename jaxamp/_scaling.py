@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxamp import _jax_compat
-from jaxamp._conversion_checks import mark_scale_read
+from jaxamp._conversion_checks import mark_loss_scaled
 from jaxamp._loss_scale import (
     _CONFIG_FIELDS,
     HYSTERESIS_REFILL,
@@ -82,7 +82,7 @@ def scale(state: LossScaleState, tree: Any) -> Any:
       Array(4., dtype=float16)
     """
     _check_state(state, "scale")
-    mark_scale_read()
+    mark_loss_scaled()
     if not state.mode.scales:
         return tree
 
