@@ -257,7 +257,22 @@ def value_and_grad(
             if trained is not None:
                 optimizer.keep(trained)
         else:
-            ls = ls_lib.find_state(_pure(optimizer), "nnx.value_and_grad")
+            try:
+                ls = ls_lib.find_state(_pure(optimizer), "nnx.value_and_grad")
+            except ValueError as e:
+                if "no LossScaleState" not in str(e):
+                    raise
+                # The usual slips: the optimizer forgotten, or passed after the model.
+                got = type(optimizer).__name__
+                got = f"the nnx.Module {got}" if isinstance(optimizer, nnx.Module) else f"a {got}"
+                later = [i + 2 for i, a in enumerate(args) if isinstance(a, Optimizer)]
+                raise ValueError(
+                    "jaxamp.nnx.value_and_grad: the first argument must be the optimizer "
+                    "(a jaxamp.nnx.Optimizer built with jaxamp.skip_nonfinite), then the loss's "
+                    "own arguments: jaxamp.nnx.value_and_grad(loss_fn)(optimizer, model, x, y). "
+                    f"Got {got} first, with no LossScaleState in it"
+                    + (f"; the optimizer is argument {later[0]}: put it first." if later else ".")
+                ) from None
         scaled = functools.wraps(f)(scaled_loss(f, has_aux, ls, "jaxamp.nnx.value_and_grad"))
         grad_fn = nnx.value_and_grad(scaled, argnums=argnums, has_aux=True)
         (_, (loss, aux)), grads = grad_fn(*args, **kwargs)

@@ -31,3 +31,22 @@ def test_value_and_grad_without_the_state_in_front_says_what_comes_first(first: 
     loss = lambda p, x: jnp.sum(p["w"] * x)
     with pytest.raises(ValueError, match=r"first argument must be the optimizer state"):
         jaxamp.value_and_grad(loss)(state, jnp.ones(2))
+
+
+@pytest.mark.parametrize("slip", ["optimizer forgotten", "model first"])
+def test_nnx_value_and_grad_without_the_optimizer_first_says_so(slip: str) -> None:
+    from flax import nnx
+
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    tx = jaxamp.skip_nonfinite(optax.adam(1e-3), jaxamp.dynamic_scale())
+    optimizer = jaxamp.nnx.Optimizer(model, tx, wrt=nnx.Param)
+    loss = lambda m, x: jnp.mean(m(x) ** 2)
+    x = jnp.ones((3, 4))
+    args = (model, x) if slip == "optimizer forgotten" else (model, optimizer, x)
+    with pytest.raises(ValueError) as e:
+        jaxamp.nnx.value_and_grad(loss)(*args)
+    msg = str(e.value)
+    assert "first argument must be the optimizer" in msg
+    assert "jaxamp.nnx.value_and_grad(loss_fn)(optimizer, model, x, y)" in msg
+    assert "nnx.Module Linear" in msg
+    assert ("argument 2: put it first" in msg) == (slip == "model first")
