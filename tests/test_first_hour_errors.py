@@ -24,6 +24,30 @@ def test_autocast_with_a_device_type_says_there_is_none() -> None:
         jaxamp.autocast("cuda", dtype=jnp.float16)
 
 
+def test_autocast_with_torchs_device_type_keyword_says_there_is_none() -> None:
+    with pytest.raises(TypeError, match=r"no device type.*jaxamp\.autocast\(f, dtype="):
+        jaxamp.autocast(device_type="cuda", dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, "bfloat16"])
+def test_autocast_given_the_dtype_first_says_to_wrap_the_function(dtype) -> None:
+    """torch.autocast(torch.float16)'s spelling, and as a decorator: refused at once
+    (not a JAX-internal error when the decorated function is passed)."""
+    name = jnp.dtype(dtype).name
+    with pytest.raises(TypeError, match=rf"got the dtype {name}.*autocast\(f, dtype=jnp\.{name}\)"):
+
+        @jaxamp.autocast(dtype)
+        def f(x):
+            return x @ x
+
+
+def test_autocast_dtype_shorthand_says_what_to_write() -> None:
+    with pytest.raises(
+        TypeError, match=r"dtype='fp16' is not a dtype; write jnp\.float16 or 'float16'"
+    ):
+        jaxamp.autocast(lambda x: x, dtype="fp16")
+
+
 @pytest.mark.parametrize("first", ["params", "plain optax state"])
 def test_value_and_grad_without_the_state_in_front_says_what_comes_first(first: str) -> None:
     params = {"w": jnp.ones(2)}
