@@ -74,3 +74,14 @@ def test_nnx_value_and_grad_without_the_optimizer_first_says_so(slip: str) -> No
     assert "jaxamp.nnx.value_and_grad(loss_fn)(optimizer, model, x, y)" in msg
     assert "nnx.Module Linear" in msg
     assert ("argument 2: put it first" in msg) == (slip == "model first")
+
+
+def test_check_health_on_a_run_without_loss_scaling_names_no_scale() -> None:
+    tx = jaxamp.skip_nonfinite(optax.adam(1e-2), max_consecutive_nonfinite=5)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    for _ in range(6):
+        params, state = jaxamp.step(tx, {"w": jnp.array([jnp.inf, 0.0])}, state, params)
+    with pytest.raises(FloatingPointError, match=r"6 steps in a row") as e:
+        jaxamp.check_health(state)
+    assert "the run has no loss scale" in str(e.value) and "scale is now" not in str(e.value)
