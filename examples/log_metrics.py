@@ -3,8 +3,13 @@
 The train step returns the loss and ``jaxamp.metrics(opt_state)`` as device arrays.
 The loop keeps each step's metrics in a list (a reference to arrays still on the
 device, or still being computed: nothing waits) and every ``LOG_EVERY`` steps stacks
-the window on the device and fetches it with one ``jax.device_get``. The host then
-waits once per window, not once per step, and the device keeps the next steps queued.
+the window on the device. It fetches the window with one ``jax.device_get`` only after
+dispatching the next window's first step, so the device runs that step while Python
+writes the rows (the fetch waits for the window's last step and its stacking, queued
+before it). The host waits once per window, not once per step; the last window may be
+shorter and is logged after the loop. ``jaxamp.check_health`` runs after the rows are
+logged, on the loss-scale state of the window's last step, which the fetch has already
+waited for.
 
 The loop runs under ``jax.transfer_guard("disallow")``: on a GPU or TPU a
 ``float(loss)`` or a ``print(m["loss_scale"])`` slipped into it raises instead of syncing
@@ -84,13 +89,14 @@ def make_train_step(tx: optax.GradientTransformation, x: jax.Array, y: jax.Array
 stack_window = jax.jit(lambda window: jax.tree.map(lambda *xs: jnp.stack(xs), *window))
 
 
-def log_window(log: Logger, first_step: int, window: list[dict[str, jax.Array]]) -> None:
-    """Fetches a window of metrics with one device-to-host transfer and logs each step."""
-    stacked = stack_window(window)  # on the device
+def log_window(log: Logger, first_step: int, stacked: dict[str, jax.Array], scale: Any) -> None:
+    """Fetches a stacked window with one device-to-host transfer, logs each step, then
+    checks the health of the loss scale of the window's last step."""
     with jax.transfer_guard("allow"):  # the one transfer of the window
         host = jax.device_get(stacked)
-    for i in range(len(window)):
-        log(first_step + i, {k: v[i].item() for k, v in host.items()})
+        for i in range(len(host["loss"])):
+            log(first_step + i, {k: v[i].item() for k, v in host.items()})
+        jaxamp.check_health(scale)  # after the rows: raises if training stopped recovering
 
 
 def setup() -> tuple[Any, Any, Any, jax.Array]:
@@ -107,13 +113,20 @@ def train(steps: int, log: Logger, log_every: int = LOG_EVERY) -> Any:
     """Trains ``steps`` steps, logging every step's metrics in windows of ``log_every``."""
     train_step, params, opt_state, step = setup()
     window: list[dict[str, jax.Array]] = []
+    pending = None  # the last window, stacked on the device, not fetched yet
     with jax.transfer_guard("disallow"):  # no host transfer in the loop but log_window's
         for i in range(steps):
             params, opt_state, step, metrics = train_step(params, opt_state, step)
+            if pending is not None:  # this step is queued: now wait for the last window
+                log_window(log, *pending)
+                pending = None
             window.append(metrics)
             if len(window) == log_every or i == steps - 1:
-                log_window(log, i + 1 - len(window), window)
+                first = i + 1 - len(window)
+                pending = (first, stack_window(window), jaxamp.get_loss_scale(opt_state))
                 window = []
+        if pending is not None:
+            log_window(log, *pending)
     return params, opt_state
 
 

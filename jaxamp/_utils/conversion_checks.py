@@ -4,8 +4,8 @@ Two mistakes a user converting a script makes that no error catches, because eac
 call is valid on its own:
 
 * the gradients were never scaled (``jax.grad`` of the plain loss) but the optimizer
-  holds a dynamic loss scale: jaxamp divides them by the scale before the update, so
-  the run trains with no loss scaling and a learning rate off by the scale;
+  holds a loss scale (dynamic or static): jaxamp divides them by the scale before the
+  update, so the run trains with no loss scaling and a learning rate off by the scale;
 * Flax's own ``TrainState.apply_gradients`` given model state (``batch_stats=``) with
   a jaxamp ``tx``: Flax replaces those fields after ``tx.update`` returns, so a step
   jaxamp skips keeps the non-finite batch's statistics.
@@ -32,25 +32,57 @@ class ConversionWarning(UserWarning):
 
     Issued once per process, at trace time. Silence it with
     ``warnings.filterwarnings("ignore", category=jaxamp.ConversionWarning)``.
+
+    "No loss multiplied by the scale" is judged from what reached code that can
+    multiply a loss: a call of ``jaxamp.scale`` (``value_and_grad`` and
+    ``jaxamp.nnx.value_and_grad`` call it), or a read of the scale
+    (``get_loss_scale``, ``TrainState.loss_scale``, ``nnx.Optimizer.loss_scale``)
+    inside a JAX transformation (``jit``, ``grad``, ``nnx.jit``, ``nnx.grad``), where a
+    hand-scaled loss reads it. A read outside any transformation is taken for logging
+    (``float(state.loss_scale.scale)`` before the first step) and does not count. The
+    limit: a run with no ``jit`` that reads the scale outside the function it
+    differentiates and multiplies the loss by that value (``s = state.loss_scale.scale``,
+    then ``jax.grad(lambda p: loss(p) * s)``) warns though it scaled; read the scale
+    inside that function, or use ``jaxamp.scale``. A ``static_scale(1.0)`` under ``jit``
+    warns too (its value is not known at trace time); ``skip_nonfinite(inner)`` with no
+    loss scale is the same optimizer and stays silent.
     """
 
 
 # Whether this process has handed a loss scale to anything that can scale a loss with
-# it: `jaxamp.scale` (so `value_and_grad` and `jaxamp.nnx.value_and_grad`) or the
+# it: `jaxamp.scale` (so `value_and_grad` and `jaxamp.nnx.value_and_grad`), or the
 # accessors a hand-scaled loss reads (`get_loss_scale`, `TrainState.loss_scale`,
-# `nnx.Optimizer.loss_scale`). One flag for the process, not one per trace: gradients
-# are often taken in one jitted function and applied in another, so "not read in the
-# trace that applies them" would be a false alarm there.
+# `nnx.Optimizer.loss_scale`) inside a trace. One flag for the process, not one per
+# trace: gradients are often taken in one jitted function and applied in another, so
+# "not read in the trace that applies them" would be a false alarm there.
 _scale_read = False
 _warned: set[str] = set()
 
 _OUR_PACKAGES = ("jaxamp", "jax", "jaxlib", "optax", "flax", "chex")
 
 
-def mark_scale_read() -> None:
-    """Records that a loss scale reached code that can multiply a loss by it."""
+def _tracing() -> bool:
+    """Whether the caller runs inside a JAX transformation (jit, grad, vmap, nnx.*)."""
+    try:
+        from jax._src import core
+
+        return not isinstance(core.trace_ctx.trace, core.EvalTrace)
+    except (ImportError, AttributeError):  # private API moved: count every read (no false alarm)
+        return True
+
+
+def mark_loss_scaled() -> None:
+    """Records that a loss (or a tree) was multiplied by a loss scale (`jaxamp.scale`)."""
     global _scale_read
     _scale_read = True
+
+
+def mark_scale_read() -> None:
+    """Records a read of the loss scale; one outside any trace is taken for logging (a
+    hand-scaled loss is differentiated, so its read of the scale is traced)."""
+    global _scale_read
+    if _tracing():
+        _scale_read = True
 
 
 def reset() -> None:
@@ -80,20 +112,27 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def check_scale_read(ls: Any) -> None:
-    """Warns if a dynamic loss scale is stepped before any loss could have been scaled."""
-    if _scale_read or getattr(ls, "dynamic", False) is not True:
+    """Warns if a loss scale is stepped before any loss could have been scaled by it."""
+    mode = getattr(ls, "mode", None)
+    if _scale_read or "unscaled" in _warned or mode is None or not mode.scales:
         return
+    scale = getattr(ls, "scale", None)
+    if not isinstance(scale, jax.core.Tracer):
+        with jax.transfer_guard("allow"):  # eager only: a scale fixed at 1 scales nothing
+            if np.all(np.asarray(jax.device_get(scale)) == 1):
+                return
+    kind = "dynamic" if mode.value == "dynamic" else "static"
     _warn_once(
         "unscaled",
-        "jaxamp: this optimizer holds a dynamic loss scale, but no loss has been "
-        "multiplied by it (nothing called jaxamp.value_and_grad, jaxamp.scale or "
-        "get_loss_scale before this step). The gradients were taken without loss "
-        "scaling, and the step divides them by the scale before the update: float16 "
-        "gradients underflow and the updates come out too small. Take them with "
-        "jaxamp.value_and_grad(loss_fn)(opt_state, params, ...) (NNX: "
-        "jaxamp.nnx.value_and_grad(loss_fn)(optimizer, model, ...)), or differentiate "
-        "jaxamp.scale(jaxamp.get_loss_scale(opt_state), loss). A bfloat16 run needs no "
-        "scale: jaxamp.skip_nonfinite(inner) with no loss_scale.",
+        f"jaxamp: this optimizer holds a {kind} loss scale, but no loss has been "
+        "multiplied by it (nothing called jaxamp.value_and_grad or jaxamp.scale, or read "
+        "get_loss_scale / .loss_scale inside a jit or grad, before this step). The "
+        "gradients were taken without loss scaling, and the step divides them by the "
+        "scale before the update: float16 gradients underflow and the updates come out "
+        "too small. Take them with jaxamp.value_and_grad(loss_fn)(opt_state, params, ...) "
+        "(NNX: jaxamp.nnx.value_and_grad(loss_fn)(optimizer, model, ...)), or "
+        "differentiate jaxamp.scale(jaxamp.get_loss_scale(opt_state), loss). A bfloat16 "
+        "run needs no scale: jaxamp.skip_nonfinite(inner) with no loss_scale.",
     )
 
 

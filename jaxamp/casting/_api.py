@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxamp._utils.dtypes import is_float_dtype
@@ -30,6 +31,7 @@ def autocast(
     modules: Mapping[str, Any] | None = None,
     unknown_higher_order: str = "warn",
     fp8: Fp8Config | bool | None = None,
+    device_type: None = None,
 ) -> Callable[..., Any]:
     """Runs `f` in mixed precision, choosing each operation's dtype by op class.
 
@@ -89,6 +91,8 @@ def autocast(
         matrix products that run in `dtype` run as FP8 GEMMs with current
         scaling instead (float8_e4m3fn operands, float8_e5m2 gradients,
         float32 accumulation, results in `dtype`). Default None: no FP8.
+      device_type: not taken (``torch.autocast``'s ``"cuda"`` / ``"cpu"``): JAX runs on
+        its default device. Given, it raises a ``TypeError`` saying what to write.
 
     Returns:
       A function with the signature of `f`.
@@ -105,17 +109,31 @@ def autocast(
       >>> y.dtype  # the matmul ran in float16; the output keeps f's dtype
       dtype('float32')
     """
+    write = "jaxamp.autocast(f, dtype=jnp.float16) (or @jaxamp.autocast(dtype=...) on f)."
+    if device_type is not None:
+        raise TypeError(
+            f"autocast: got device_type={device_type!r}, but jaxamp.autocast takes no device "
+            "type (torch.autocast's 'cuda' / 'cpu'): JAX runs on its default device. It wraps "
+            f"the function to run in mixed precision: write {write}"
+        )
     if f is None:
         return _Decorator(functools.partial(
             autocast, dtype=dtype, policy=policy, enabled=enabled, rules=rules,
             modules=modules, unknown_higher_order=unknown_higher_order, fp8=fp8,
         ))  # fmt: skip
+    named = _dtype_named(f)  # torch.autocast(torch.float16)'s spelling: a dtype first
+    if named is not None:
+        raise TypeError(
+            f"autocast: the first argument is the function to run in mixed precision, got "
+            f"the dtype {named}. autocast wraps a function and takes the dtype by keyword: "
+            f"write jaxamp.autocast(f, dtype=jnp.{named}) (or @jaxamp.autocast(dtype=jnp."
+            f"{named}) on f)."
+        )
     if isinstance(f, str):
         raise TypeError(
             f"autocast: the first argument is the function to run in mixed precision, got "
             f"the string {f!r}. jaxamp.autocast takes no device type (torch.autocast's "
-            f"'cuda' / 'cpu'): JAX runs on its default device. Write "
-            "jaxamp.autocast(f, dtype=jnp.float16) (or @jaxamp.autocast(dtype=...) on f)."
+            f"'cuda' / 'cpu'): JAX runs on its default device. Write {write}"
         )
     if not callable(f):
         raise TypeError(f"autocast: f must be callable, got {type(f).__name__}")
@@ -123,6 +141,22 @@ def autocast(
     if not enabled:
         return f
     return make_wrapper(f, cfg)
+
+
+def _dtype_named(x: Any) -> str | None:
+    """The name of ``x`` if it is a dtype (``jnp.float16``, ``np.float16``, a dtype
+    object or a dtype's name), else None: never a function to wrap."""
+    is_dtype = (
+        isinstance(x, np.dtype | str | type(jnp.float16))
+        or isinstance(x, type)
+        and issubclass(x, np.generic)
+    )
+    if not is_dtype:
+        return None
+    try:
+        return np.dtype(jnp.dtype(x)).name
+    except TypeError:
+        return None
 
 
 class _Decorator:

@@ -54,7 +54,10 @@ def _resolve_dtype(dtype: Any, policy: Policy | str | None) -> tuple[np.dtype, n
     try:
         resolved = np.dtype(jnp.dtype(dtype))
     except TypeError as e:
-        raise TypeError(f"autocast: dtype={dtype!r} is not a dtype") from e
+        raise TypeError(
+            f"autocast: dtype={dtype!r} is not a dtype; write jnp.float16 or 'float16' "
+            "(jnp.bfloat16 or 'bfloat16')"
+        ) from e
     if not is_float_dtype(resolved):
         raise ValueError(
             f"autocast: dtype must be a floating dtype such as jnp.float16 or "

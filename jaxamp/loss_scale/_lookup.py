@@ -150,15 +150,18 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
         return
     worst = np.unravel_index(np.argmax(np.where(over, streak, -1)), np.shape(streak))
     n, now = int(streak[worst]), float(scale_now[worst])
+    # A run without loss scaling (bfloat16: skip_nonfinite(inner)) has no scale to name.
+    scale = f"the loss scale is now {now:g}" if s.mode.scales else "the run has no loss scale"
     if default[worst]:
         where = "at its floor" if s.mode is Mode.DYNAMIC else "fixed"
+        stuck = f"{scale}, {where}, so backing off cannot help" if s.mode.scales else scale
         why = (
-            f"; the loss scale is now {now:g}, {where}, so backing off cannot help (check_health's "
-            f"default: more than {DEFAULT_PINNED_STREAK} in a row with the scale at its floor or "
-            "fixed; set max_consecutive_nonfinite=N to choose N, or math.inf to never raise)"
+            f"; {stuck} (check_health's default: more than {DEFAULT_PINNED_STREAK} in a row "
+            "with the scale at its floor, fixed or absent; set max_consecutive_nonfinite=N to "
+            "choose N, or math.inf to never raise)"
         )
     else:
-        why = f" (max_consecutive_nonfinite={int(limit[worst])}); the loss scale is now {now:g}"
+        why = f" (max_consecutive_nonfinite={int(limit[worst])}); {scale}"
     raise FloatingPointError(
         f"{n} steps in a row were skipped because their gradients held inf or NaN{why}. "
         "Training is not recovering: look for a NaN in the loss or the data, lower the "

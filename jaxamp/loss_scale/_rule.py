@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxamp._utils.conversion_checks import mark_scale_read
+from jaxamp._utils.conversion_checks import mark_loss_scaled
 from jaxamp._utils.dtypes import is_inexact, times_wide
 from jaxamp._utils.finite import agree, as_finite, group_flags, unscaled
 from jaxamp._utils.tree import saturating_inc
@@ -74,7 +74,7 @@ def scale(state: LossScaleState, tree: Any) -> Any:
       Array(4., dtype=float16)
     """
     check_state(state, "scale")
-    mark_scale_read()
+    mark_loss_scaled()
     if not state.mode.scales:
         return tree
     return jax.tree.map(lambda x: times_wide(x, state.scale) if is_inexact(x) else x, tree)

@@ -214,6 +214,27 @@ def _as_kept(tree: Any) -> Any:
     return jax.tree.map(lambda x: nnx.OptArray(jnp.array(x, copy=True)), tree)
 
 
+def _loss_scale_of(state: Any, args: tuple[Any, ...]) -> LossScaleState:
+    """The loss scale in an optimizer state or ``LossScaleState`` given in place of the
+    optimizer; the usual slips (the optimizer forgotten, or after the model) named."""
+    try:
+        with named("nnx.value_and_grad"):
+            return get_loss_scale(_pure(state))
+    except ValueError as e:
+        if "no LossScaleState" not in str(e):
+            raise
+        got = type(state).__name__
+        got = f"the nnx.Module {got}" if isinstance(state, nnx.Module) else f"a {got}"
+        later = [i + 2 for i, a in enumerate(args) if isinstance(a, Optimizer)]
+        raise ValueError(
+            "jaxamp.nnx.value_and_grad: the first argument must be the optimizer "
+            "(a jaxamp.nnx.Optimizer built with jaxamp.skip_nonfinite), then the loss's "
+            "own arguments: jaxamp.nnx.value_and_grad(loss_fn)(optimizer, model, x, y). "
+            f"Got {got} first, with no LossScaleState in it"
+            + (f"; the optimizer is argument {later[0]}: put it first." if later else ".")
+        ) from None
+
+
 def value_and_grad(
     f: Callable[..., Any], argnums: Any = 0, has_aux: bool = False
 ) -> Callable[..., Any]:
@@ -254,8 +275,7 @@ def value_and_grad(
             if trained is not None:
                 optimizer.keep(trained)
         else:
-            with named("nnx.value_and_grad"):
-                ls = get_loss_scale(_pure(optimizer))
+            ls = _loss_scale_of(optimizer, args)
         scaled = functools.wraps(f)(scaled_loss(f, has_aux, ls, "jaxamp.nnx.value_and_grad"))
         grad_fn = nnx.value_and_grad(scaled, argnums=argnums, has_aux=True)
         (_, (loss, aux)), grads = grad_fn(*args, **kwargs)

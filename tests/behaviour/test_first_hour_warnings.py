@@ -140,6 +140,66 @@ def test_gradients_taken_without_the_scale_warn_once(run) -> None:
     assert "jaxamp.value_and_grad(loss_fn)(opt_state, params, ...)" in got[0]
 
 
+def _forgot_scaling_static_scale():
+    tx, params, opt_state, x, y = _setup(jaxamp.static_scale(2.0**15))
+
+    @jax.jit
+    def train_step(params, opt_state):
+        grads = jax.grad(LOSS16)(params, x, y)  # the step divides these by 2**15 too
+        return jaxamp.step(tx, grads, opt_state, params)
+
+    train_step(*train_step(params, opt_state))
+
+
+def _forgot_scaling_after_logging_the_scale():
+    tx, params, opt_state, x, y = _setup()
+    print("initial scale", float(jaxamp.get_loss_scale(opt_state).scale))  # a log read
+    print(jaxamp.metrics(opt_state)["loss_scale"])
+    jaxamp.check_health(opt_state)
+
+    @jax.jit
+    def train_step(params, opt_state):
+        grads = jax.grad(LOSS16)(params, x, y)
+        return jaxamp.step(tx, grads, opt_state, params)
+
+    train_step(params, opt_state)
+
+
+def _forgot_scaling_train_state_after_logging_the_scale():
+    tx, params, _, x, y = _setup()
+    state = jaxamp.TrainState.create(apply_fn=MODEL.apply, params=params, tx=tx)
+    print("scale at start:", float(state.loss_scale.scale))  # scaler.get_scale()
+    jax.jit(lambda s: s.apply_gradients(grads=jax.grad(LOSS16)(s.params, x, y)))(state)
+
+
+def _forgot_scaling_nnx_after_logging_the_scale():
+    model = nnx.Linear(8, 1, rngs=nnx.Rngs(0))
+    tx = jaxamp.skip_nonfinite(optax.adam(1e-3), jaxamp.dynamic_scale())
+    optimizer = jaxamp.nnx.Optimizer(model, tx, wrt=nnx.Param)
+    print("scale", float(optimizer.loss_scale.scale))
+    x, y = _data()
+    loss = jaxamp.autocast(lambda m, x, y: jnp.mean((m(x) - y) ** 2), dtype=jnp.float16)
+    optimizer.update(model, nnx.grad(loss)(model, x, y))  # eager, no nnx.jit
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        _forgot_scaling_static_scale,
+        _forgot_scaling_after_logging_the_scale,
+        _forgot_scaling_train_state_after_logging_the_scale,
+        _forgot_scaling_nnx_after_logging_the_scale,
+    ],
+    ids=["static_scale", "log-read-first", "TrainState-log-read-first", "nnx-log-read-first"],
+)
+def test_static_scale_and_a_logged_scale_still_warn(run) -> None:
+    """A static scale divides the updates too; reading the scale to log it (eagerly,
+    before the first step) is no loss multiplied by it."""
+    got = _caught(run)
+    assert len(got) == 1, got
+    assert "no loss has been multiplied by it" in got[0]
+
+
 def test_the_warning_is_a_filterable_category_and_comes_once_per_process() -> None:
     assert issubclass(CATEGORY, UserWarning) and CATEGORY is not UserWarning
     with warnings.catch_warnings(record=True) as got:
@@ -253,6 +313,33 @@ def _nnx_flax_grad_of_scaled_loss():
     flax_grad(model, optimizer)
 
 
+def _readme_plain_optax_eager():
+    """README's plain optax form, run with no jit, after logging the scale."""
+    tx, params, opt_state, x, y = _setup()
+    print(float(jaxamp.get_loss_scale(opt_state).scale))
+    for _ in range(2):
+        scaled = lambda p, s: jaxamp.scale(jaxamp.get_loss_scale(s), LOSS16(p, x, y))
+        grads = jax.grad(scaled)(params, opt_state)
+        params, opt_state = jaxamp.step(tx, grads, opt_state, params)
+
+
+def _nnx_flax_grad_of_scaled_loss_eager():
+    model = nnx.Linear(8, 1, rngs=nnx.Rngs(0))
+    tx = jaxamp.skip_nonfinite(optax.adam(1e-3), jaxamp.dynamic_scale())
+    optimizer = jaxamp.nnx.Optimizer(model, tx, wrt=nnx.Param)
+    print(float(optimizer.loss_scale.scale))  # a log read first: does not count, nor harm
+    x, y = _data()
+    loss = jaxamp.autocast(lambda m, x, y: jnp.mean((m(x) - y) ** 2), dtype=jnp.float16)
+    scaled = lambda m: loss(m, x, y) * optimizer.loss_scale.scale
+    optimizer.update(model, nnx.grad(scaled)(model))
+
+
+def _static_scale_of_one_eager():
+    tx, params, opt_state, x, y = _setup(jaxamp.static_scale(1.0))
+    grads = jax.grad(LOSS16)(params, x, y)  # a scale of 1: nothing to multiply by
+    jaxamp.step(tx, grads, opt_state, params)
+
+
 def _bfloat16_no_scale():
     x, y = _data()
     params = MODEL.init(jax.random.key(1), x)
@@ -293,6 +380,9 @@ def _pmap_value_and_grad():
         _train_state_loss_scale_by_hand,
         _nnx_paths,
         _nnx_flax_grad_of_scaled_loss,
+        _readme_plain_optax_eager,
+        _nnx_flax_grad_of_scaled_loss_eager,
+        _static_scale_of_one_eager,
         _bfloat16_no_scale,
         _pmap_value_and_grad,
     ],
@@ -304,6 +394,9 @@ def _pmap_value_and_grad():
         "TrainState.loss_scale-by-hand",
         "nnx.value_and_grad",
         "nnx.grad-of-scaled-loss",
+        "readme-plain-optax-eager",
+        "nnx.grad-of-scaled-loss-eager",
+        "static_scale-1-eager",
         "bfloat16",
         "pmap",
     ],

@@ -17,6 +17,8 @@ import jax
 import numpy as np
 import pytest
 
+import jaxamp
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
@@ -71,20 +73,59 @@ def _assert_rows_are_the_metrics(rows, per_step) -> None:
 
 
 def test_logging_doc_blocks_run_and_the_csv_rows_are_the_metrics(tmp_path, monkeypatch):
+    """Every step's row is written, the last, shorter window's too; each window is
+    fetched after the next window's first step is dispatched, and checked after its
+    rows are written."""
     monkeypatch.chdir(tmp_path)
+    events, real_jit, real_get = [], jax.jit, jax.device_get
+
+    def jit(f, *args, **kwargs):  # records the page's train_step dispatches
+        jitted = real_jit(f, *args, **kwargs)
+        if getattr(f, "__name__", "") != "train_step":
+            return jitted
+        return lambda *a: events.append("step") or jitted(*a)
+
+    def device_get(x):
+        if sys._getframe(1).f_code.co_filename.startswith("docs/"):
+            events.append("fetch")
+        return real_get(x)
+
+    monkeypatch.setattr(jax, "jit", jit)
+    monkeypatch.setattr(jax, "device_get", device_get)
+    monkeypatch.setattr(
+        csv.DictWriter, "writerow", _recording(csv.DictWriter.writerow, events, "row")
+    )
+    monkeypatch.setattr(jaxamp, "check_health", _recording(jaxamp.check_health, events, "check"))
     codes = blocks("logging.md")
     assert len(codes) == 2
     ns = run_blocks("logging.md", codes)
+    steps, every = ns["STEPS"], ns["LOG_EVERY"]
+    assert steps % every != 0  # a last, partial window
+    expected = ["row"]  # the header (DictWriter.writeheader writes it with writerow)
+    for first in range(0, steps, every):
+        n = min(every, steps - first)
+        next_step = ["step"] if first + n < steps else []  # dispatched before the fetch
+        expected += ["step"] * (n - (first > 0)) + next_step + ["fetch"] + ["row"] * n + ["check"]
+    assert events == expected
+    monkeypatch.undo()
     rows = _rows(tmp_path / "metrics.csv")
     # The reference: the same jitted step from the same start, each step's metrics
     # fetched at once (a host sync per step, which the recipe avoids).
     params = {"w": jax.random.normal(jax.random.key(0), (8, 1)) * 0.1}
     opt_state, per_step = ns["tx"].init(params), []
-    for _ in range(30):
+    for _ in range(steps):
         params, opt_state, m = ns["train_step"](params, opt_state, ns["x"], ns["y"])
         per_step.append(jax.device_get(m))
     _assert_rows_are_the_metrics(rows, per_step)
     assert {float(r["loss_scale"]) for r in rows} == {2.0**15}
+
+
+def _recording(fn, events: list[str], name: str):
+    def recorded(*args, **kwargs):
+        events.append(name)
+        return fn(*args, **kwargs)
+
+    return recorded
 
 
 def test_log_metrics_example_rows_are_the_metrics(tmp_path, capsys):
@@ -114,10 +155,24 @@ def test_log_metrics_loop_transfers_once_per_window_and_is_guarded(tmp_path, mon
         fetched.append(sys._getframe(1).f_globals.get("__name__"))
         return real_get(x)
 
+    real_make = ex.make_train_step
+
+    def make_train_step(*args):  # records each step's dispatch among the fetches
+        step = real_make(*args)
+        return lambda *a: fetched.append("step") or step(*a)
+
     monkeypatch.setattr(jax, "device_get", device_get)
+    monkeypatch.setattr(ex, "make_train_step", make_train_step)
     logged = []
     ex.train(35, lambda step, row: logged.append(step))
     assert fetched.count(ex.__name__) == 4 and logged == list(range(35))
+    # Each full window is fetched after the next window's first step is dispatched, so
+    # the device runs that step while the rows are written; the last 5 after the loop.
+    order = ["fetch" if f == ex.__name__ else f for f in fetched if f in ("step", ex.__name__)]
+    assert order == (["step"] * 11 + ["fetch"] + ["step"] * 10 + ["fetch"]) + (
+        ["step"] * 10 + ["fetch"] + ["step"] * 4 + ["fetch"]
+    )
+    monkeypatch.setattr(ex, "make_train_step", real_make)
 
     # A transfer in the loop raises. On a CPU JAX does not guard device-to-host reads
     # (the array is in host memory already), so the slip here is the other direction:
