@@ -77,7 +77,7 @@ def eval_jaxpr(
     args = list(args)
     marks = list(marks) if marks is not None else [NONE] * len(args)
     for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v], mark[v] = x, CONST
+        env[v], mark[v] = x, _const_mark(x, ctx.dtype)
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
         env[v], mark[v] = x, m
     facts = analyse(jaxpr, ctx, float32_outputs)
@@ -113,6 +113,30 @@ def eval_jaxpr(
         for v, x, m in zip(outvars, outs, outmarks, strict=True):
             env[v], mark[v] = x, m
     return [read(v) for v in jaxpr.outvars], marks_of(jaxpr.outvars)
+
+
+def _const_mark(x: Any, low: np.dtype) -> int:
+    """The mark of a value `f` closes over: ``CONST`` (its casts down saturate) only
+    for a sentinel known at trace time.
+
+    A tracer (a value of an outer ``jit``, ``grad``, ``vmap`` or ``scan`` that `f`
+    closes over) is run-time data: clipped, it would be a wrong finite number no
+    overflow check sees. A concrete floating array is a fill (a mask bias of
+    ``-1e9`` or ``finfo.min``) only when every finite value beyond `low`'s range is
+    one and the same value; a data array (features up to 3.5e5) has many and is
+    data too.
+    """
+    if isinstance(x, jax.core.Tracer):
+        return NONE
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not is_float_dtype(dtype) or np.size(x) <= 1 or low.itemsize >= 4:
+        return CONST
+    hi = float(jax.numpy.finfo(low).max)
+    a = np.asarray(x)
+    if float(jax.numpy.finfo(a.dtype).max) <= hi:
+        return CONST
+    beyond = a[np.isfinite(a) & (np.abs(a) > hi)]
+    return CONST if np.unique(beyond).size <= 1 else NONE
 
 
 def _constant_marks(eqn: Any, inmarks: list[int], outmarks: list[int]) -> list[int]:
