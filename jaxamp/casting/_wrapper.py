@@ -36,6 +36,30 @@ def _is_dynamic(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def _static_key(x: Any) -> Any:
+    """A static leaf as the eager cache keys it.
+
+    A Python scalar by its type and ``repr``: ``1``, ``1.0`` and ``True`` compare
+    equal but trace different programs (``jnp.full((2,), n)`` has their dtypes),
+    and so do ``0.0`` and ``-0.0`` (``1 / s``). A plain mutable object hashed by
+    identity (a config object whose attributes `f` reads) may have changed since
+    it was cached, so it is not cached at all (``TypeError``): such a call traces
+    afresh each time. ``jax.jit`` asks static arguments to be immutable instead;
+    a frozen dataclass or a named tuple is hashed by value and is cached.
+    """
+    if isinstance(x, (bool, int, float, complex)):
+        return (type(x), repr(x))
+    kind = type(x)
+    if (
+        kind.__hash__ is object.__hash__
+        and hasattr(x, "__dict__")
+        and not callable(x)
+        and not isinstance(x, types.ModuleType)
+    ):
+        raise TypeError(f"{kind.__name__} is hashed by identity")
+    return x
+
+
 def _run(
     f: Callable[..., Any],
     cfg: Config,
@@ -150,8 +174,8 @@ class _Call:
         # key holds everything that changes the answer: the static leaves, and
         # what `fn` closes over (an nnx graph's static attributes, such as the
         # mode model.eval() sets, and the call's static arguments).
-        static = tuple(x for i, x in enumerate(leaves) if i not in set(dynamic))
         try:
+            static = tuple(_static_key(x) for i, x in enumerate(leaves) if i not in set(dynamic))
             key = (treedef, tuple(dynamic), static, closed_over)
             hash(key)
         except TypeError:
@@ -190,6 +214,10 @@ class _Call:
         flat_args = [*state_leaves, *(leaves[i] for i in rest)]
         p_leaves, p_def = jax.tree_util.tree_flatten((tuple(flat_args), {}))
         statics = tuple(x for i, x in enumerate(static_leaves) if i not in set(rest))
+        try:
+            statics = tuple(_static_key(x) for x in statics)
+        except TypeError:
+            statics = [statics]  # unhashable: `_dispatch` runs the call uncached
         closed_over = (graphdef, treedef, tuple(rest), statics, id(method), self_node is None)
         dynamic = list(range(len(p_leaves)))
         out, updated = self._dispatch(pure, p_leaves, p_def, dynamic, closed_over, *p_leaves)
