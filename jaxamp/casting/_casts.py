@@ -158,7 +158,7 @@ def region_fn(
     """A pointwise region as one ``jax.checkpoint``: ``(x, *extra) -> outputs``.
 
     `steps` are ``(primitive, params, inputs)``; an input is ``("x",)`` (the
-    activation, cast up to `target`), ``("lit", value, dtype)``, ``("v", k, o)``
+    activation, cast up to `target`), ``("lit", value, dtype, bytes)``, ``("v", k, o)``
     (output `o` of step `k`) or ``("e", n)`` (the `n`-th extra, non-floating
     argument: a mask). `outputs` name the steps' outputs returned.
 
@@ -218,7 +218,10 @@ def bind_region(
         refs: list[tuple[Any, ...]] = []
         for v in e.invars:
             if isinstance(v, Literal):
-                refs.append(("lit", np.asarray(v.val).tolist(), np.dtype(v.aval.dtype).str))
+                # Its bytes key the cache too: 0.0 == -0.0 (and 1 == 1.0) as
+                # Python values, so the value alone would share a region.
+                lit = np.asarray(v.val)
+                refs.append(("lit", lit.tolist(), np.dtype(v.aval.dtype).str, lit.tobytes()))
             elif v is x:
                 refs.append(("x",))
             elif v in where:
