@@ -23,7 +23,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._analysis import analyse, pointwise_region, starts_region
+from jaxamp.casting._analysis import POINTWISE, analyse, pointwise_region, starts_region
 from jaxamp.casting._casts import bind, bind_opmath, bind_region, host_cast, to_original
 from jaxamp.casting._context import Context
 from jaxamp.casting._primitives import kind_of
@@ -89,6 +89,7 @@ def eval_jaxpr(
         return [CONST if isinstance(v, Literal) else mark.get(v, NONE) for v in vs]
 
     done: set[int] = set()  # equations evaluated as part of a pointwise region
+    fills: set[Any] = set()  # constants that depend on a run-time mask (_constant_marks)
     for i, eqn in enumerate(jaxpr.eqns):
         if i in done:
             continue
@@ -109,7 +110,7 @@ def eval_jaxpr(
                 invals = [read(v) for v in eqn.invars]
                 demanded, broadcast = i in facts.demanded, facts.broadcast[i]
                 outs, outmarks = eval_eqn(eqn, invals, inmarks, ctx, demanded, broadcast)
-            outvars, outmarks = eqn.outvars, _constant_marks(eqn, inmarks, outmarks)
+            outvars, outmarks = eqn.outvars, _constant_marks(eqn, inmarks, outmarks, fills)
         for v, x, m in zip(outvars, outs, outmarks, strict=True):
             env[v], mark[v] = x, m
     return [read(v) for v in jaxpr.outvars], marks_of(jaxpr.outvars)
@@ -139,19 +140,45 @@ def _const_mark(x: Any, low: np.dtype) -> int:
     return CONST if np.unique(beyond).size <= 1 else NONE
 
 
-def _constant_marks(eqn: Any, inmarks: list[int], outmarks: list[int]) -> list[int]:
-    """``outmarks``, or all ``CONST`` for a result computed from constants and masks
-    alone: still a constant (unless the user asked for float32: keep_float32, an
-    explicit cast)."""
+# Ops whose every result element is a function of the same elements of their
+# inputs (or a re-layout of them): of masks and constants, they give a fill with
+# as few distinct values as the constants. A reduction, a cumulative sum or a product
+# of a mask counts run-time data instead.
+_FILL_OPS: frozenset[str] = POINTWISE | {
+    "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+    "transpose", "copy", "copy_p", "eq", "ne", "lt", "le", "gt", "ge", "and", "or",
+    "not", "xor", "select_n",
+}  # fmt: skip
+
+
+def _constant_marks(
+    eqn: Any, inmarks: list[int], outmarks: list[int], fills: set[Any]
+) -> list[int]:
+    """``outmarks``, or all ``CONST`` for a value computed from constants and masks
+    alone (``jnp.where(mask, 0.0, -1e9)``, ``(1 - mask) * -1e9``): still a
+    constant (unless the user asked for float32: keep_float32, an explicit cast).
+
+    A run-time boolean only selects between constants or scales them, element
+    by element (``_FILL_OPS``): such a result is a fill, added to `fills`. What
+    is counted or summed from a mask or a fill (``jnp.sum(mask)``) is run-time
+    data, not a constant.
+    """
     if eqn.effects or PIN in outmarks:
         return outmarks
-    if all(m == CONST or _is_mask(v) for v, m in zip(eqn.invars, inmarks, strict=True)):
+    ins = list(zip(eqn.invars, inmarks, strict=True))
+    masks = [m != CONST and _is_bool(v) for v, m in ins]
+    derived = any(masks) or any(v in fills for v, _ in ins if not isinstance(v, Literal))
+    if not all(m == CONST or mask for (_, m), mask in zip(ins, masks, strict=True)):
+        return outmarks
+    if not derived:
+        return [CONST] * len(outmarks)
+    if eqn.primitive.name in _FILL_OPS:
+        fills.update(eqn.outvars)
         return [CONST] * len(outmarks)
     return outmarks
 
 
-def _is_mask(v: Any) -> bool:
-    """A boolean value: what it selects between is known at trace time."""
+def _is_bool(v: Any) -> bool:
     return getattr(v.aval, "dtype", None) == np.dtype(bool)
 
 
