@@ -286,6 +286,8 @@ def _eval_in(
     if eqn.primitive.name in OPMATH_OPS and target == ctx.dtype and target.itemsize < 4:
         outs = bind_opmath(eqn, ins.vals[floats[0]], target, ctx, ctx.cached)
         return outs, [out_mark] * nout
+    if target == ctx.dtype and _literal_beyond(eqn, ins, floats, target):
+        return _eval_opmath(eqn, ins, ctx, floats, target, out_mark)
     args = list(ins.vals)
     for i in floats:
         if ins.dtypes[i] != target:
@@ -299,6 +301,46 @@ def _eval_in(
         if fp8_outs is not None:
             return fp8_outs, [out_mark] * nout
     return bind(eqn, args, params, ctx.cached), [out_mark] * nout
+
+
+#: Ops where a literal is a fill or a bound (``jnp.where(m, x, -1e9)``,
+#: ``jnp.maximum(x, -1e30)``): there it saturates, as any constant does.
+_FILL_POSITIONS: frozenset[str] = frozenset({"select_n", "max", "min", "clamp"})
+
+
+def _literal_beyond(eqn: Any, ins: Ins, floats: list[int], low: np.dtype) -> bool:
+    """A Python-scalar operand (not a fill) that `low` cannot hold: beyond its
+    range, or so small it would become 0 or subnormal (``(x @ w) * 1e5 * 1e-5``)."""
+    if low.itemsize >= 4 or eqn.primitive.name in _FILL_POSITIONS:
+        return False
+    fi = jax.numpy.finfo(low)
+    for i in floats:
+        if isinstance(eqn.invars[i], Literal):
+            v = np.abs(np.asarray(ins.vals[i], np.float64))
+            if np.any(np.isfinite(v) & ((v > float(fi.max)) | ((v > 0) & (v < float(fi.tiny))))):
+                return True
+    return False
+
+
+def _eval_opmath(
+    eqn: Any, ins: Ins, ctx: Context, floats: list[int], low: np.dtype, out_mark: int
+) -> Outs:
+    """`eqn` in float32 with its literal exact, the results rounded once to `low`:
+    torch keeps a Python scalar at its op's float32 "opmath" precision, so
+    ``h * 1e5`` is ``h`` times 1e5 (inf only where the product overflows), never
+    ``h`` times a saturated 65504."""
+    wide = promote(low, FLOAT32_DTYPE)
+    args = list(ins.vals)
+    for i in floats:
+        if isinstance(eqn.invars[i], Literal):
+            args[i] = np.asarray(ins.vals[i], wide)[()]
+        elif ins.dtypes[i] != wide:
+            args[i] = ctx.cast(ins.vals[i], wide)
+    params, _ = _accumulation(eqn, floats, wide, out_mark)
+    outs = bind(eqn, args, params, ctx.cached)
+    return [ctx.cast(o, low) if is_float_dtype(o.dtype) else o for o in outs], [out_mark] * len(
+        outs
+    )
 
 
 def _accumulation(eqn: Any, floats: list[int], target: np.dtype, mark: int) -> tuple[dict, int]:
