@@ -31,6 +31,7 @@ from jaxamp.casting._rules import (
     ACT,
     AS_WRITTEN,
     CONST,
+    ELEMENTWISE,
     F32,
     FLOAT32,
     FLOAT32_DTYPE,
@@ -94,14 +95,18 @@ def eval_jaxpr(
         if i in done:
             continue
         inmarks = marks_of(eqn.invars)
-        region = _region(jaxpr, i, eqn, inmarks, ctx)
+        region = _region(jaxpr, i, eqn, inmarks, ctx, i in facts.demanded)
         if region is not None:
             with jax_compat.eqn_context(eqn):
                 outs = bind_region(jaxpr, region, read, not ctx.in_region)
-            outvars, outmarks = (
-                region.outputs,
-                [F32 if is_float_dtype(x.dtype) else NONE for x in outs],
-            )
+            # An opmath root (silu's logistic) rounds its region once to the
+            # activation's dtype, as torch's fused kernel does; a float32-list
+            # root's results stay float32 (torch's type promotion).
+            low = eqn.primitive.name in OPMATH_OPS
+            outmarks = [(ACT if low else F32) if is_float_dtype(x.dtype) else NONE for x in outs]
+            if low:
+                outs = [ctx.cast(x, ctx.dtype) if is_float_dtype(x.dtype) else x for x in outs]
+            outvars = region.outputs
             done.update(region.eqns)
         else:
             # Each equation binds under the context it was traced under (an
@@ -182,7 +187,9 @@ def _is_bool(v: Any) -> bool:
     return getattr(v.aval, "dtype", None) == np.dtype(bool)
 
 
-def _region(jaxpr: Jaxpr, i: int, eqn: Any, inmarks: list[int], ctx: Context) -> Any:
+def _region(
+    jaxpr: Jaxpr, i: int, eqn: Any, inmarks: list[int], ctx: Context, demanded: bool
+) -> Any:
     """The pointwise region `eqn` starts (``_analysis.pointwise_region``), or None.
 
     A float32-list op of one activation in the compute dtype starts one. Not
@@ -200,7 +207,12 @@ def _region(jaxpr: Jaxpr, i: int, eqn: Any, inmarks: list[int], ctx: Context) ->
         full, rules = ctx.rules_at(join(ctx.stack, jax_compat.name_stack(e)))
         return AS_WRITTEN if full else rules.get(e.primitive.name, FOLLOW)
 
-    if rule_of(eqn) != FLOAT32:
+    rule = rule_of(eqn)
+    # An opmath op (logistic) too, unless it runs in float32 anyway (`demanded`):
+    # silu's ``x * logistic(x)`` in float32, so a logistic below float16's
+    # smallest subnormal is not 0 before the product.
+    opmath = eqn.primitive.name in OPMATH_OPS and rule in (ELEMENTWISE, FOLLOW) and not demanded
+    if rule != FLOAT32 and not opmath:
         return None
     return pointwise_region(jaxpr, i, rule_of, ctx)
 
