@@ -237,6 +237,12 @@ def has_subjaxprs(params: dict[str, Any]) -> bool:
     return False
 
 
+#: Ops whose broadcast operand is a target or a threshold, not a parameter: a
+#: per-row target in ``pred - y[:, None]`` or a comparison's bound. A wider one
+#: promotes (torch's type promotion), so a small difference is not rounded to 0.
+_NO_CAST_DOWN: frozenset[str] = frozenset({"sub", "eq", "ne", "lt", "le", "gt", "ge"})
+
+
 def eval_eqn(
     eqn: Any,
     invals: list[Any],
@@ -271,6 +277,8 @@ def eval_eqn(
     if name == "reduce_precision" and KEEP_FLOAT32_SCOPE in ctx.stack:
         x = invals[0]  # the keep_float32 marker: an identity in float32
         return [x if ins.dtypes[0] == FLOAT32_DTYPE else ctx.cast(x, FLOAT32_DTYPE)], [PIN]
+    if name in _NO_CAST_DOWN:
+        broadcast = [False] * len(broadcast)
     float_ins = [
         FloatIn(
             np.dtype(ins.dtypes[i]), ins.marks[i], not eqn.invars[i].aval.weak_type, broadcast[i]
