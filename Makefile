@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MULTIDEVICE := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: test test-multiprocess demo bench bench-gpu lint clean test-oldest conformance dist wheel-smoke docs matrix \
+.PHONY: test test-single test-multidevice test-multiprocess demo bench bench-gpu lint clean test-oldest conformance dist wheel-smoke docs matrix \
 	docs-serve docs-check
 
 $(STAMP): pyproject.toml
@@ -13,14 +13,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,examples,bench,conformance,docs]"
 	touch $(STAMP)
 
+# Two phases, each running its parts side by side so that neither core idles while one
+# part finishes its slowest tests: the single- and multi-device suites, then the
+# multi-process tests (they wait on their workers much of the time), the wheel smoke
+# test and the docs check.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 jaxamp tests --ignore=tests/multidevice --ignore=tests/multiprocess \
-		--ignore=tests/matrix
-	$(MULTIDEVICE) $(PY) -m pytest -q -n 2 tests/multidevice tests/matrix
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-single test-multidevice
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-multiprocess wheel-smoke docs-check
 
-# The multi-process tests wait on their workers much of the time: run beside the wheel
-# smoke test and the docs check (make test's last line).
+test-single: $(STAMP)
+	$(PY) -m pytest -q -n 2 jaxamp tests --ignore=tests/multidevice --ignore=tests/multiprocess \
+		--ignore=tests/matrix
+
+test-multidevice: $(STAMP)
+	$(MULTIDEVICE) $(PY) -m pytest -q -n 1 tests/multidevice tests/matrix
+
 test-multiprocess: $(STAMP)
 	$(PY) -m pytest -q tests/multiprocess
 

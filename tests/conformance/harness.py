@@ -61,6 +61,8 @@ FULL_ONLY = {
     # CI keeps three of the four transformers models (GPT-2, BERT, T5 in float16):
     # ViT's patch embedding is a convolution, which the equinox CNN row covers in CI.
     "hf-vit": "CI's budget: transformers' models run in CI as GPT-2, BERT and T5",
+    # equinox runs in CI as the BatchNorm CNN (its state, its filtered transforms).
+    "equinox-transformer": "CI's budget: equinox runs in CI as the BatchNorm CNN",
 }
 # CI runs each model in one dtype, both dtypes over the models (float16 where a
 # model is known to overflow it: T5; bfloat16 for the padded-mask transformer of
