@@ -141,8 +141,10 @@ def _const_mark(x: Any, low: np.dtype) -> int:
     a = np.asarray(x)
     if float(jax.numpy.finfo(a.dtype).max) <= hi:
         return CONST
-    beyond = a[np.isfinite(a) & (np.abs(a) > hi)]
-    return CONST if np.unique(beyond).size <= 1 else NONE
+    out = np.isfinite(a) & (np.abs(a) > hi)
+    # A fill next to the values it masks: one value beyond the range, some within
+    # (a vector of 1e5 everywhere is a scale, data).
+    return CONST if not out.any() or (np.unique(a[out]).size == 1 and not out.all()) else NONE
 
 
 # Ops whose every result element is a function of the same elements of their
@@ -335,8 +337,10 @@ def _literal_beyond(eqn: Any, ins: Ins, floats: list[int], low: np.dtype) -> boo
         return False
     fi = jax.numpy.finfo(low)
     for i in floats:
-        if isinstance(eqn.invars[i], Literal):
-            v = np.abs(np.asarray(ins.vals[i], np.float64))
+        x = ins.vals[i]
+        scalar = ins.marks[i] == CONST and np.ndim(x) == 0 and not isinstance(x, jax.core.Tracer)
+        if isinstance(eqn.invars[i], Literal) or scalar:
+            v = np.abs(np.asarray(x, np.float64))
             if np.any(np.isfinite(v) & ((v > float(fi.max)) | ((v > 0) & (v < float(fi.tiny))))):
                 return True
     return False
@@ -354,6 +358,8 @@ def _eval_opmath(
     for i in floats:
         if isinstance(eqn.invars[i], Literal):
             args[i] = np.asarray(ins.vals[i], wide)[()]
+        elif np.ndim(ins.vals[i]) == 0 and not isinstance(ins.vals[i], jax.core.Tracer):
+            args[i] = np.asarray(ins.vals[i], wide)
         elif ins.dtypes[i] != wide:
             args[i] = ctx.cast(ins.vals[i], wide)
     params, _ = _accumulation(eqn, floats, wide, out_mark)

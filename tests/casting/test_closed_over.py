@@ -53,3 +53,23 @@ def test_a_concrete_data_array_closed_over_is_data_and_a_fill_still_saturates():
     assert np.all(np.isfinite(np.asarray(got)))
     tol = 8 * float(jnp.finfo(F16).eps)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref), atol=tol)
+
+
+def test_a_closed_over_scale_vector_of_one_large_value_is_data_not_a_fill():
+    x = jnp.full((4, 8), 0.125, jnp.float32)
+    w = jnp.full((8, 16), 0.125, jnp.float32)
+    ystd = jnp.full((16,), 1e5, jnp.float32)
+    out = jaxamp.autocast(lambda x, w: (x @ w) * ystd, dtype=F16)(x, w)
+    # float32 gives 12500; a float16 program overflows the cast of 1e5 (inf),
+    # never multiplies by a clipped 65504 (8188, wrong and finite).
+    assert np.all(np.isinf(np.asarray(out)))
+
+
+def test_a_closed_over_scalar_float16_cannot_hold_multiplies_at_float32_precision():
+    s = jnp.float32(1e5)
+    x = jnp.full((4, 8), 0.125, jnp.float32)
+    w = jnp.full((8, 16), 0.125, jnp.float32)
+    f = lambda x, w: jnp.tanh((x @ w) * s * 1e-5)  # noqa: E731
+    ref = np.asarray(f(x, w))
+    got = np.asarray(jaxamp.autocast(f, dtype=F16)(x, w), np.float32)
+    np.testing.assert_allclose(got, ref, rtol=4 * float(jnp.finfo(F16).eps))
