@@ -23,8 +23,9 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._analysis import POINTWISE, analyse, pointwise_region, starts_region
+from jaxamp.casting._analysis import analyse, pointwise_region, starts_region
 from jaxamp.casting._casts import bind, bind_opmath, bind_region, host_cast, to_original
+from jaxamp.casting._constants import const_mark, constant_marks
 from jaxamp.casting._context import Context
 from jaxamp.casting._primitives import kind_of
 from jaxamp.casting._rules import (
@@ -78,7 +79,7 @@ def eval_jaxpr(
     args = list(args)
     marks = list(marks) if marks is not None else [NONE] * len(args)
     for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v], mark[v] = x, _const_mark(x, ctx.dtype)
+        env[v], mark[v] = x, const_mark(x, ctx.dtype)
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
         env[v], mark[v] = x, m
     facts = analyse(jaxpr, ctx, float32_outputs)
@@ -90,7 +91,7 @@ def eval_jaxpr(
         return [CONST if isinstance(v, Literal) else mark.get(v, NONE) for v in vs]
 
     done: set[int] = set()  # equations evaluated as part of a pointwise region
-    fills: set[Any] = set()  # constants that depend on a run-time mask (_constant_marks)
+    fills: set[Any] = set()  # constants that depend on a run-time mask (constant_marks)
     for i, eqn in enumerate(jaxpr.eqns):
         if i in done:
             continue
@@ -115,78 +116,10 @@ def eval_jaxpr(
                 invals = [read(v) for v in eqn.invars]
                 demanded, broadcast = i in facts.demanded, facts.broadcast[i]
                 outs, outmarks = eval_eqn(eqn, invals, inmarks, ctx, demanded, broadcast)
-            outvars, outmarks = eqn.outvars, _constant_marks(eqn, inmarks, outmarks, fills)
+            outvars, outmarks = eqn.outvars, constant_marks(eqn, inmarks, outmarks, fills)
         for v, x, m in zip(outvars, outs, outmarks, strict=True):
             env[v], mark[v] = x, m
     return [read(v) for v in jaxpr.outvars], marks_of(jaxpr.outvars)
-
-
-def _const_mark(x: Any, low: np.dtype) -> int:
-    """The mark of a value `f` closes over: ``CONST`` (its casts down saturate) only
-    for a sentinel known at trace time.
-
-    A tracer (a value of an outer ``jit``, ``grad``, ``vmap`` or ``scan`` that `f`
-    closes over) is run-time data: clipped, it would be a wrong finite number no
-    overflow check sees. A concrete floating array is a fill (a mask bias of
-    ``-1e9`` or ``finfo.min``) only when every finite value beyond `low`'s range is
-    one and the same value; a data array (features up to 3.5e5) has many and is
-    data too.
-    """
-    if isinstance(x, jax.core.Tracer):
-        return NONE
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or not is_float_dtype(dtype) or np.size(x) <= 1 or low.itemsize >= 4:
-        return CONST
-    hi = float(jax.numpy.finfo(low).max)
-    a = np.asarray(x)
-    if float(jax.numpy.finfo(a.dtype).max) <= hi:
-        return CONST
-    out = np.isfinite(a) & (np.abs(a) > hi)
-    # A fill next to the values it masks: one value beyond the range, some within
-    # (a vector of 1e5 everywhere is a scale, data).
-    return CONST if not out.any() or (np.unique(a[out]).size == 1 and not out.all()) else NONE
-
-
-# Ops whose every result element is a function of the same elements of their
-# inputs (or a re-layout of them): of masks and constants, they give a fill with
-# as few distinct values as the constants. A reduction, a cumulative sum or a product
-# of a mask counts run-time data instead.
-_FILL_OPS: frozenset[str] = POINTWISE | {
-    "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-    "transpose", "copy", "copy_p", "eq", "ne", "lt", "le", "gt", "ge", "and", "or",
-    "not", "xor", "select_n",
-}  # fmt: skip
-
-
-def _constant_marks(
-    eqn: Any, inmarks: list[int], outmarks: list[int], fills: set[Any]
-) -> list[int]:
-    """``outmarks``, or all ``CONST`` for a value computed from constants and masks
-    alone (``jnp.where(mask, 0.0, -1e9)``, ``(1 - mask) * -1e9``): still a
-    constant (unless the user asked for float32: keep_float32, an explicit cast).
-
-    A run-time boolean only selects between constants or scales them, element
-    by element (``_FILL_OPS``): such a result is a fill, added to `fills`. What
-    is counted or summed from a mask or a fill (``jnp.sum(mask)``) is run-time
-    data, not a constant.
-    """
-    if eqn.effects or PIN in outmarks:
-        return outmarks
-    ins = list(zip(eqn.invars, inmarks, strict=True))
-    masks = [m != CONST and _is_bool(v) for v, m in ins]
-    derived = any(masks) or any(v in fills for v, _ in ins if not isinstance(v, Literal))
-    if not all(m == CONST or mask for (_, m), mask in zip(ins, masks, strict=True)):
-        return outmarks
-    if not derived:
-        return [CONST] * len(outmarks)
-    if eqn.primitive.name in _FILL_OPS:
-        fills.update(eqn.outvars)
-        return [CONST] * len(outmarks)
-    return outmarks
-
-
-def _is_bool(v: Any) -> bool:
-    return getattr(v.aval, "dtype", None) == np.dtype(bool)
 
 
 def _region(
