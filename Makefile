@@ -4,12 +4,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MULTIDEVICE := XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: test test-single test-multidevice test-multiprocess demo bench bench-gpu lint clean test-oldest conformance dist wheel-smoke docs matrix \
+.PHONY: test test-slow test-single test-multidevice test-multiprocess demo bench bench-gpu lint clean test-oldest conformance dist wheel-smoke docs matrix \
 	docs-serve docs-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[dev,examples,bench,conformance,docs]"
 	touch $(STAMP)
 
@@ -22,8 +21,12 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-multiprocess wheel-smoke docs-check
 
 test-single: $(STAMP)
-	$(PY) -m pytest -q -n 2 jaxamp tests --ignore=tests/multidevice --ignore=tests/multiprocess \
-		--ignore=tests/matrix
+	$(PY) -m pytest -q -n 2 -m "not slow" jaxamp tests --ignore=tests/multidevice \
+		--ignore=tests/multiprocess --ignore=tests/matrix
+
+# What `make test` leaves out for time: benchmark smoke runs (pytest -m slow).
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m slow tests
 
 test-multidevice: $(STAMP)
 	$(MULTIDEVICE) $(PY) -m pytest -q -n 1 tests/multidevice tests/matrix
@@ -101,7 +104,6 @@ matrix: $(STAMP)
 DEMO_STAMP := $(VENV)/.installed-demo
 $(DEMO_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[examples]"
 	touch $(DEMO_STAMP)
 

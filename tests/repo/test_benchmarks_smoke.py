@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -118,6 +119,7 @@ ENTRY %main (x: f32[8]) -> f32[] {
     assert bench_run.reduction_kernels(text) >= 2
 
 
+@pytest.mark.slow
 def test_the_record_is_timed_on_a_model_with_the_bench_models_leaves(tmp_path) -> None:
     argv = ["--size", "tiny", "--only", "jaxamp_step,jaxamp_step_no_record", "--no-finite-check"]
     argv += ["--no-autocast", "--no-low-precision", "--out", str(tmp_path / "r.json")]
@@ -190,6 +192,7 @@ ENTRY %main (x: f32[8], y: s32[4], p: s32[]) -> (f32[8], s32[4]) {
     assert not any("f32[]" in k for k in got), got
 
 
+@pytest.mark.slow
 def test_low_precision_benchmark_trains_a_third_party_model_at_smoke_size() -> None:
     # benchmarks/bench_low_precision.py: its GPT-2 task (transformers' Flax model) trains
     # with bfloat16 params and stochastic rounding, and the memory figure counts what it
