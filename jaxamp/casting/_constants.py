@@ -35,7 +35,10 @@ def const_mark(x: Any, low: np.dtype) -> int:
     if dtype is None or not is_float_dtype(dtype) or np.size(x) <= 1 or low.itemsize >= 4:
         return CONST
     hi = float(jax.numpy.finfo(low).max)
-    a = np.asarray(x)
+    # Read once per trace, not per step; a train step traced under
+    # jax.transfer_guard("disallow") must still be able to look.
+    with jax.transfer_guard_device_to_host("allow"):
+        a = np.asarray(x)
     if float(jax.numpy.finfo(a.dtype).max) <= hi:
         return CONST
     out = np.isfinite(a) & (np.abs(a) > hi)
