@@ -220,7 +220,7 @@ def eval_eqn(
         )
         for i in floats
     ]
-    target, out_mark = choose(rule, float_ins, ctx.dtype, demanded)
+    target, out_mark, _why = choose(rule, float_ins, ctx.dtype, demanded)
     fp8 = ctx.fp8 is not None and name == "dot_general" and rule == LOWER
     return _eval_in(eqn, ins, ctx, floats, target, out_mark, rules if fp8 else None)
 

@@ -160,8 +160,10 @@ class FloatIn(NamedTuple):
 
 def choose(
     rule: str, ins: Sequence[FloatIn], compute: np.dtype, demanded: bool
-) -> tuple[np.dtype, int]:
-    """The dtype an equation runs in and the mark of its results.
+) -> tuple[np.dtype, int, str]:
+    """The dtype an equation runs in, the mark of its results, and why (the
+    phrase ``jaxamp.audit`` shows for the equation: it comes from this decision,
+    so the explanation cannot drift from the rule).
 
     Args:
       rule: the equation's op class (not ``"as_written"``).
@@ -184,18 +186,19 @@ def choose(
     wide = promote(widest, FLOAT32_DTYPE)
     if rule == LOWER:
         if widest.itemsize > compute.itemsize and widest.itemsize > 4:
-            return widest, NONE  # float64 is not cast down
-        return compute, ACT
+            return widest, NONE, "a float64 product is not cast down"
+        return compute, ACT, "a matrix product: runs in the autocast dtype"
     if rule == FLOAT32:
-        return wide, PIN if PIN in marks else F32
+        return wide, PIN if PIN in marks else F32, "a float32-list op"
     if rule == ELEMENTWISE and demanded:
-        return wide, NONE
+        return wide, NONE, "every use of its result is float32 (a float32-list op, f's output)"
     if PIN in marks:  # the user's float32 promotes what it meets
-        return wide, PIN
+        return wide, PIN, "promoted: meets a value f made float32 (astype, keep_float32)"
     if F32 in marks:  # torch's type promotion after a float32-list op
-        return wide, F32
+        return wide, F32, "promoted: meets a float32-list op's result (torch's type promotion)"
     if rule == WIDEST:
-        return widest, ACT if ACT in marks and widest == compute else NONE
+        mark = ACT if ACT in marks and widest == compute else NONE
+        return widest, mark, "runs in its widest input's dtype"
     if rule in (ELEMENTWISE, FOLLOW):
         if ACT in marks and widest.itemsize <= 4:
             own = any(
@@ -206,8 +209,10 @@ def choose(
                 for x in ins
             )
             if own:  # an input, target, mask of the activation's size: promote
-                return wide, F32
+                why = "promoted: a float32 input, target or mask (not a broadcast parameter)"
+                return wide, F32, why
             # Parameters and constants broadcast into an activation are cast down.
-            return compute, ACT
-        return widest, NONE
+            why = "follows the activation (a broadcast parameter or constant is cast down)"
+            return compute, ACT, why
+        return widest, NONE, "no activation among its inputs: runs in its inputs' dtype"
     raise ValueError(f"autocast: unknown op class {rule!r}")
