@@ -43,7 +43,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from jaxamp.checkpoint import _every_k, _spike_windows
+from jaxamp.checkpoint import _every_k, _nnx_record, _spike_windows
 from jaxamp.checkpoint._metadata import check_restorable, child, saved_tree
 from jaxamp.checkpoint._validate import validate_restored
 
@@ -169,6 +169,10 @@ def restore(
             restored = source.run(target)
         except Exception as e:
             restored = None if first else other_windows()
+            if restored is None:
+                restored = _nnx_record.restore_without_old_copies(
+                    source.read_tree, source.run, target
+                )
             if restored is None:
                 source.explain(e)
                 e.add_note(f"(raised by orbax while jaxamp.checkpoint.restore read {source.where})")
