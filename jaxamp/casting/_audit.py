@@ -8,13 +8,13 @@ somewhere upstream makes a product float32. ``audit`` compiles the function,
 reads the program XLA was given (the request) and the one it will run (the
 optimized HLO), and lists every matrix product and convolution with both,
 where it comes from (module path and source line, from the HLO metadata), and
-a flag wherever they disagree.
+a flag wherever they disagree. Before XLA, it lists autocast's own choice for
+each equation it evaluated and why (``ops``, from ``_decisions``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -22,9 +22,10 @@ from typing import Any
 import jax
 
 from jaxamp.casting import _hlo_text
+from jaxamp.casting._decisions import OpRow, fresh_trace, recording, user_frame
 from jaxamp.casting._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
 
-__all__ = ["AuditReport", "MatmulRow", "audit"]
+__all__ = ["AuditReport", "MatmulRow", "OpRow", "audit"]
 
 _GEMM_TARGETS = {
     "__cublas$lt$matmul$f8": "cuBLASLt FP8 GEMM",
@@ -32,11 +33,6 @@ _GEMM_TARGETS = {
     "__cublas$gemm": "cuBLAS GEMM",
 }
 _PASSTHROUGH = {"parameter", "convert", "bitcast", "copy", "transpose", "reshape", "broadcast"}
-_LIBRARIES = tuple(
-    os.path.dirname(m.__file__) + os.sep
-    for m in (jax, __import__("jaxamp"))
-    if getattr(m, "__file__", None)
-) + (os.sep + "site-packages" + os.sep,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,39 +67,56 @@ class MatmulRow:
 
 @dataclasses.dataclass(frozen=True)
 class AuditReport:
-    """What ``jaxamp.audit`` found: ``matmuls`` and ``large_converts``; ``str()`` is a table.
+    """What ``jaxamp.audit`` found: ``matmuls``, ``large_converts`` and ``ops``;
+    ``str()`` is a table of each.
 
     Attributes:
       platform: the backend compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
       matmuls: one `MatmulRow` per product / convolution, in program order.
       large_converts: standalone dtype conversions of at least `large` elements
         (an extra pass over memory that a fused cast would not cost).
+      ops: autocast's choice for each floating equation it evaluated, before
+        XLA, in trace order: one `OpRow` (primitive, dtype, op class and where
+        the class comes from, why, module path, source line). Empty when `fn`
+        runs no ``autocast``.
     """
 
     platform: str
     matmuls: tuple[MatmulRow, ...]
     large_converts: tuple[str, ...]
+    ops: tuple[OpRow, ...] = ()
 
     @property
     def flagged(self) -> tuple[MatmulRow, ...]:
         return tuple(r for r in self.matmuls if r.flags)
 
     def __str__(self) -> str:
-        head = ("pass", "module", "requested", "executed", "kernel", "source", "flags")
-        rows = [head] + [
-            (r.pass_, r.module or "-", r.requested, r.executed, r.kernel, r.source,
-             "; ".join(r.flags))
-            for r in self.matmuls
-        ]  # fmt: skip
-        widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
         lines = [f"jaxamp.audit ({self.platform}): {len(self.matmuls)} products, "
                  f"{len(self.flagged)} flagged"]  # fmt: skip
-        for row in rows:
-            lines.append(
-                "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
-            )
+        lines += _table(
+            ("pass", "module", "requested", "executed", "kernel", "source", "flags"),
+            [(r.pass_, r.module or "-", r.requested, r.executed, r.kernel, r.source,
+              "; ".join(r.flags)) for r in self.matmuls],
+        )  # fmt: skip
         lines += [f"large convert: {c}" for c in self.large_converts]
+        if self.ops:
+            lines.append(f"autocast's choices ({len(self.ops)} ops, before XLA):")
+            lines += _table(
+                ("module", "op", "dtype", "class (rule)", "source", "why"),
+                [(r.module or "-", r.primitive, r.dtype, f"{r.op_class} ({r.rule})", r.source,
+                  r.reason) for r in self.ops],
+            )  # fmt: skip
         return "\n".join(lines)
+
+
+def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """`rows` under `head` in aligned columns, the last one left ragged."""
+    rows = [head, *rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1]
+        for row in rows
+    ]
 
 
 def _split_scopes(op_name: str) -> list[str]:
@@ -129,16 +142,6 @@ def _module_path(op_name: str) -> str:
         names += [p for p in _split_scopes(part) if p]
     own = (AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE)
     return "/".join(n for n in names if not n.startswith(own))
-
-
-def _user_frame(frames: list[tuple[str, int, str]]) -> str:
-    for file, line, fn in frames:
-        if not file.startswith(_LIBRARIES) and os.sep + "site-packages" + os.sep not in file:
-            return f"{os.path.basename(file)}:{line} ({fn})" if fn else f"{file}:{line}"
-    if frames:
-        file, line, fn = frames[0]
-        return f"{os.path.basename(file)}:{line} ({fn})"
-    return "?"
 
 
 def _is_matmul(ins: _hlo_text.Instr) -> bool:
@@ -205,6 +208,13 @@ def audit(fn: Callable[..., Any], *args: Any, large: int = 2**20, **kwargs: Any)
     at least `large` elements. Works on any backend: on the CPU every FP8 and
     bfloat16 product is flagged, since XLA:CPU computes them in float32.
 
+    ``ops`` is the view before XLA: for each floating equation every
+    ``autocast`` inside `fn` evaluated, the dtype it chose, the op class in
+    force and where it comes from (``DEFAULT_RULES``, ``rules=``, a
+    ``modules=`` pattern, ``full_precision``), and why (a promotion, a float32
+    region, an FP8 product or the FP8 exclusion that kept it out). `fn` is
+    traced afresh for it, even if JAX has traced it before.
+
     Args:
       fn: the function, e.g. a training step (jitted or not).
       *args: its arguments (arrays, or ``jax.ShapeDtypeStruct``s).
@@ -219,9 +229,12 @@ def audit(fn: Callable[..., Any], *args: Any, large: int = 2**20, **kwargs: Any)
       >>> report = jaxamp.audit(f, jnp.ones((16, 32)), jnp.ones((32, 16)))
       >>> report.matmuls[0].requested
       'bf16 x bf16 -> bf16'
+      >>> report.ops[0].primitive, report.ops[0].dtype, report.ops[0].op_class
+      ('dot_general', 'bfloat16', 'lower')
     """
     lower = getattr(fn, "lower", None) or jax.jit(fn).lower
-    lowered = lower(*args, **kwargs)
+    with recording() as ops, fresh_trace():
+        lowered = lower(*args, **kwargs)
     try:
         pre_text = lowered.as_text(dialect="hlo", debug_info=True)
     except TypeError:  # pragma: no cover - JAX without debug_info
@@ -245,7 +258,7 @@ def audit(fn: Callable[..., Any], *args: Any, large: int = 2**20, **kwargs: Any)
         rows.append(MatmulRow(
             kernel, requested, executed, accumulation, ins.type,
             "backward" if "transpose(" in op_name else "forward", _module_path(op_name),
-            _user_frame(post.frames_of(ins)),
+            user_frame(post.frames_of(ins)),
             tuple(_flags(requested, executed, kernel, op_name, platform)),
         ))  # fmt: skip
     converts = []
@@ -258,9 +271,9 @@ def audit(fn: Callable[..., Any], *args: Any, large: int = 2**20, **kwargs: Any)
             converts.append(
                 f"{src.type if src else '?'} -> {ins.type} at "
                 f"{_module_path(ins.attr('op_name') or '') or '-'} "
-                f"({_user_frame(post.frames_of(ins))})"
+                f"({user_frame(post.frames_of(ins))})"
             )
-    return AuditReport(platform, tuple(rows), tuple(converts))
+    return AuditReport(platform, tuple(rows), tuple(converts), tuple(ops))
 
 
 def _size(dims: tuple[int, ...]) -> int:

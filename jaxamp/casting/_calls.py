@@ -22,6 +22,7 @@ from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting import _primitives
 from jaxamp.casting._casts import bind, cast_all, to_original
 from jaxamp.casting._context import Context
+from jaxamp.casting._decisions import note
 from jaxamp.casting._interpret import Ins, Outs, eval_jaxpr
 from jaxamp.casting._primitives import Kind, kind_of
 from jaxamp.casting._rules import F32, FLOAT32_DTYPE, FLOAT32_FUNCTIONS, NONE, promote
@@ -86,6 +87,8 @@ def eval_call(eqn: Any, ins: Ins, ctx: Context) -> Outs:
             for x, d, u in zip(invals, dtypes, ups, strict=True)
         ]
         marks = [F32 if u is not None else m for u, m in zip(ups, inmarks, strict=True)]
+        why = "torch runs this function in float32, whatever its inputs"
+        note(eqn, ctx, FLOAT32_DTYPE, why, ("float32", f"{params['name']} (FLOAT32_FUNCTIONS)"))
         return eval_jaxpr(inner.jaxpr, inner.consts, args, ctx, marks)
     if jax_compat.inlinable_call(params):
         # Activations keep their dtype across the boundary (jax.nn.relu, silu,

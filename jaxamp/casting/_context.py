@@ -52,6 +52,10 @@ class Context:
     casts: dict[tuple[int, Any], tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     # Resolved per-module rules per name stack.
     scoped: dict[str, tuple[bool, Mapping[str, str]]] = dataclasses.field(default_factory=dict)
+    # Per name stack, where its rules differ from ``rules`` and why: primitive
+    # name -> the ``modules=`` pattern that set it; ``"*"`` -> what makes the
+    # whole scope run as written. Read by ``jaxamp.audit``'s per-op view.
+    origins: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     # The FP8 plan of this trace (``_fp8.Plan``), or None: no FP8.
     fp8: Any = None
 
@@ -77,18 +81,20 @@ class Context:
         if hit is not None:
             return hit
         parts = [p for p in stack.split("/") if p]
-        full = runs_as_written(parts)
+        marker = runs_as_written(parts)
+        full, origin = bool(marker), {"*": marker} if marker else {}
         rules = self.rules
         if self.modules and not full:
             for pattern, value in self.modules:
                 if module_match(pattern, parts):
                     if value == FLOAT32:
-                        full = True
+                        full, origin["*"] = True, f"modules[{pattern!r}]='float32'"
                         break
                     rules = {**rules, **value}
+                    origin.update(dict.fromkeys(value, f"modules[{pattern!r}]"))
         if self.fp8 is not None and not full:
             rules = self.fp8.scope_rules(parts, stack, rules)
-        self.scoped[stack] = (full, rules)
+        self.scoped[stack], self.origins[stack] = (full, rules), origin
         return full, rules
 
     def memo(self, key: Any, owner: Any, make: Callable[[], Any]) -> Any:

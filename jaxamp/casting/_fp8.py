@@ -50,7 +50,7 @@ __all__ = ["Fp8Config", "fp8"]
 
 SCALINGS = ("tensorwise", "rowwise")
 #: The key a scope's rules carry when an FP8 decision depends on the scope; its
-#: value is the ``modules=`` verdict (True, False or None: no rule). A new
+#: value is the ``modules=`` verdict, ``(pattern, on)``, or None (no rule). A new
 #: mapping per such scope also keeps autocast's per-call-site cache apart.
 FP8_KEY = "jaxamp.fp8"
 #: Higher-order primitives whose body runs more than once per call.
@@ -180,40 +180,51 @@ class Plan:
 
     config: Fp8Config
     compute: np.dtype
-    # (id(eqn), stack) of the first and last layer's product -> the equation
-    # (kept alive so that its id stays its own).
-    excluded: dict[tuple[int, str], Any] = dataclasses.field(default_factory=dict)
+    # (id(eqn), stack) of the first and last layer's product -> (the equation,
+    # kept alive so that its id stays its own; "first" or "last").
+    excluded: dict[tuple[int, str], tuple[Any, str]] = dataclasses.field(default_factory=dict)
 
     def scope_rules(self, parts: list[str], stack: str, rules: Mapping[str, str]) -> Any:
         """`rules` for the scope `stack`, marked where an FP8 decision depends on it."""
         verdict = None
         for pattern, on in self.config.modules:
             if module_match(pattern, parts):
-                verdict = on
+                verdict = (pattern, on)
         if verdict is None and not any(s == stack for _, s in self.excluded):
             return rules
         return {**rules, FP8_KEY: verdict}
 
-    def wants(self, eqn: Any, stack: str, rules: Mapping[str, str]) -> bool:
+    def refusal(self, eqn: Any, stack: str, rules: Mapping[str, str]) -> str:
+        """Why this product stays out of FP8 by the config (``""``: it does not)."""
         verdict = rules.get(FP8_KEY)
         if verdict is not None:
-            return bool(verdict)
-        return (id(eqn), stack) not in self.excluded
+            pattern, on = verdict
+            return "" if on else f"jaxamp.fp8(modules={{{pattern!r}: False}})"
+        hit = self.excluded.get((id(eqn), stack))
+        return f"the model's {hit[1]} matrix-product layer (first_last_bf16)" if hit else ""
 
     def dot(
         self, eqn: Any, args: list[Any], params: Mapping[str, Any], target: np.dtype,
         rules: Mapping[str, str], stack: str,
-    ) -> list[Any] | None:  # fmt: skip
-        """The FP8 product for a ``"lower"`` ``dot_general`` bound on `args`, or None."""
-        if target != self.compute or not self.wants(eqn, stack, rules):
-            return None
+    ) -> tuple[list[Any] | None, str]:  # fmt: skip
+        """The FP8 product for a ``"lower"`` ``dot_general`` bound on `args` (or None:
+        it stays in `target`), and why (``jaxamp.audit``'s per-op view)."""
+        if target != self.compute:
+            return None, ""
+        refusal = self.refusal(eqn, stack, rules)
+        if refusal:
+            return None, f"not FP8: {refusal}"
         lhs, rhs = args
         dims = params["dimension_numbers"]
         dims = tuple(tuple(tuple(int(i) for i in d) for d in pair) for pair in dims)
         if not _fp8_gemm.eligible(lhs.shape, rhs.shape, dims):
-            return None
+            m, n, k = _fp8_gemm.mnk(lhs.shape, rhs.shape, dims)
+            return None, (
+                f"not FP8: M, N, K = {m}, {n}, {k}, not all multiples of 16 (XLA would "
+                "pad each FP8 operand for cuBLASLt)"
+            )
         if np.dtype(lhs.dtype) != target or np.dtype(rhs.dtype) != target:
-            return None
+            return None, "not FP8: an operand is not in the autocast dtype"
         pref = params.get("preferred_element_type")
         gemm = _fp8_gemm.Gemm(
             dims=dims,
@@ -227,7 +238,13 @@ class Plan:
         # backward, carry the user's line and module path into the HLO metadata
         # (what ``jaxamp.audit`` reads), not autocast's.
         with jax_compat.source_info_context(eqn):
-            return [_fp8_gemm.fp8_dot_general(lhs, rhs, gemm)]
+            outs = [_fp8_gemm.fp8_dot_general(lhs, rhs, gemm)]
+        on = rules.get(FP8_KEY)
+        why = f" (jaxamp.fp8(modules={{{on[0]!r}: True}}))" if on else ""
+        return (
+            outs,
+            f"FP8 {self.config.scaling}: float8_e4m3fn operands, float8_e5m2 gradients{why}",
+        )
 
 
 def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
@@ -235,7 +252,7 @@ def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
     if config is None:
         return None
     # A throwaway cache: the trace's own scopes get the FP8 marks once planned.
-    probe = dataclasses.replace(ctx, scoped={}, fp8=None)
+    probe = dataclasses.replace(ctx, scoped={}, origins={}, fp8=None)
     found: list[tuple[Any, str]] = []
 
     def walk(jaxpr: Jaxpr, outer: str) -> None:
@@ -256,6 +273,6 @@ def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
     walk(jaxpr, "")
     result = Plan(config, np.dtype(ctx.dtype))
     if config.first_last_bf16 and found:
-        for eqn, stack in (found[0], found[-1]):
-            result.excluded[(id(eqn), stack)] = eqn
+        for (eqn, stack), which in ((found[-1], "last"), (found[0], "first")):
+            result.excluded[(id(eqn), stack)] = (eqn, which)
     return result

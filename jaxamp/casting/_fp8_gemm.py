@@ -277,12 +277,17 @@ def _bwd(gemm: Gemm, res: tuple[Any, ...], g: Any) -> tuple[Any, Any]:
 fp8_dot_general.defvjp(_fwd, _bwd)
 
 
-def eligible(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dims: DotDims) -> bool:
-    """Whether the product's M, N and K (the products of the lhs free, rhs free and
-    contracting dimensions) are all multiples of 16 (see ``_fp8``: XLA pads
-    them to 16 for the cuBLASLt FP8 kernel, a copy that eats the gain)."""
+def mnk(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dims: DotDims) -> tuple[int, ...]:
+    """The product's M, N and K: the products of the lhs free, rhs free and
+    contracting dimensions."""
     (lc, rc), (lb, rb) = dims
     m = int(np.prod([lhs_shape[i] for i in _free(len(lhs_shape), lc, lb)]))
     n = int(np.prod([rhs_shape[i] for i in _free(len(rhs_shape), rc, rb)]))
     k = int(np.prod([lhs_shape[i] for i in lc]))
-    return all(d > 0 and d % 16 == 0 for d in (m, n, k))
+    return m, n, k
+
+
+def eligible(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dims: DotDims) -> bool:
+    """Whether the product's M, N and K are all multiples of 16 (see ``_fp8``: XLA
+    pads them to 16 for the cuBLASLt FP8 kernel, a copy that eats the gain)."""
+    return all(d > 0 and d % 16 == 0 for d in mnk(lhs_shape, rhs_shape, dims))

@@ -27,6 +27,7 @@ from jaxamp.casting._analysis import analyse, pointwise_region, starts_region
 from jaxamp.casting._casts import bind, bind_opmath, bind_region, host_cast, to_original
 from jaxamp.casting._constants import const_mark, constant_marks
 from jaxamp.casting._context import Context
+from jaxamp.casting._decisions import note, note_outs, note_region
 from jaxamp.casting._primitives import kind_of
 from jaxamp.casting._rules import (
     ACT,
@@ -107,6 +108,7 @@ def eval_jaxpr(
             outmarks = [(ACT if low else F32) if is_float_dtype(x.dtype) else NONE for x in outs]
             if low:
                 outs = [ctx.cast(x, ctx.dtype) if is_float_dtype(x.dtype) else x for x in outs]
+            note_region(jaxpr, region.eqns, ctx, low)
             outvars = region.outputs
             done.update(region.eqns)
         else:
@@ -195,14 +197,17 @@ def eval_eqn(
     name, nout = eqn.primitive.name, len(eqn.outvars)
     full, rules = ctx.rules_at()
     rule = AS_WRITTEN if full else rules.get(name, FOLLOW)
+    why, origin = "runs in the dtypes f gives it", None
     if rule != AS_WRITTEN and has_subjaxprs(eqn.params):
         handler = ctx.handlers.get(kind_of(name))
         if handler is not None:
             return handler(eqn, ins, ctx)
         _unknown_higher_order(name, ctx)
-        rule = AS_WRITTEN
+        rule, why = AS_WRITTEN, "a higher-order primitive autocast does not enter"
+        origin = (AS_WRITTEN, "unknown_higher_order=")
     if rule == AS_WRITTEN:
         outs = bind(eqn, to_original(invals, ins.dtypes, eqn.invars, ctx), cached=ctx.cached)
+        note_outs(eqn, ctx, outs, why, origin)
         return outs, [NONE] * nout
     floats = [i for i, d in enumerate(ins.dtypes) if is_float_dtype(d)]
     if not floats:  # integer / bool / key ops are never touched
@@ -211,6 +216,7 @@ def eval_eqn(
         return _eval_convert(eqn, ins, ctx, demanded)
     if name == "reduce_precision" and KEEP_FLOAT32_SCOPE in ctx.stack:
         x = invals[0]  # the keep_float32 marker: an identity in float32
+        note(eqn, ctx, FLOAT32_DTYPE, "keep_float32: float32 until a matrix product")
         return [x if ins.dtypes[0] == FLOAT32_DTYPE else ctx.cast(x, FLOAT32_DTYPE)], [PIN]
     if name in _NO_CAST_DOWN:
         broadcast = [False] * len(broadcast)
@@ -220,9 +226,9 @@ def eval_eqn(
         )
         for i in floats
     ]
-    target, out_mark, _why = choose(rule, float_ins, ctx.dtype, demanded)
+    target, out_mark, why = choose(rule, float_ins, ctx.dtype, demanded)
     fp8 = ctx.fp8 is not None and name == "dot_general" and rule == LOWER
-    return _eval_in(eqn, ins, ctx, floats, target, out_mark, rules if fp8 else None)
+    return _eval_in(eqn, ins, ctx, floats, target, out_mark, rules if fp8 else None, why)
 
 
 def _eval_in(
@@ -233,15 +239,19 @@ def _eval_in(
     target: np.dtype,
     out_mark: int,
     fp8_rules: Mapping[str, str] | None = None,
+    why: str = "",
 ) -> Outs:
     """An equation with its floating inputs (at ``floats``) cast to ``target``; with
     ``fp8_rules`` (the rules in force for a ``"lower"`` ``dot_general`` under FP8), as
-    an FP8 product where the trace's FP8 plan wants one."""
+    an FP8 product where the trace's FP8 plan wants one. `why`: ``choose``'s reason."""
     nout = len(eqn.outvars)
+    opmath = "; in float32, rounded once (torch's opmath)"
     if eqn.primitive.name in OPMATH_OPS and target == ctx.dtype and target.itemsize < 4:
+        note(eqn, ctx, FLOAT32_DTYPE, why + opmath)
         outs = bind_opmath(eqn, ins.vals[floats[0]], target, ctx, ctx.cached)
         return outs, [out_mark] * nout
     if target == ctx.dtype and _literal_beyond(eqn, ins, floats, target):
+        note(eqn, ctx, FLOAT32_DTYPE, f"{why}; a Python scalar {target.name} cannot hold{opmath}")
         return _eval_opmath(eqn, ins, ctx, floats, target, out_mark)
     args = list(ins.vals)
     for i in floats:
@@ -252,9 +262,12 @@ def _eval_in(
                 args[i] = ctx.cast(ins.vals[i], target, const=ins.marks[i] == CONST)
     params, out_mark = _accumulation(eqn, floats, target, out_mark)
     if fp8_rules is not None:
-        fp8_outs = ctx.fp8.dot(eqn, args, params, target, fp8_rules, ctx.stack)
+        fp8_outs, fp8_why = ctx.fp8.dot(eqn, args, params, target, fp8_rules, ctx.stack)
         if fp8_outs is not None:
+            note(eqn, ctx, "float8_e4m3fn", fp8_why)
             return fp8_outs, [out_mark] * nout
+        why = f"{why}; {fp8_why}" if fp8_why else why
+    note(eqn, ctx, target, why)
     return bind(eqn, args, params, ctx.cached), [out_mark] * nout
 
 
@@ -355,6 +368,7 @@ def _eval_convert(eqn: Any, ins: Ins, ctx: Context, demanded: bool) -> Outs:
     src = eqn.invars[0].aval
     retype = bool(src.weak_type) != bool(eqn.params.get("weak_type", False))
     pinned = new.itemsize >= 4 and not demanded and not retype
+    note(eqn, ctx, new, "a cast in f" + (": float32 from here until a matrix product" * pinned))
     if ins.dtypes[0] == new:
         return [x], [PIN if pinned else ins.marks[0]]
     return [ctx.cast(x, new)], [PIN if pinned else NONE]

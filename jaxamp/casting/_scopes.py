@@ -23,9 +23,15 @@ def join(outer: str, inner: str) -> str:
     return f"{outer}/{inner}" if outer and inner else outer or inner
 
 
-def runs_as_written(parts: list[str]) -> bool:
-    """Whether a name stack is inside ``full_precision`` or a nested ``autocast``."""
-    return any(p.startswith((FULL_PRECISION_SCOPE, AUTOCAST_SCOPE)) for p in parts)
+def runs_as_written(parts: list[str]) -> str:
+    """What makes a name stack run as written: ``"full_precision"`` or ``"nested
+    autocast"`` (its own rules are already applied), or ``""``: nothing."""
+    for p in parts:
+        if p.startswith(FULL_PRECISION_SCOPE):
+            return "full_precision"
+        if p.startswith(AUTOCAST_SCOPE):
+            return "nested autocast"
+    return ""
 
 
 def module_match(pattern: str, parts: list[str]) -> bool:
