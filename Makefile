@@ -113,13 +113,20 @@ demo: $(DEMO_STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
 
-# Issue 13's GPU figures (benchmarks/gpu.py; about 9 minutes on an H200). Needs a Python
-# whose jax sees a CUDA GPU (pip install "jax[cuda13]" flax optax jmp orbax-checkpoint tqdm
+# Issue 13's GPU figures (benchmarks/gpu.py; about 9 minutes on an H200), then issue 33's
+# FP8 ones (benchmarks/gpu_fp8.py, about 5 more: tokens/s of the ~124M GPT in float32,
+# bfloat16, float16 and FP8 tensorwise / rowwise autocast, and the cuBLASLt FP8 custom
+# calls in each step's optimized HLO; alone: make bench-gpu-fp8). Needs a Python whose
+# jax sees a CUDA GPU (pip install "jax[cuda13]" flax optax jmp orbax-checkpoint tqdm
 # matplotlib), not this CPU venv: GPU_PYTHON=/path/to/python make bench-gpu.
 GPU_PYTHON ?= python3
 GPU_OUT ?= benchmarks/gpu_results
-bench-gpu:
+.PHONY: bench-gpu-fp8
+bench-gpu: bench-gpu-fp8
 	$(GPU_PYTHON) benchmarks/gpu.py --out $(GPU_OUT)
+
+bench-gpu-fp8:
+	$(GPU_PYTHON) benchmarks/gpu_fp8.py --out $(GPU_OUT)/fp8.json
 
 # The library's tests on the oldest versions pyproject.toml admits (not run by CI:
 # a second environment of ~600 MB). The multi-device, checkpoint and example tests
