@@ -1,8 +1,8 @@
 """What autocast reads from a jaxpr's structure before evaluating it.
 
 One backward pass per jaxpr decides which equations run in float32 because
-everything they feed is float32 (``demanded``); one forward pass finds which
-inputs are broadcast into an equation's result (``broadcast``); and
+everything they feed is float32 (``demanded``); one forward pass finds how
+each input is laid out into an equation's result (``layouts``); and
 ``pointwise_region`` finds the equations that compute a pointwise function of
 one activation from a float32-list op on (run in float32, rematerialised from
 the activation).
@@ -18,7 +18,18 @@ import numpy as np
 from jax.extend.core import Jaxpr, Literal
 
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._rules import AS_WRITTEN, ELEMENTWISE, FLOAT32, FOLLOW, LOWER
+from jaxamp.casting._rules import (
+    AS_WRITTEN,
+    BIAS,
+    ELEMENTWISE,
+    FLOAT32,
+    FOLLOW,
+    LOWER,
+    LOWER_PRECISION_OPS,
+    OWN,
+    SCALAR,
+    VECTOR,
+)
 
 if TYPE_CHECKING:
     from jaxamp.casting._context import Context
@@ -42,6 +53,19 @@ _RELAYOUT: frozenset[str] = frozenset(
         "copy", "copy_p", "transpose",
     }
 )  # fmt: skip
+
+# The relayouts between a matmul or convolution and its bias add in the layers
+# that write ``dot + bias`` (Flax's Conv reshapes its batch dimensions around
+# ``conv_general_dilated``; a vmapped equinox Linear transposes).
+_BIAS_RELAYOUT: frozenset[str] = frozenset(
+    {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims"}
+)
+
+# Ops whose broadcast operand is a target or a threshold, not a parameter: a
+# per-row target in ``pred - y[:, None]`` or a comparison's bound. Laid out as
+# the result's own values, so a wider one promotes (torch's type promotion)
+# and a small difference is not rounded to 0.
+_TARGET_OPS: frozenset[str] = frozenset({"sub", "eq", "ne", "lt", "le", "gt", "ge"})
 
 #: Elementwise ops a pointwise region may hold: each result element is a
 #: function of the same element of the inputs (and scalars).
@@ -68,28 +92,35 @@ class Analysis(NamedTuple):
 
     #: "elementwise" equations whose results only feed float32 (they run in float32).
     demanded: frozenset[int]
-    #: per equation, per input: is it a scalar or a vector broadcast into the
-    #: result (``broadcast_inputs``)?
-    broadcast: tuple[tuple[bool, ...], ...]
+    #: per equation, per input: how it is laid out into the result (``OWN``,
+    #: ``SCALAR``, ``VECTOR``, ``BIAS``; ``input_layouts``).
+    layouts: tuple[tuple[int, ...], ...]
 
 
 def _size(shape: tuple[int, ...]) -> int:
     return math.prod(int(d) for d in shape)
 
 
-def broadcast_inputs(jaxpr: Jaxpr) -> tuple[tuple[bool, ...], ...]:
-    """Per equation, per input: a scalar or vector broadcast into the result.
+def input_layouts(jaxpr: Jaxpr) -> tuple[tuple[int, ...], ...]:
+    """Per equation, per input: how its values are laid out into the result.
 
     An input is broadcast when the values it was laid out from (through
     ``broadcast_in_dim``, ``reshape``, ... in this jaxpr) have fewer elements
-    than the equation's result and at most one axis longer than 1: a Dense
-    bias or a norm scale (``(1, 1, features)``), a per-channel or per-row
-    weight, a scalar or a fill constant (``jnp.where(m, x, -1e9)``,
-    ``jnp.zeros(shape)``). A value with two such axes (a padding mask of
-    ``(batch, 1, length)``, a positional table) or of the result's size is
-    not. A jaxpr's inputs count as laid out from themselves.
+    than the equation's result and at most one axis longer than 1: ``SCALAR``
+    when those values are 0-dimensional (a Python or 0-d constant, a scalar
+    parameter, ``jnp.full(shape, -1e9)``), else ``VECTOR`` (a bias, a norm
+    scale, a per-channel or per-row weight). A value with two such axes (a
+    padding mask of ``(batch, 1, length)``, a positional table), of the
+    result's size, or an operand of a subtraction or comparison is ``OWN``. A
+    jaxpr's inputs count as laid out from themselves.
+
+    ``BIAS``: a ``VECTOR`` added to a matmul's or convolution's result, laid
+    out again at most (``_BIAS_RELAYOUT``) -- the ``dot + bias`` of Flax's
+    Dense and Conv, NNX and equinox Linear, HF's Conv1D, which torch's
+    ``Linear`` and ``conv`` compute with the bias cast down.
     """
     source: dict[Any, tuple[int, ...]] = {}
+    lowered: set[Any] = set()  # a lower op's results, through _BIAS_RELAYOUT ops
 
     def shape_of(v: Any) -> tuple[int, ...]:
         return tuple(getattr(v.aval, "shape", ()))
@@ -97,15 +128,28 @@ def broadcast_inputs(jaxpr: Jaxpr) -> tuple[tuple[bool, ...], ...]:
     def src(v: Any) -> tuple[int, ...]:
         return shape_of(v) if isinstance(v, Literal) else source.get(v, shape_of(v))
 
+    def from_lower(v: Any) -> bool:
+        return not isinstance(v, Literal) and v in lowered
+
     out = []
     for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
         size = max((_size(shape_of(v)) for v in eqn.outvars), default=0)
-        flags = []
+        kinds = []
         for v in eqn.invars:
             s = src(v)
-            flags.append(_size(s) < size and sum(d > 1 for d in s) <= 1)
-        out.append(tuple(flags))
-        if eqn.primitive.name in _RELAYOUT and eqn.invars and len(eqn.outvars) == 1:
+            broadcast = _size(s) < size and sum(d > 1 for d in s) <= 1
+            kinds.append(OWN if name in _TARGET_OPS or not broadcast else VECTOR if s else SCALAR)
+        if name == "add" and len(kinds) == 2:
+            for k in (0, 1):
+                if kinds[k] == VECTOR and from_lower(eqn.invars[1 - k]):
+                    kinds[k] = BIAS
+        out.append(tuple(kinds))
+        if name in LOWER_PRECISION_OPS or (
+            name in _BIAS_RELAYOUT and eqn.invars and from_lower(eqn.invars[0])
+        ):
+            lowered.update(eqn.outvars)
+        if name in _RELAYOUT and eqn.invars and len(eqn.outvars) == 1:
             s = src(eqn.invars[0])
             if _size(s) <= _size(shape_of(eqn.outvars[0])):
                 source[eqn.outvars[0]] = s
@@ -164,7 +208,7 @@ def analyse(jaxpr: Jaxpr, ctx: Context, float32_outputs: bool = False) -> Analys
                 free.add(i)
                 if rule == ELEMENTWISE and all(v in wide or not uses.get(v) for v in eqn.outvars):
                     demanded.add(i)  # feeds f's float32 outputs only
-        return Analysis(frozenset(demanded), broadcast_inputs(jaxpr))
+        return Analysis(frozenset(demanded), input_layouts(jaxpr))
 
     return ctx.memo(("analysis", id(jaxpr), float32_outputs), jaxpr, make)
 

@@ -27,7 +27,9 @@ def const_mark(x: Any, low: np.dtype) -> int:
     overflow check sees. A concrete floating array is a fill (a mask bias of
     ``-1e9`` or ``finfo.min``) only when every finite value beyond `low`'s range is
     one and the same value; a data array (features up to 3.5e5) has many and is
-    data too.
+    data too. So is an array with a nonzero value below `low`'s smallest normal
+    number (a layer scale of 1e-6 in float16): cast down, it would be rounded
+    to a few digits or to 0, so it stays in float32 where it meets an activation.
     """
     if isinstance(x, jax.core.Tracer):
         return NONE
@@ -41,6 +43,8 @@ def const_mark(x: Any, low: np.dtype) -> int:
         a = np.asarray(x)
     if float(jax.numpy.finfo(a.dtype).max) <= hi:
         return CONST
+    if np.any((a != 0) & (np.abs(a) < float(jax.numpy.finfo(low).tiny))):
+        return NONE
     out = np.isfinite(a) & (np.abs(a) > hi)
     # A fill next to the values it masks: one value beyond the range, some within
     # (a vector of 1e5 everywhere is a scale, data).

@@ -116,8 +116,8 @@ def eval_jaxpr(
             # auto_axes body runs under another mesh than its caller).
             with jax_compat.eqn_context(eqn), _source_info(eqn, ctx):
                 invals = [read(v) for v in eqn.invars]
-                demanded, broadcast = i in facts.demanded, facts.broadcast[i]
-                outs, outmarks = eval_eqn(eqn, invals, inmarks, ctx, demanded, broadcast)
+                demanded, layouts = i in facts.demanded, facts.layouts[i]
+                outs, outmarks = eval_eqn(eqn, invals, inmarks, ctx, demanded, layouts)
             outvars, outmarks = eqn.outvars, constant_marks(eqn, inmarks, outmarks, fills)
         for v, x, m in zip(outvars, outs, outmarks, strict=True):
             env[v], mark[v] = x, m
@@ -174,23 +174,17 @@ def has_subjaxprs(params: dict[str, Any]) -> bool:
     return False
 
 
-#: Ops whose broadcast operand is a target or a threshold, not a parameter: a
-#: per-row target in ``pred - y[:, None]`` or a comparison's bound. A wider one
-#: promotes (torch's type promotion), so a small difference is not rounded to 0.
-_NO_CAST_DOWN: frozenset[str] = frozenset({"sub", "eq", "ne", "lt", "le", "gt", "ge"})
-
-
 def eval_eqn(
     eqn: Any,
     invals: list[Any],
     inmarks: list[int],
     ctx: Context,
     demanded: bool,
-    broadcast: Sequence[bool],
+    layouts: Sequence[int],
 ) -> Outs:
     """One equation: by its handler, as written, or in the dtype its rule chooses.
 
-    ``demanded`` and ``broadcast`` are the analysis's facts about it (``_analysis``).
+    ``demanded`` and ``layouts`` are the analysis's facts about it (``_analysis``).
     """
     ctx = ctx.at(join(ctx.stack, jax_compat.name_stack(eqn)))
     ins = Ins(invals, inmarks, [_dtype_of(x, v) for x, v in zip(invals, eqn.invars, strict=True)])
@@ -218,12 +212,8 @@ def eval_eqn(
         x = invals[0]  # the keep_float32 marker: an identity in float32
         note(eqn, ctx, FLOAT32_DTYPE, "keep_float32: float32 until a matrix product")
         return [x if ins.dtypes[0] == FLOAT32_DTYPE else ctx.cast(x, FLOAT32_DTYPE)], [PIN]
-    if name in _NO_CAST_DOWN:
-        broadcast = [False] * len(broadcast)
     float_ins = [
-        FloatIn(
-            np.dtype(ins.dtypes[i]), ins.marks[i], not eqn.invars[i].aval.weak_type, broadcast[i]
-        )
+        FloatIn(np.dtype(ins.dtypes[i]), ins.marks[i], not eqn.invars[i].aval.weak_type, layouts[i])
         for i in floats
     ]
     target, out_mark, why = choose(rule, float_ins, ctx.dtype, demanded)

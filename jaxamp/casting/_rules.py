@@ -131,6 +131,20 @@ PIN = 3
 #: ``finfo(float32).min`` must stay finite in float16. Otherwise like NONE.
 CONST = 4
 
+# How a floating input is laid out into an equation's result (``_analysis``):
+#: of the result's own size (an input, a target, a mask, a computed value), or
+#: any operand of a subtraction or comparison (a per-row target, a threshold).
+OWN = 0
+#: a 0-dimensional value broadcast into the result: a Python or 0-d constant, a
+#: scalar parameter (torch does not promote with a 0-dim tensor either).
+SCALAR = 1
+#: a vector broadcast into the result: a per-channel scale, a per-row weight, a
+#: layer scale, a per-feature offset.
+VECTOR = 2
+#: a vector added to a matmul's or convolution's result (a Dense / Linear / Conv
+#: bias).
+BIAS = 3
+
 FLOAT32_DTYPE = np.dtype(np.float32)
 
 
@@ -147,15 +161,14 @@ class FloatIn(NamedTuple):
       mark: its mark (``NONE``, ``ACT``, ``F32``, ``PIN``, ``CONST``).
       strong: False for a weakly typed Python scalar, which follows the other
         inputs as in JAX and PyTorch.
-      broadcast: a scalar or a vector broadcast into the result
-        (``_analysis.broadcast_inputs``: a bias, a norm scale, a per-row weight,
-        a fill constant).
+      layout: how it is laid out into the result (``OWN``, ``SCALAR``,
+        ``VECTOR``, ``BIAS``; ``_analysis.input_layouts``).
     """
 
     dtype: np.dtype
     mark: int
     strong: bool
-    broadcast: bool
+    layout: int
 
 
 def choose(
@@ -172,13 +185,12 @@ def choose(
       demanded: every use of the results is float32 (``_analysis``).
 
     Where a wider value meets an activation in an op outside the float32
-    list, the op follows torch's type promotion (float32), unless every wider
-    input is a parameter or constant broadcast into the activation: those
-    are cast down, as torch's ``Linear`` casts its bias (and torch does not
-    promote with a 0-dim tensor). A wider input of the activation's own size
-    (an input, a target, a mask, a computed float32 result) is never cast
-    down: its value would be rounded, clipped or flushed to 0 where float32
-    and torch keep it.
+    list, the op follows torch's type promotion (float32): a wider value is
+    never rounded, clipped or flushed to 0 where float32 and torch keep it
+    (``_keeps_float32``). Cast down to the activation instead: a scalar (torch
+    does not promote with a 0-dim tensor), a Dense / Conv bias (torch's
+    ``Linear`` and ``conv`` cast theirs), and a trace-time constant vector
+    whose values the lower dtype holds.
     """
     kinds = [x.dtype for x in ins if x.strong] or [x.dtype for x in ins]
     widest = functools.reduce(promote, kinds[1:], kinds[0])
@@ -201,18 +213,35 @@ def choose(
         return widest, mark, "runs in its widest input's dtype"
     if rule in (ELEMENTWISE, FOLLOW):
         if ACT in marks and widest.itemsize <= 4:
-            own = any(
-                x.strong
-                and not x.broadcast
-                and x.mark in (NONE, CONST)
-                and x.dtype.itemsize > compute.itemsize
-                for x in ins
-            )
-            if own:  # an input, target, mask of the activation's size: promote
-                why = "promoted: a float32 input, target or mask (not a broadcast parameter)"
+            if any(_keeps_float32(x, compute) for x in ins):
+                why = "promoted: a float32 input, parameter, target or mask (torch's promotion)"
                 return wide, F32, why
-            # Parameters and constants broadcast into an activation are cast down.
-            why = "follows the activation (a broadcast parameter or constant is cast down)"
+            why = "follows the activation (a scalar, a Dense bias or a constant is cast down)"
             return compute, ACT, why
         return widest, NONE, "no activation among its inputs: runs in its inputs' dtype"
     raise ValueError(f"autocast: unknown op class {rule!r}")
+
+
+def _keeps_float32(x: FloatIn, compute: np.dtype) -> bool:
+    """Whether a wider input meeting an activation makes the op promote.
+
+    A run-time value (an input, a parameter) of dimension >= 1 promotes, as a
+    float32 tensor does in torch's type promotion: cast down, a layer scale of
+    1e-6 keeps 3 digits in float16, a factor of 1e-8 becomes 0 and an offset
+    of 1e5 inf. Two exceptions are cast down:
+
+    * a ``BIAS``, the vector a Dense, Conv or Linear layer adds to its matmul:
+      torch's ``Linear`` and ``conv`` cast it with the product, and promoting
+      it would keep every layer's output, and what the activation function
+      after it saves for the backward pass, in float32 (twice the bytes);
+    * a trace-time constant vector: ``_constants.const_mark`` keeps the CONST
+      mark only for values the lower dtype holds, or a sentinel fill that
+      saturates.
+
+    Scalars follow the activation (a 0-dim tensor does not promote in torch);
+    an op runs in float32 with a Python scalar it cannot hold
+    (``_interpret._literal_beyond``).
+    """
+    if not x.strong or x.mark not in (NONE, CONST) or x.dtype.itemsize <= compute.itemsize:
+        return False
+    return x.layout == OWN or (x.layout == VECTOR and x.mark == NONE)

@@ -2,8 +2,8 @@
 
 A graph is a list of ops over a pool of values: an activation ``x @ w``, a
 float32 input of the activation's shape (``t``, a target ``2**-12`` away from
-it in places), the float32 input ``x``, a parameter vector ``p`` (a bias or
-scale), a boolean mask ``m`` and Python scalar constants. Each op appends its
+it in places), the float32 input ``x``, a parameter vector ``p`` (a bias, a
+per-channel scale or offset), a boolean mask ``m`` and Python scalar constants. Each op appends its
 result to the pool; the graph's output is the last value.
 
 One graph is evaluated four ways:
@@ -17,9 +17,12 @@ One graph is evaluated four ways:
 * ``emulate``: numpy, each op rounded to that dtype (the bound's own check);
 * ``run_torch``: under ``torch.autocast`` when torch is installed.
 
-The data are dyadic (``x`` in halves, ``w`` in quarters or eighths, ``p`` in
-eighths) so the first matmul is exact in float16 and bfloat16 and the bound is tight where torch
-keeps a value in float32: ``h - t`` must come out as ``2**-12``, not 0.
+The data are dyadic (``x`` in halves, ``w`` in quarters or eighths) so the
+first matmul is exact in float16 and bfloat16 and the bound is tight where torch
+keeps a value in float32: ``h - t`` must come out as ``2**-12``, not 0. ``p``
+is not: eighths times ``1 + 2**-12`` (which neither low dtype holds), for some
+seeds times ``2**-28`` (0 in float16), so a parameter cast down where torch
+promotes is outside the bound.
 """
 
 from __future__ import annotations
@@ -57,7 +60,9 @@ def make_data(seed: int) -> dict[str, np.ndarray]:
         "x": x.astype(np.float32),
         "w": w.astype(np.float32),
         "t": (h + delta).astype(np.float32),
-        "p": (rng.integers(-12, 13, (F,)) / 8.0).astype(np.float32),
+        "p": (
+            rng.integers(-12, 13, (F,)) / 8.0 * (1 + 2.0**-12) * rng.choice([1.0, 2.0**-28])
+        ).astype(np.float32),
         "m": rng.random((B, F)) < 0.5,
     }
 
@@ -130,24 +135,43 @@ def run_jnp(graph: Graph) -> Callable[..., Any]:
 # ----------------------------------------------------------- dtypes and bounds
 
 
+def matmul_results(graph: Graph) -> frozenset[int]:
+    """Pool indices of matmul results: ``h`` and each ``matmul`` op of a value of
+    width ``F`` (of a sum's or mean's width-1 value it is ``neg``). A ``bias``
+    added to one is a ``Linear`` layer's."""
+    full, out = [True, True, True], {0}  # last axis F, not a reduction's 1
+    for op, a, b, n in _ops_of(graph):
+        if op in ("sum", "mean"):
+            full.append(False)
+        elif op in ("where", "bias", "scale", "where_const"):  # m and p have width F
+            full.append(True)
+        elif op in BINARY:
+            full.append(full[a] or full[b])
+        else:
+            if op == "matmul" and full[a]:
+                out.add(n)
+            full.append(full[a])
+    return frozenset(out)
+
+
 def torch_model_dtypes(graph: Graph, data: dict[str, np.ndarray]) -> list[str]:
     """The dtype (LOW / WIDE) torch.autocast (CUDA, float16) gives each op's result.
 
     torch's type promotion: a float32 tensor with dimensions promotes a float16
-    one; a Python scalar does not. One exception, jaxamp's documented rule: a
-    parameter vector broadcast into an activation (``bias``, ``scale``) is cast
-    to the activation's dtype, as torch's ``Linear`` casts its bias.
+    one (the parameter ``p`` in ``scale``, or in a ``bias`` of anything but a
+    matmul); a Python scalar does not. torch's ``Linear`` casts its bias to
+    the matmul's dtype: a ``bias`` of a matmul result follows it.
     """
-    kinds = [LOW, WIDE, WIDE]
+    kinds, linear = [LOW, WIDE, WIDE], matmul_results(graph)
     for op, a, b, _ in _ops_of(graph):
         ka, kb = kinds[a], kinds[b]
         if op == "matmul":
             kinds.append(LOW)
-        elif op in TORCH_FLOAT32:
+        elif op in TORCH_FLOAT32 or op == "scale" or (op == "bias" and a not in linear):
             kinds.append(WIDE)
         elif op in BINARY:
             kinds.append(WIDE if WIDE in (ka, kb) else LOW)
-        else:  # unary ops, scalars and the broadcast parameter follow the activation
+        else:  # unary ops, scalars and a Linear's bias follow the activation
             kinds.append(ka)
     return kinds[3:]
 
@@ -223,7 +247,7 @@ def reference(
                 ea = ea + low.u * np.abs(a) + low.tiny
             if kinds_all[ib] == WIDE and op in BINARY:
                 eb = eb + low.u * np.abs(b) + low.tiny
-        v, e = _exact_op(op, a, b, ea, eb, p, m, c, low, matmul)
+        v, e = _exact_op(op, a, b, ea, eb, p, m, c, low, matmul, kind)
         if op == "log1p_abs":  # torch rounds |a| + 1 in a's dtype before the log
             e = e + (low.u if kinds_all[ia] == LOW else F32_U)
         if op != "matmul":
@@ -234,7 +258,7 @@ def reference(
     return vals[-1], errs[-1]
 
 
-def _exact_op(op, a, b, ea, eb, p, m, c, low, matmul):  # noqa: ANN001, ANN202
+def _exact_op(op, a, b, ea, eb, p, m, c, low, matmul, kind):  # noqa: ANN001, ANN202
     """The exact result of one op and the bound its operands' errors give it."""
     if op == "exp":
         v = np.exp(a)
@@ -263,7 +287,8 @@ def _exact_op(op, a, b, ea, eb, p, m, c, low, matmul):  # noqa: ANN001, ANN202
     if op == "where":
         return np.where(m, a, b), np.where(m, ea, eb)
     if op in ("bias", "scale"):
-        pe = low.u * np.abs(p) + low.tiny  # the parameter rounded with the activation
+        # the parameter rounded to the activation's dtype, where the op runs in it
+        pe = low.u * np.abs(p) + low.tiny if kind == LOW else np.zeros_like(p)
         if op == "bias":
             return a + p, ea + pe
         return a * p, np.abs(p) * ea + np.abs(a) * pe + ea * pe
@@ -323,6 +348,13 @@ def run_torch(
         return v
 
     m, p, w, c = tensors["m"], tensors["p"], tensors["w"], graph.const
+    linear: set[int] = set()  # ids of matmul results: a bias added to one is a Linear's
+
+    def matmul(a: Any) -> Any:
+        out = a @ w
+        linear.add(id(out))
+        return out
+
     impl = {
         "exp": lambda a, b: torch.exp(a),
         "log1p_abs": lambda a, b: torch.log(torch.abs(a) + 1.0),
@@ -339,14 +371,14 @@ def run_torch(
         "max": lambda a, b: torch.maximum(a, b),
         "min": lambda a, b: torch.minimum(a, b),
         "where": lambda a, b: torch.where(m, a, b),
-        # jaxamp's documented exception, written out: the parameter in the
-        # activation's dtype (torch's Linear casts its bias so).
-        "bias": lambda a, b: a + p.to(a.dtype),
-        "scale": lambda a, b: a * p.to(a.dtype),
+        # torch's Linear (addmm) casts its bias to the matmul's dtype; any
+        # other float32 vector promotes.
+        "bias": lambda a, b: a + (p.to(a.dtype) if id(a) in linear else p),
+        "scale": lambda a, b: a * p,
         "where_const": lambda a, b: torch.where(m, a, c),
         "add_const": lambda a, b: a + c,
         "mul_const": lambda a, b: a * c,
-        "matmul": lambda a, b: a @ w,
+        "matmul": lambda a, b: matmul(a),
     }
 
     def recording(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,9 +1,9 @@
 """autocast: correctness first (API.md section 8; issue 31, items 1-3).
 
 A float32 value meeting an activation keeps what float32 and torch.autocast
-give: a float32 result, input or target of the activation's size promotes the
-op to float32 (torch's type promotion); only a parameter or constant vector
-broadcast into the activation (a bias, a scale, a fill) is cast down. A cast
+give: a float32 result, input, target or parameter promotes the op to float32
+(torch's type promotion); only a scalar, a matmul's bias (torch's Linear casts
+it) and a constant the low dtype holds (a fill) are cast down. A cast
 down saturates for trace-time constants only: a run-time value beyond the low
 dtype's range overflows visibly, as float16 arithmetic makes it. Each test here
 fails on jaxamp 0.3, but ``test_constants_still_saturate``, which holds what
@@ -164,14 +164,14 @@ def test_constants_still_saturate():
 # ---------------------------------------------------- the rule, read from the program
 
 
-def test_vectors_broadcast_into_an_activation_are_cast_down_the_rest_promotes():
+def test_a_bias_scalars_and_fills_are_cast_down_the_rest_promotes():
     b, t, f = 2, 3, 4
     rng = np.random.default_rng(2)
     args = {
         "x": rng.normal(size=(b, t, f)),
         "w": rng.normal(size=(f, f)),
         "bias": rng.normal(size=(f,)),  # a Dense bias: cast down
-        "row_weight": rng.normal(size=(b, 1, 1)),  # a per-row weight: cast down
+        "row_weight": rng.normal(size=(b, 1, 1)),  # a per-row weight: promotes
         "pad_mask": (rng.random((b, t, 1)) < 0.5) * 1.0,  # (batch, length): promotes
         "target": rng.normal(size=(b, t, f)),  # the activation's size: promotes
     }
@@ -188,7 +188,8 @@ def test_vectors_broadcast_into_an_activation_are_cast_down_the_rest_promotes():
     closed = jax.make_jaxpr(jaxamp.autocast(fn, dtype=F16))(**args)
     tanhs = [e for e in closed.jaxpr.eqns if e.primitive.name == "tanh"]
     got = [np.dtype(e.invars[0].aval.dtype) for e in tanhs]
-    assert got == [np.dtype(F16)] * 4 + [np.dtype(F32)] * 3, got
+    f16, f32 = np.dtype(F16), np.dtype(F32)
+    assert got == [f16, f32, f16, f16, f32, f32, f32], got
     ref = fn(**args)
     for r, g in zip(ref, jaxamp.autocast(fn, dtype=F16)(**args), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-2)

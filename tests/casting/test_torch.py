@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 import jaxamp
@@ -41,16 +41,24 @@ def test_torch_dtypes_of_the_ops_the_bound_is_written_for():
     # What the graphs rely on: CPU autocast runs matmuls in bfloat16 and promotes
     # a bfloat16 activation meeting a float32 tensor; a Python scalar does not.
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        a, w = torch.ones(2, 3), torch.ones(3, 3)
+        a, w, p = torch.ones(2, 3), torch.ones(3, 3), torch.ones(3)
         h = a @ w
         assert h.dtype == torch.bfloat16
         assert (h + a).dtype == torch.float32
         assert torch.where(h > 0, h, a).dtype == torch.float32
         assert (h * 2.0).dtype == torch.bfloat16
+        # A float32 vector promotes too; a Linear casts its bias with the matmul.
+        assert (h * p).dtype == torch.float32
+        assert torch.nn.functional.linear(a, w, p).dtype == torch.bfloat16
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(graph=_graphs, seed=st.integers(0, 2**30))
+# A float32 parameter vector meeting an activation: torch promotes a per-channel
+# scale, and a bias anywhere but on a matmul's result (Linear casts that one).
+@example(graph=G.Graph((("scale", 2, 2),), 2.0), seed=0)
+@example(graph=G.Graph((("tanh", 2, 2), ("bias", 0, 0)), 2.0), seed=1)
+@example(graph=G.Graph((("bias", 2, 2), ("tanh", 0, 0)), 2.0), seed=2)
 def test_random_programs_in_bfloat16_are_within_the_bound_of_torchs_dtypes(graph, seed):
     data = G.make_data(seed)
     torch_out, kinds = G.run_torch(graph, data, torch)
