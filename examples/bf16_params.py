@@ -2,10 +2,11 @@
 
 A linear regression trained with AdamW and a learning rate that decays to small
 values, four ways: float32 params (the reference), bfloat16 params with
-``jaxamp.stochastic_rounding``, bfloat16 params with ``jaxamp.kahan_summation``,
-and plain bfloat16 params. Late updates are smaller than half a bfloat16 ulp of
-the weights: plain bfloat16 drops them, the other two keep them. Then one
-overflowed step: skipped, with params, key and compensation kept bit for bit.
+``jaxamp.apply_with_stochastic_rounding``, bfloat16 params with
+``jaxamp.apply_with_kahan_summation``, and plain bfloat16 params. Late updates are
+smaller than half a bfloat16 ulp of the weights: plain bfloat16 drops them, the
+other two keep them. Then one overflowed step: skipped, with params, key and
+compensation kept bit for bit.
 
 Run: ``python examples/bf16_params.py``. The last line is a JSON summary.
 """
@@ -29,9 +30,10 @@ def optimizer(kind: str) -> optax.GradientTransformation:
     lr = optax.cosine_decay_schedule(3e-2, STEPS, alpha=0.0)
     chain = [optax.adamw(lr, weight_decay=0.0, mu_dtype=jnp.bfloat16)]
     if kind == "stochastic rounding":
-        chain.append(jaxamp.stochastic_rounding(jax.random.key(0)))  # the key lives in the state
+        # The key lives in the state.
+        chain.append(jaxamp.apply_with_stochastic_rounding(jax.random.key(0)))
     elif kind == "kahan":
-        chain.append(jaxamp.kahan_summation())  # a bfloat16 buffer per bfloat16 param
+        chain.append(jaxamp.apply_with_kahan_summation())  # a bfloat16 buffer per bfloat16 param
     # No loss scale for bfloat16: skip_nonfinite only checks and skips.
     return jaxamp.skip_nonfinite(optax.chain(*chain))
 

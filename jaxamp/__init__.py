@@ -7,6 +7,7 @@ Everything public is re-exported here from the subpackages, one per concept
 
 from jaxamp import checkpoint, compat, nnx
 from jaxamp._utils.conversion_checks import ConversionWarning as ConversionWarning
+from jaxamp._utils.deprecation import deprecated_aliases
 from jaxamp.casting import (
     DEFAULT_RULES,
     AuditReport,
@@ -38,9 +39,9 @@ from jaxamp.loss_scale import (
 from jaxamp.low_precision_params import (
     KahanSummationState,
     StochasticRoundingState,
-    kahan_summation,
+    apply_with_kahan_summation,
+    apply_with_stochastic_rounding,
     stochastic_round,
-    stochastic_rounding,
 )
 from jaxamp.skip import (
     Explanation,
@@ -82,6 +83,8 @@ __all__ = [
     "StochasticRoundingState",
     "TrainState",
     "all_finite",
+    "apply_with_kahan_summation",
+    "apply_with_stochastic_rounding",
     "audit",
     "autocast",
     "check_health",
@@ -94,7 +97,6 @@ __all__ = [
     "fp8",
     "full_precision",
     "get_loss_scale",
-    "kahan_summation",
     "keep_float32",
     "metrics",
     "multi_transform",
@@ -108,9 +110,21 @@ __all__ = [
     "step",
     "stepped",
     "stochastic_round",
-    "stochastic_rounding",
     "unscale_and_check",
     "update",
     "value_and_grad",
     "where_stepped",
 ]
+
+# Deprecated spellings, served with a DeprecationWarning until 0.5 (not in __all__).
+__getattr__ = deprecated_aliases(
+    "jaxamp",
+    {
+        "stochastic_rounding": (
+            "jaxamp.apply_with_stochastic_rounding",
+            apply_with_stochastic_rounding,
+        ),
+        "kahan_summation": ("jaxamp.apply_with_kahan_summation", apply_with_kahan_summation),
+    },
+    removed_in="0.5",
+)

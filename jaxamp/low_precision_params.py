@@ -1,6 +1,8 @@
 """bfloat16 / float16 params without a float32 master copy: stochastic rounding and Kahan.
 
-Both are optax transformations placed *last* in a chain. Each computes, in
+Two optax transformations, [`apply_with_stochastic_rounding`][jaxamp.apply_with_stochastic_rounding]
+and [`apply_with_kahan_summation`][jaxamp.apply_with_kahan_summation], placed *last* in a chain,
+and the array op the first applies, [`stochastic_round`][jaxamp.stochastic_round]. Each computes, in
 float32, the low-precision value it wants a param to take (``new``) and returns
 the update ``new - p`` in float32. ``optax.apply_updates`` then computes
 ``(p + (new - p)).astype(p.dtype)``: the difference of two bfloat16 values is
@@ -24,14 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxamp._utils.deprecation import deprecated_aliases
 from jaxamp._utils.dtypes import HALF_DTYPES
 
 __all__ = [
     "KahanSummationState",
     "StochasticRoundingState",
-    "kahan_summation",
+    "apply_with_kahan_summation",
+    "apply_with_stochastic_rounding",
     "stochastic_round",
-    "stochastic_rounding",
 ]
 
 
@@ -42,7 +45,10 @@ def _is_low(x: Any) -> bool:
 
 
 def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
-    """Rounds float32 ``x`` to ``dtype`` (bfloat16 or float16) stochastically, unbiased.
+    """Array op: rounds float32 ``x`` to ``dtype`` (bfloat16 or float16) stochastically, unbiased.
+
+    The optax transformation that applies updates to params with it is
+    [`apply_with_stochastic_rounding`][jaxamp.apply_with_stochastic_rounding].
 
     Each element goes to one of its two neighbours in ``dtype``, ``down <= x <
     up``, and to ``up`` with probability ``(x - down) / (up - down)``; so the
@@ -125,7 +131,7 @@ def _exact_update(new: jax.Array, p: jax.Array) -> jax.Array:
 
 
 class StochasticRoundingState(NamedTuple):
-    """State of [`stochastic_rounding`][jaxamp.stochastic_rounding].
+    """State of [`apply_with_stochastic_rounding`][jaxamp.apply_with_stochastic_rounding].
 
     Attributes:
       key: the raw data (uint32) of the PRNG key the next step draws from; each
@@ -133,7 +139,7 @@ class StochasticRoundingState(NamedTuple):
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxamp
-      >>> tx = jaxamp.stochastic_rounding(jax.random.key(0))
+      >>> tx = jaxamp.apply_with_stochastic_rounding(jax.random.key(0))
       >>> tx.init({"w": jnp.ones(2, jnp.bfloat16)}).key.dtype
       dtype('uint32')
     """
@@ -162,8 +168,12 @@ def _key_parts(key: Any, fn: str) -> tuple[jax.Array, Any]:
     return arr, None
 
 
-def stochastic_rounding(key: jax.Array) -> optax.GradientTransformation:
-    """Applies updates to bfloat16 / float16 params with stochastic rounding.
+def apply_with_stochastic_rounding(key: jax.Array) -> optax.GradientTransformation:
+    """Optax transformation: applies updates to bfloat16 / float16 params with stochastic rounding.
+
+    The array op it applies to each param is [`stochastic_round`][jaxamp.stochastic_round].
+    Until jaxamp 0.5 it is also reachable as ``jaxamp.stochastic_rounding``, with a
+    ``DeprecationWarning``.
 
     Place it last in the chain: it turns the update it receives into the one that
     lands on the rounded value, so a transformation after it (a scale, a schedule)
@@ -196,7 +206,8 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformation:
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxamp
-      >>> tx = optax.chain(optax.sgd(1e-4), jaxamp.stochastic_rounding(jax.random.key(0)))
+      >>> tx = optax.chain(
+      ...     optax.sgd(1e-4), jaxamp.apply_with_stochastic_rounding(jax.random.key(0)))
       >>> params = {"w": jnp.ones(10_000, jnp.bfloat16)}
       >>> state = tx.init(params)
       >>> grads = {"w": -jnp.ones(10_000, jnp.bfloat16)}
@@ -205,7 +216,7 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformation:
       >>> new.dtype, float(new.astype(jnp.float32).mean()) > 1.00005  # plain bf16: 1.0
       (dtype(bfloat16), True)
     """
-    fn = "jaxamp.stochastic_rounding"
+    fn = "jaxamp.apply_with_stochastic_rounding"
     data, impl = _key_parts(key, fn)
 
     def as_key(raw: jax.Array) -> jax.Array:
@@ -237,7 +248,7 @@ def stochastic_rounding(key: jax.Array) -> optax.GradientTransformation:
 
 
 class KahanSummationState(NamedTuple):
-    """State of [`kahan_summation`][jaxamp.kahan_summation].
+    """State of [`apply_with_kahan_summation`][jaxamp.apply_with_kahan_summation].
 
     Attributes:
       compensation: per bfloat16 / float16 param, an array of its shape and dtype
@@ -245,7 +256,8 @@ class KahanSummationState(NamedTuple):
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp
-      >>> state = jaxamp.kahan_summation().init({"w": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2)})
+      >>> params = {"w": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2)}
+      >>> state = jaxamp.apply_with_kahan_summation().init(params)
       >>> state.compensation["w"].dtype, state.compensation["b"]
       (dtype(bfloat16), None)
     """
@@ -253,10 +265,14 @@ class KahanSummationState(NamedTuple):
     compensation: Any
 
 
-def kahan_summation() -> optax.GradientTransformation:
-    """Applies updates to bfloat16 / float16 params with Kahan-compensated summation.
+def apply_with_kahan_summation() -> optax.GradientTransformation:
+    """Optax transformation: applies updates to bfloat16 / float16 params with Kahan summation.
 
-    Place it last in the chain (as [`stochastic_rounding`][jaxamp.stochastic_rounding]: a
+    Until jaxamp 0.5 it is also reachable as ``jaxamp.kahan_summation``, with a
+    ``DeprecationWarning``.
+
+    Place it last in the chain (as
+    [`apply_with_stochastic_rounding`][jaxamp.apply_with_stochastic_rounding]: a
     transformation after it changes the update it chose, silently). The state holds a compensation
     buffer of each low-precision param's shape and dtype (2 bytes per bfloat16 param). Each step
     adds the update and the compensation to the param in float32, rounds to the nearest
@@ -271,7 +287,7 @@ def kahan_summation() -> optax.GradientTransformation:
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
-      >>> tx = optax.chain(optax.sgd(1e-3), jaxamp.kahan_summation())
+      >>> tx = optax.chain(optax.sgd(1e-3), jaxamp.apply_with_kahan_summation())
       >>> params = {"w": jnp.ones(1, jnp.bfloat16)}
       >>> state = tx.init(params)
       >>> for _ in range(10):  # each update alone is far below bfloat16's half ulp at 1.0
@@ -280,7 +296,7 @@ def kahan_summation() -> optax.GradientTransformation:
       >>> float(params["w"][0])  # 1.01 rounded to bfloat16; plain bfloat16 stays at 1.0
       1.0078125
     """
-    fn = "jaxamp.kahan_summation"
+    fn = "jaxamp.apply_with_kahan_summation"
 
     def init_fn(params: optax.Params) -> KahanSummationState:
         comp = jax.tree.map(lambda p: jnp.zeros_like(p) if _is_low(p) else None, params)
@@ -318,3 +334,14 @@ def kahan_summation() -> optax.GradientTransformation:
         return treedef.unflatten(out), KahanSummationState(treedef.unflatten(comps))
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+# The transformations' deprecated spellings, served with a DeprecationWarning until 0.5.
+_RENAMED = {
+    "stochastic_rounding": (
+        "jaxamp.apply_with_stochastic_rounding",
+        apply_with_stochastic_rounding,
+    ),
+    "kahan_summation": ("jaxamp.apply_with_kahan_summation", apply_with_kahan_summation),
+}
+__getattr__ = deprecated_aliases("jaxamp.low_precision_params", _RENAMED, removed_in="0.5")

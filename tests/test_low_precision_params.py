@@ -156,7 +156,7 @@ def test_float32_update_lands_exactly_on_the_chosen_value(data) -> None:
     assert np.asarray(got).view(np.uint16) == new.view(np.uint16)
 
 
-_SR_UPDATE = jax.jit(jaxamp.stochastic_rounding(jax.random.key(0)).update)
+_SR_UPDATE = jax.jit(jaxamp.apply_with_stochastic_rounding(jax.random.key(0)).update)
 
 
 @settings(max_examples=30, deadline=None)
@@ -195,7 +195,7 @@ def test_kahan_tracks_the_float32_sum(p, rel, n) -> None:
     """n equal updates far below half an ulp: Kahan follows the exact sum, plain bf16 not."""
     p0 = jnp.array([p], jnp.bfloat16)
     u = jnp.array([rel * p], jnp.float32)
-    tx = jaxamp.kahan_summation()
+    tx = jaxamp.apply_with_kahan_summation()
 
     @jax.jit
     def run(p0: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -223,8 +223,8 @@ def test_plain_bf16_loses_small_updates_that_both_keep() -> None:
     finals = {}
     for name, last in {
         "plain": optax.identity(),
-        "sr": jaxamp.stochastic_rounding(jax.random.key(0)),
-        "kahan": jaxamp.kahan_summation(),
+        "sr": jaxamp.apply_with_stochastic_rounding(jax.random.key(0)),
+        "kahan": jaxamp.apply_with_kahan_summation(),
     }.items():
         tx = optax.chain(optax.sgd(1e-3), last)
         p, s = params, tx.init(params)
@@ -252,8 +252,8 @@ def _grads(bad: bool):
 
 
 LASTS = {
-    "sr": lambda: jaxamp.stochastic_rounding(jax.random.key(3)),
-    "kahan": jaxamp.kahan_summation,
+    "sr": lambda: jaxamp.apply_with_stochastic_rounding(jax.random.key(3)),
+    "kahan": jaxamp.apply_with_kahan_summation,
 }
 
 
@@ -391,11 +391,11 @@ def test_nnx_optimizer_skip(last: str) -> None:
 
 def test_bad_key_is_named() -> None:
     with pytest.raises(TypeError, match="`key`"):
-        jaxamp.stochastic_rounding(0)
+        jaxamp.apply_with_stochastic_rounding(0)
     with pytest.raises(TypeError, match="`key`"):
-        jaxamp.stochastic_rounding(jnp.zeros(2, jnp.float32))
+        jaxamp.apply_with_stochastic_rounding(jnp.zeros(2, jnp.float32))
     with pytest.raises(ValueError, match="`key`"):
-        jaxamp.stochastic_rounding(jax.random.split(jax.random.key(0), 2))
+        jaxamp.apply_with_stochastic_rounding(jax.random.split(jax.random.key(0), 2))
 
 
 @pytest.mark.parametrize("last", sorted(LASTS))
@@ -407,7 +407,7 @@ def test_missing_params_is_named(last: str) -> None:
 
 
 def test_kahan_state_for_other_params_is_an_error() -> None:
-    tx = jaxamp.kahan_summation()
+    tx = jaxamp.apply_with_kahan_summation()
     state = tx.init({"w": jnp.ones(2, jnp.float32)})
     with pytest.raises(ValueError, match="compensation"):
         tx.update({"w": jnp.ones(2)}, state, {"w": jnp.ones(2, jnp.bfloat16)})

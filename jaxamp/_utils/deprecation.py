@@ -51,3 +51,56 @@ def positional_deprecated(*formerly_positional: str, removed_in: str) -> Callabl
         return wrapper  # type: ignore[return-value]
 
     return wrap
+
+
+def renamed_parameter(old: str, new: str, *, removed_in: str) -> Callable[[F], F]:
+    """Lets the parameter ``new`` of the decorated function still be passed by its old
+    keyword ``old``, with a ``DeprecationWarning``, until jaxamp ``removed_in``. Its
+    signature (``inspect.signature``, the docs) is the new one; by position nothing
+    changes."""
+
+    def wrap(f: F) -> F:
+        assert new in inspect.signature(f).parameters
+        name = f"jaxamp.{f.__name__}"
+
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if old in kwargs:
+                if new in kwargs:
+                    raise TypeError(f"{name}() got both {old}= and {new}=; pass {new}= only.")
+                warnings.warn(
+                    f"{name}: the argument {old}= is now called {new}=; {old}= is deprecated "
+                    f"and will be an error in jaxamp {removed_in}.",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
+                kwargs[new] = kwargs.pop(old)
+            return f(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return wrap
+
+
+def warn_renamed(old: str, new: str, *, removed_in: str, stacklevel: int = 3) -> None:
+    """The ``DeprecationWarning`` of a public name that is now spelled ``new``."""
+    warnings.warn(
+        f"{old} is deprecated and will be removed in jaxamp {removed_in}; use {new}.",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def deprecated_aliases(module: str, aliases: dict[str, tuple[str, Any]], removed_in: str):
+    """A module ``__getattr__`` serving each old name in ``aliases`` (old -> (new
+    spelling, the object)) with a ``DeprecationWarning`` naming the new spelling;
+    the old names are not in the module's ``__all__``."""
+
+    def __getattr__(name: str) -> Any:
+        if name in aliases:
+            new, obj = aliases[name]
+            warn_renamed(f"{module}.{name}", new, removed_in=removed_in)
+            return obj
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

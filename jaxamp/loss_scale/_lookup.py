@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jaxamp._utils.conversion_checks import mark_scale_read
+from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.errors import named
 from jaxamp._utils.tree import find_one
 from jaxamp.loss_scale._state import (
@@ -23,19 +24,28 @@ from jaxamp.loss_scale._state import (
 __all__ = ["check_health", "get_loss_scale"]
 
 
-def get_loss_scale(opt_state: Any) -> LossScaleState:
-    """Finds the [`LossScaleState`][jaxamp.LossScaleState] inside an optimizer state.
+@renamed_parameter("opt_state", "opt_state_or_loss_scale_state", removed_in="0.5")
+def get_loss_scale(opt_state_or_loss_scale_state: Any) -> LossScaleState:
+    """The [`LossScaleState`][jaxamp.LossScaleState] inside an optimizer state: read the scale here.
 
-    Looks through any nesting (``optax.chain``, ``MultiSteps``,
-    ``multi_transform``, ``inject_hyperparams``, Flax ``TrainState``).
+    ``jaxamp.get_loss_scale(opt_state).scale`` is the loss scale the next step
+    multiplies the loss by (PyTorch's ``scaler.get_scale()``); the state's other
+    fields are its counters. It takes whatever holds the optimizer state: the
+    state of any nesting (``optax.chain``, ``MultiSteps``, ``multi_transform``,
+    ``inject_hyperparams``), a [`jaxamp.TrainState`][jaxamp.TrainState], a
+    [`jaxamp.nnx.Optimizer`][jaxamp.nnx.Optimizer], or a ``LossScaleState`` itself
+    (returned as it is). [`jaxamp.metrics`][jaxamp.metrics] puts the same scale in
+    the dict it returns for logging, as ``"loss_scale"``.
 
     Args:
-      opt_state: an optax state that contains exactly one loss-scale state (from
-        [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] or
-        [`jaxamp.multi_transform`][jaxamp.multi_transform]).
+      opt_state_or_loss_scale_state: an optax state that contains exactly one loss-scale
+        state (from [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] or
+        [`jaxamp.multi_transform`][jaxamp.multi_transform]), what holds it, or a
+        ``LossScaleState``. Until jaxamp 0.5 the keyword ``opt_state=`` also works,
+        with a ``DeprecationWarning``.
 
     Returns:
-      The loss-scale state; use ``.scale`` to scale the loss of the next step.
+      The loss-scale state, with plain array fields; ``.scale`` is the scale.
 
     Raises:
       ValueError: if there is none, or more than one.
@@ -48,16 +58,18 @@ def get_loss_scale(opt_state: Any) -> LossScaleState:
     """
     mark_scale_read()  # the scale handed out: a loss may be multiplied by it by hand
     found = find_one(
-        opt_state,
+        opt_state_or_loss_scale_state,
         LossScaleState,
         what="LossScaleStates",
         hint="wrap the whole optimizer in one jaxamp.skip_nonfinite (or use "
         "jaxamp.multi_transform), or pass the sub-state you mean.",
     )
     if found is None:
+        got = type(opt_state_or_loss_scale_state).__name__
         raise ValueError(
-            "no LossScaleState found in the optimizer state. Build the optimizer with "
-            "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale()) and pass its state."
+            f"no LossScaleState found in the optimizer state (got a {got}). Build the "
+            "optimizer with jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale()) and pass "
+            "its state."
         )
     return _plain(found)
 
@@ -101,7 +113,7 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
 
     Args:
       opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
-        containing one.
+        containing one, or what holds that (a ``TrainState``, an nnx optimizer).
 
     Raises:
       FloatingPointError: saying how many steps in a row were skipped and what the

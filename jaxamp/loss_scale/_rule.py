@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._utils.conversion_checks import mark_loss_scaled
+from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.dtypes import is_inexact, times_wide
 from jaxamp._utils.finite import agree, as_finite, group_flags, unscaled
 from jaxamp._utils.tree import saturating_inc
@@ -55,38 +56,42 @@ from jaxamp.loss_scale._state import (
 __all__ = ["scale", "unscale_and_check", "update"]
 
 
-def scale(state: LossScaleState, tree: Any) -> Any:
+@renamed_parameter("state", "loss_scale_state", removed_in="0.5")
+def scale(loss_scale_state: LossScaleState, tree: Any) -> Any:
     """Multiplies every floating leaf of ``tree`` by the loss scale.
 
     Each leaf keeps its dtype; the product is computed in float32 (or wider), so a
     float16 loss is scaled without the scale itself overflowing float16.
 
     Args:
-      state: the loss-scale state.
+      loss_scale_state: the [`LossScaleState`][jaxamp.LossScaleState]; inside an
+        optimizer state, ``jaxamp.get_loss_scale(opt_state)``.
       tree: a loss or any pytree; non-floating leaves pass through.
 
     Returns:
-      ``tree`` with floating leaves multiplied by ``state.scale``.
+      ``tree`` with floating leaves multiplied by ``loss_scale_state.scale``.
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp
       >>> jaxamp.scale(jaxamp.static_scale(8.0), jnp.array(0.5, jnp.float16))
       Array(4., dtype=float16)
     """
-    check_state(state, "scale")
+    state = check_state(loss_scale_state, "scale")
     mark_loss_scaled()
     if not state.mode.scales:
         return tree
     return jax.tree.map(lambda x: times_wide(x, state.scale) if is_inexact(x) else x, tree)
 
 
+@renamed_parameter("state", "loss_scale_state", removed_in="0.5")
 def unscale_and_check(
-    state: LossScaleState, grads: Any, *, axis_name: Any = None
+    loss_scale_state: LossScaleState, grads: Any, *, axis_name: Any = None
 ) -> tuple[Any, jax.Array]:
     """Divides gradients by the loss scale and checks them for inf / NaN.
 
     Args:
-      state: the loss-scale state the gradients were scaled with.
+      loss_scale_state: the [`LossScaleState`][jaxamp.LossScaleState] the gradients
+        were scaled with.
       grads: a pytree of (scaled) gradients. Non-floating leaves (ints, bools,
         ``float0``, ``None``) pass through; each leaf keeps its dtype (float8 too).
       axis_name: a mapped axis name (``pmap`` / ``shard_map``) over which the
@@ -103,7 +108,7 @@ def unscale_and_check(
       >>> g, bool(finite)
       (Array([0.5, 2. ], dtype=float32), True)
     """
-    check_state(state, "unscale_and_check")
+    state = check_state(loss_scale_state, "unscale_and_check")
     scale = state.scale if state.mode.scales else None
     if not state.mode.checks:
         return unscaled(grads, scale), jnp.array(True)
@@ -111,7 +116,8 @@ def unscale_and_check(
     return unscaled(grads, scale), agree(jnp.all(flags), axis_name)
 
 
-def update(state: LossScaleState, finite: Any) -> LossScaleState:
+@renamed_parameter("state", "loss_scale_state", removed_in="0.5")
+def update(loss_scale_state: LossScaleState, finite: Any) -> LossScaleState:
     """Advances the loss-scale state by one step (the rule is in the module docstring).
 
     Finite step: ``growth_tracker += 1``, ``nonfinite_streak = 0``, the hysteresis
@@ -126,10 +132,10 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
 
     The scale stays within ``[2**-126, 2**126]``. A static or disabled state moves only
     the counters. Every leaf of the result is a new array (none is shared with
-    ``state``), so either may be donated.
+    ``loss_scale_state``), so either may be donated.
 
     Args:
-      state: the current state.
+      loss_scale_state: the current [`LossScaleState`][jaxamp.LossScaleState].
       finite: a bool scalar (usually from [`unscale_and_check`][jaxamp.unscale_and_check]).
 
     Returns:
@@ -141,9 +147,8 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
       >>> float(jaxamp.update(s, True).scale), float(jaxamp.update(s, False).scale)
       (8.0, 2.0)
     """
-    check_state(state, "update")
+    s = check_state(loss_scale_state, "update")
     finite = as_finite(finite, "update")
-    s = state
     growth_tracker = jnp.where(finite, saturating_inc(s.growth_tracker), 0)
     grow = finite & (growth_tracker >= s.growth_interval)
     growth_tracker = jnp.where(grow, 0, growth_tracker)

@@ -339,12 +339,25 @@ def fixed_state(mode: Mode, scale: Any, names: Mapping[str, str] | None = None) 
     )
 
 
-def check_state(state: Any, fn: str) -> None:
-    if not isinstance(state, LossScaleState):
-        raise TypeError(
-            f"jaxamp.{fn} expects a LossScaleState as its first argument (from "
-            f"jaxamp.dynamic_scale / static_scale / no_scale), got {type(state).__name__}."
-        )
+def check_state(state: Any, fn: str) -> LossScaleState:
+    """``state`` if it is a LossScaleState; else an error saying what to pass instead."""
+    if isinstance(state, LossScaleState):
+        return state
+    got = type(state).__name__
+    holds = any(
+        isinstance(x, LossScaleState)
+        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, LossScaleState))
+    )
+    instead = (
+        "pass the loss-scale state inside it: jaxamp.get_loss_scale(opt_state)"
+        if holds
+        else "make one with jaxamp.dynamic_scale / static_scale / no_scale"
+    )
+    raise TypeError(
+        f"jaxamp.{fn}: `loss_scale_state` must be a LossScaleState, got a {got}"
+        + (" (an optimizer state holding one)" if holds else "")
+        + f"; {instead}."
+    )
 
 
 COUNTER_FIELDS = (

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp._utils.errors import named
 from jaxamp._utils.tree import render_path
 from jaxamp.loss_scale._lookup import get_loss_scale
 
@@ -56,7 +57,8 @@ def check_in_sync(opt_state_or_loss_scale_state: Any) -> None:
 
     Args:
       opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
-        containing one; replicated, or stacked along a leading device axis (pmap).
+        containing one (or what holds that: a ``TrainState``, an nnx optimizer); replicated, or
+        stacked along a leading device axis (pmap).
 
     Raises:
       RuntimeError: naming the fields that differ and each process's value.
@@ -67,7 +69,8 @@ def check_in_sync(opt_state_or_loss_scale_state: Any) -> None:
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
       >>> jaxamp.check_in_sync(tx.init({"w": jnp.ones(2)}))  # one process, one device: quiet
     """
-    state = get_loss_scale(opt_state_or_loss_scale_state)
+    with named("check_in_sync"):
+        state = get_loss_scale(opt_state_or_loss_scale_state)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     names = [render_path(path) for path, _ in flat]
     dtypes: list[np.dtype | None] = []

@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxamp._utils.errors import named
 from jaxamp._utils.tree import find_one
-from jaxamp.loss_scale import get_loss_scale
+from jaxamp.loss_scale import LossScaleState, get_loss_scale
 from jaxamp.skip import _record
 from jaxamp.skip._multi_transform import MultiTransformState
 from jaxamp.skip._nnx_state import pure
@@ -184,6 +184,7 @@ def explain(opt_state: Any, params: Any = None) -> Explanation:
       An [`Explanation`][jaxamp.Explanation]; ``print`` it for the sentence.
 
     Raises:
+      TypeError: ``opt_state`` is a bare ``LossScaleState`` (it keeps no record).
       ValueError: no such state, or ``params`` other than the optimizer was
         initialised with (another number of leaves, or other key paths or shapes),
         naming the first leaf that differs.
@@ -199,6 +200,13 @@ def explain(opt_state: Any, params: Any = None) -> Explanation:
       On the last one, 1 of 2 gradient leaves held inf or NaN: dense.kernel.
       Non-finite so far, most often first: dense.kernel (1x).
     """
+    if isinstance(opt_state, LossScaleState):
+        raise TypeError(
+            "jaxamp.explain: `opt_state` is a LossScaleState, which holds the scale and its "
+            "counters only; the per-leaf record is in the optimizer state. Pass the state of "
+            "the jaxamp.skip_nonfinite / jaxamp.multi_transform optimizer (what tx.init and "
+            "the step return), a TrainState, or the nnx optimizer and its model."
+        )
     opt_state, params = _unpack(opt_state, params)
     with named("explain"):
         state = _find(opt_state)

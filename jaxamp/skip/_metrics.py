@@ -22,7 +22,8 @@ def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
 
     Args:
       opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
-        containing one (from [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite]).
+        containing one (from [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite]), or what holds
+        that: a ``TrainState``, a [`jaxamp.nnx.Optimizer`][jaxamp.nnx.Optimizer].
 
     Returns:
       A dict of scalar arrays: ``loss_scale``, ``growth_tracker``,

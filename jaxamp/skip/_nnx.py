@@ -6,7 +6,8 @@ a skipped step leaves the ``wrt`` Variables and the optimizer state as they were
 and ``optimizer.step`` counts only the steps taken. The model state the forward
 pass wrote (``BatchStat`` and every other Variable outside ``wrt``) is put back
 on a skipped step too: [`value_and_grad`][jaxamp.nnx.value_and_grad] records it before the forward,
-and ``update`` restores it where the step was skipped. The loss scale is ``optimizer.loss_scale``.
+and ``update`` restores it where the step was skipped. The loss scale is
+``jaxamp.get_loss_scale(optimizer).scale``.
 
 Requires the Flax NNX optimizer interface of flax >= 0.11
 (``Optimizer(model, tx, wrt=...)``, ``update(model, grads)``).
@@ -47,7 +48,7 @@ class Optimizer(nnx.Optimizer):
     Build it as Flax's, with a [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] (or
     [`jaxamp.multi_transform`][jaxamp.multi_transform]) transformation; take the gradients of the
     scaled loss with [`jaxamp.nnx.value_and_grad`][jaxamp.nnx.value_and_grad] (or Flax's own
-    ``nnx.value_and_grad`` of ``loss * optimizer.loss_scale.scale``); then
+    ``nnx.value_and_grad`` of ``loss * jaxamp.get_loss_scale(optimizer).scale``); then
     ``optimizer.update(model, grads)``.
 
     On a skipped step the ``wrt`` Variables, the optimizer state (but for its
@@ -79,7 +80,7 @@ class Optimizer(nnx.Optimizer):
       >>> loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
       >>> loss, grads = jaxamp.nnx.value_and_grad(loss_fn)(optimizer, model, jnp.ones((4, 2)))
       >>> _ = optimizer.update(model, grads)
-      >>> int(optimizer.step), float(optimizer.loss_scale.scale)
+      >>> int(optimizer.step), float(jaxamp.get_loss_scale(optimizer).scale)
       (1, 32768.0)
     """
 
@@ -121,7 +122,8 @@ class Optimizer(nnx.Optimizer):
 
     @property
     def loss_scale(self) -> LossScaleState:
-        """The loss-scale state inside the optimizer state (plain arrays)."""
+        """The loss-scale state inside the optimizer state (plain arrays):
+        ``jaxamp.get_loss_scale(optimizer)``."""
         return get_loss_scale(_pure(self.opt_state))
 
     def keep(self, model: nnx.Module) -> None:

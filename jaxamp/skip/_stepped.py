@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.errors import named
 from jaxamp._utils.tree import find_one
 from jaxamp.loss_scale import all_finite, get_loss_scale, select_tree
@@ -34,7 +35,8 @@ def _window(opt_state: Any) -> SkipNonfiniteState | None:
     return found if found is not None and found.mini_step is not None else None
 
 
-def stepped(opt_state: Any) -> jax.Array:
+@renamed_parameter("opt_state", "opt_state_or_loss_scale_state", removed_in="0.5")
+def stepped(opt_state_or_loss_scale_state: Any) -> jax.Array:
     """Whether the last call's step was taken: a bool scalar, no host sync.
 
     False after a skipped step. With ``every_k > 1``, a call that ends a window
@@ -45,7 +47,12 @@ def stepped(opt_state: Any) -> jax.Array:
     (``jaxamp.no_scale()``) never skips.
 
     Args:
-      opt_state: the optimizer state after the step (or a ``TrainState``).
+      opt_state_or_loss_scale_state: the optimizer state after the step (or what
+        holds it: a [`jaxamp.TrainState`][jaxamp.TrainState], a
+        [`jaxamp.nnx.Optimizer`][jaxamp.nnx.Optimizer]), or the
+        [`LossScaleState`][jaxamp.LossScaleState] after [`jaxamp.update`][jaxamp.update].
+        Until jaxamp 0.5 the keyword ``opt_state=`` also works, with a
+        ``DeprecationWarning``.
 
     Returns:
       A bool scalar array: True if the step was taken.
@@ -59,7 +66,12 @@ def stepped(opt_state: Any) -> jax.Array:
       False
     """
     with named("stepped"):
-        ls = get_loss_scale(opt_state)
+        return _taken(opt_state_or_loss_scale_state)
+
+
+def _taken(opt_state: Any) -> jax.Array:
+    """[`stepped`][jaxamp.stepped]'s verdict; lookup errors are the caller's to name."""
+    ls = get_loss_scale(opt_state)
     taken = ~ls.nonfinite_streak.astype(jnp.bool_)
     spikes = find_spike_state(opt_state)
     if spikes is not None:
@@ -92,7 +104,8 @@ def applied_calls(before: Any, after: Any) -> jax.Array:
     return jnp.where(ended & taken, old.mini_step + 1, 0).astype(jnp.int32)
 
 
-def where_stepped(opt_state: Any, new: Any, old: Any) -> Any:
+@renamed_parameter("opt_state", "opt_state_or_loss_scale_state", removed_in="0.5")
+def where_stepped(opt_state_or_loss_scale_state: Any, new: Any, old: Any) -> Any:
     """``new`` if the last step was taken, ``old`` if it was skipped: model state.
 
     What a train step writes besides params and optimizer state (BatchNorm
@@ -106,7 +119,9 @@ def where_stepped(opt_state: Any, new: Any, old: Any) -> Any:
     the model state is kept).
 
     Args:
-      opt_state: the optimizer state *after* the step (or a ``TrainState``).
+      opt_state_or_loss_scale_state: the optimizer state *after* the step (or what
+        holds it), or the ``LossScaleState`` after [`jaxamp.update`][jaxamp.update], as
+        in [`stepped`][jaxamp.stepped].
       new: the model state the step computed.
       old: the model state before the step; the same tree structure, shapes and dtypes.
 
@@ -122,8 +137,10 @@ def where_stepped(opt_state: Any, new: Any, old: Any) -> Any:
       >>> jaxamp.where_stepped(opt_state, new_stats, stats)
       {'mean': Array([0., 0.], dtype=float32)}
     """
+    with named("where_stepped"):
+        taken = _taken(opt_state_or_loss_scale_state)
     try:
-        return select_tree(stepped(opt_state), new, old)
+        return select_tree(taken, new, old)
     except ValueError as e:
         raise ValueError(
             "where_stepped: `new` and `old` must be the same model state before and after "

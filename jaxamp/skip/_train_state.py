@@ -62,24 +62,24 @@ class TrainState(train_state.TrainState):
 
     Build it with ``TrainState.create(apply_fn=..., params=..., tx=tx)`` where
     ``tx`` is a [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] (or
-    [`jaxamp.multi_transform`][jaxamp.multi_transform]) transformation; scale the loss with
-    ``state.loss_scale`` (or use [`jaxamp.value_and_grad`][jaxamp.value_and_grad]) and pass the
-    scaled gradients to ``apply_gradients``. Flax's fp8 metadata (the ``_overwrite_with_gradient``
-    collection) is handled as Flax's own ``TrainState`` does: overwritten with its "gradients",
-    never unscaled, checked or seen by the optimizer.
+    [`jaxamp.multi_transform`][jaxamp.multi_transform]) transformation; take the gradients of the
+    scaled loss with [`jaxamp.value_and_grad`][jaxamp.value_and_grad] (or scale it with
+    ``jaxamp.get_loss_scale(state)``) and pass them to ``apply_gradients``. Flax's fp8 metadata
+    (the ``_overwrite_with_gradient`` collection) is handled as Flax's own ``TrainState`` does:
+    overwritten with its "gradients", never unscaled, checked or seen by the optimizer.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxamp
       >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
       >>> state = jaxamp.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
       >>> state = state.apply_gradients(grads={"w": jnp.array([jnp.nan, 1.0])})
-      >>> state.params["w"], float(state.loss_scale.scale)
+      >>> state.params["w"], float(jaxamp.get_loss_scale(state).scale)
       (Array([1., 1.], dtype=float32), 16384.0)
     """
 
     @property
     def loss_scale(self) -> LossScaleState:
-        """The loss-scale state inside ``opt_state``."""
+        """The loss-scale state inside ``opt_state``: ``jaxamp.get_loss_scale(state)``."""
         return get_loss_scale(self.opt_state)
 
     def apply_gradients(

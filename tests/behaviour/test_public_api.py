@@ -3,8 +3,9 @@
 
 The snapshot was taken from main's tree in the old layout, before the package was re-cut by
 concept (issue 32), names added on main since included: moving modules must change nothing
-here. A deliberate change of the public API is listed
-in ``CHANGED`` (and in the CHANGELOG), and its old spelling tested below.
+here. A deliberate change of the public API is listed in ``CHANGED``, ``RENAMED_PARAMETERS``
+or ``RENAMED`` (and in the CHANGELOG), and its old spelling tested below: it works, with a
+``DeprecationWarning``, until 0.5.
 """
 
 import copy
@@ -31,6 +32,27 @@ CHANGED = {
         "max_consecutive_nonfinite",
     ),
     ("jaxamp", "static_scale"): ("skip_nonfinite",),
+}
+
+# One vocabulary (issue 32): a parameter that takes an optimizer state or a loss-scale
+# state is `opt_state_or_loss_scale_state`, one that needs a loss-scale state is
+# `loss_scale_state`. The old keyword still works, with a DeprecationWarning, until 0.5.
+EITHER = "opt_state_or_loss_scale_state"
+RENAMED_PARAMETERS = {
+    ("jaxamp", "get_loss_scale"): {"opt_state": EITHER},
+    ("jaxamp", "stepped"): {"opt_state": EITHER},
+    ("jaxamp", "where_stepped"): {"opt_state": EITHER},
+    ("jaxamp", "scale"): {"state": "loss_scale_state"},
+    ("jaxamp", "unscale_and_check"): {"state": "loss_scale_state"},
+    ("jaxamp", "update"): {"state": "loss_scale_state"},
+}
+
+# Renamed public names: the optax transformations say what they do to the updates,
+# apart from the array op `stochastic_round`. The old names are served, with a
+# DeprecationWarning, until 0.5, and are no longer in `__all__`.
+RENAMED = {
+    ("jaxamp", "stochastic_rounding"): "apply_with_stochastic_rounding",
+    ("jaxamp", "kahan_summation"): "apply_with_kahan_summation",
 }
 
 
@@ -91,6 +113,12 @@ def expected():
         kind, params = want[ns][name]
         params = [(p, "KEYWORD_ONLY" if p in keyword_only else k, d) for p, k, d in params]
         want[ns][name] = (kind, params)
+    for (ns, name), renames in RENAMED_PARAMETERS.items():
+        kind, params = want[ns][name]
+        want[ns][name] = (kind, [(renames.get(p, p), k, d) for p, k, d in params])
+    for (ns, old), new in RENAMED.items():
+        want[ns][new] = want[ns].pop(old)
+        want[ns]["__all__"] = sorted(new if n == old else n for n in want[ns]["__all__"])
     return want
 
 
@@ -118,6 +146,61 @@ def test_the_old_positional_spellings_still_work_with_a_deprecation_warning():
         jaxamp.dynamic_scale(8.0, 4.0, growth_factor=2.0)
     with pytest.raises(TypeError, match=r"takes 1 positional argument\(s\) \(8 until jaxamp 0.5"):
         jaxamp.dynamic_scale(*range(1, 10))
+
+
+def test_the_old_keywords_still_work_with_a_deprecation_warning():
+    import jax.numpy as jnp
+    import optax
+
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+    opt_state = tx.init({"w": jnp.ones(2)})
+    ls = jaxamp.get_loss_scale(opt_state)
+    old_spellings = {
+        "get_loss_scale": lambda: jaxamp.get_loss_scale(opt_state=opt_state),
+        "stepped": lambda: jaxamp.stepped(opt_state=opt_state),
+        "where_stepped": lambda: jaxamp.where_stepped(opt_state=opt_state, new=1.0, old=0.0),
+        "scale": lambda: jaxamp.scale(state=ls, tree=jnp.float32(2.0)),
+        "unscale_and_check": lambda: jaxamp.unscale_and_check(state=ls, grads=jnp.ones(2)),
+        "update": lambda: jaxamp.update(state=ls, finite=True),
+    }
+    new_spellings = {
+        "get_loss_scale": lambda: jaxamp.get_loss_scale(**{EITHER: opt_state}),
+        "stepped": lambda: jaxamp.stepped(**{EITHER: opt_state}),
+        "where_stepped": lambda: jaxamp.where_stepped(**{EITHER: opt_state}, new=1.0, old=0.0),
+        "scale": lambda: jaxamp.scale(loss_scale_state=ls, tree=jnp.float32(2.0)),
+        "unscale_and_check": lambda: jaxamp.unscale_and_check(
+            loss_scale_state=ls, grads=jnp.ones(2)
+        ),
+        "update": lambda: jaxamp.update(loss_scale_state=ls, finite=True),
+    }
+    assert old_spellings.keys() == {name for _, name in RENAMED_PARAMETERS}
+    for name, call in old_spellings.items():
+        ((old, new),) = RENAMED_PARAMETERS["jaxamp", name].items()
+        with pytest.warns(DeprecationWarning, match=rf"jaxamp.{name}: the argument {old}= is now"):
+            got = call()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the new keyword does not warn
+            want = new_spellings[name]()
+        assert str(jax_leaves(got)) == str(jax_leaves(want)), name
+    with pytest.raises(TypeError, match=r"got both opt_state= and opt_state_or_loss_scale_state="):
+        jaxamp.stepped(opt_state=opt_state, opt_state_or_loss_scale_state=opt_state)
+
+
+def test_the_old_names_still_work_with_a_deprecation_warning():
+    import jaxamp.low_precision_params as lpp
+
+    for (_, old), new in RENAMED.items():
+        assert old not in jaxamp.__all__ and old not in lpp.__all__
+        for module in (jaxamp, lpp):
+            with pytest.warns(
+                DeprecationWarning, match=rf"\.{old} is deprecated .* use jaxamp\.{new}"
+            ):
+                alias = getattr(module, old)
+            assert alias is getattr(jaxamp, new), (module.__name__, old)
+    with pytest.warns(DeprecationWarning, match="use jaxamp.apply_with_kahan_summation"):
+        from jaxamp import kahan_summation  # noqa: F401
+    with pytest.raises(AttributeError, match="has no attribute 'stochastic_roundings'"):
+        jaxamp.stochastic_roundings  # noqa: B018
 
 
 def jax_leaves(tree):

@@ -593,7 +593,7 @@ def test_a_checkpoint_names_no_python_module(tmp_path) -> None:
     multi = jaxamp.multi_transform(
         {"a": optax.sgd(0.1), "b": optax.adam(0.1)}, {"w": "a", "b": "b"}, jaxamp.static_scale(8.0)
     )
-    rounding = optax.chain(optax.sgd(0.1), jaxamp.stochastic_rounding(jax.random.key(0)))
+    rounding = optax.chain(optax.sgd(0.1), jaxamp.apply_with_stochastic_rounding(jax.random.key(0)))
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     optimizer = jaxamp.nnx.Optimizer(
         model, jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale()), wrt=nnx.Param
@@ -602,7 +602,7 @@ def test_a_checkpoint_names_no_python_module(tmp_path) -> None:
         "skip": skip.init(params),
         "multi": multi.init(params),
         "rounding": rounding.init(params),
-        "kahan": jaxamp.kahan_summation().init(params),
+        "kahan": jaxamp.apply_with_kahan_summation().init(params),
         "nnx": nnx.state(optimizer),
     }
     ckptr = ocp.StandardCheckpointer()

@@ -10,8 +10,8 @@ equal on finite steps (``reference``):
   momentum); reference ``optax.multi_transform``, each label stepped on its own;
 - ``spikes``: ``skip_nonfinite(adam, spikes=spike_rule(...))``; whether a step is
   a spike comes from ``tests/skip/test_spikes.py``'s plain-Python rule;
-- ``sr`` / ``kahan``: bfloat16 params, ``chain(adam, jaxamp.stochastic_rounding(key))``
-  or ``chain(adam, jaxamp.kahan_summation())``; the reference is the same chain
+- ``sr`` / ``kahan``: bfloat16 params, ``chain(adam, jaxamp.apply_with_stochastic_rounding(key))``
+  or ``chain(adam, jaxamp.apply_with_kahan_summation())``; the reference is the same chain
   without the skip (the rounding transformations are jaxamp's, the skip is what
   is under test).
 
@@ -97,9 +97,9 @@ class Mode:
     def _inner(self) -> Any:
         adam = optax.adam(1e-2)
         if self.name == "sr":
-            return optax.chain(adam, jaxamp.stochastic_rounding(jax.random.key(3)))
+            return optax.chain(adam, jaxamp.apply_with_stochastic_rounding(jax.random.key(3)))
         if self.name == "kahan":
-            return optax.chain(adam, jaxamp.kahan_summation())
+            return optax.chain(adam, jaxamp.apply_with_kahan_summation())
         return adam
 
     def _transforms(self) -> dict[str, Any]:

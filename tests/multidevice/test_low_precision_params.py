@@ -21,8 +21,8 @@ import jaxamp
 N_DEV = 8
 STEPS = 4
 LASTS = {
-    "sr": lambda: jaxamp.stochastic_rounding(jax.random.key(11)),
-    "kahan": jaxamp.kahan_summation,
+    "sr": lambda: jaxamp.apply_with_stochastic_rounding(jax.random.key(11)),
+    "kahan": jaxamp.apply_with_kahan_summation,
 }
 
 
