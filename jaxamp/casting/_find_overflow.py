@@ -26,7 +26,7 @@ from jaxamp.casting._api import debugging_autocast
 from jaxamp.casting._overflow_advice import advise
 from jaxamp.casting._overflow_report import OverflowReport
 from jaxamp.casting._scopes import AUTOCAST_SCOPE
-from jaxamp.loss_scale import get_loss_scale
+from jaxamp.loss_scale import LossScaleState, get_loss_scale
 
 __all__ = ["OverflowReport", "find_overflow"]
 
@@ -34,7 +34,7 @@ __all__ = ["OverflowReport", "find_overflow"]
 def find_overflow(
     loss_fn: Callable[..., Any],
     *args: Any,
-    loss_scale: float = 2.0**15,
+    loss_scale: float | LossScaleState | Any = 2.0**15,
     dtype: Any = jnp.float16,
     argnums: int | Sequence[int] = 0,
     rules: Mapping[Any, str] | None = None,
@@ -46,7 +46,7 @@ def find_overflow(
 
     Runs ``loss_fn(*args, **kwargs)`` once more as mixed-precision training
     does: under ``jaxamp.autocast(loss_fn, dtype=dtype, rules=rules,
-    modules=modules)``, the loss multiplied by `loss_scale`, and its gradient
+    modules=modules)``, the loss multiplied by the loss scale, and its gradient
     with respect to ``args[argnums]``. It evaluates that program eagerly, one
     op at a time (entering ``jit``, ``scan``, ``while``, ``cond``, ``remat``,
     custom derivatives and ``shard_map`` bodies, each op of a body on every
@@ -71,9 +71,11 @@ def find_overflow(
       loss_fn: the loss function as the train step calls it (returns a scalar
         floating loss).
       *args: its positional arguments (parameters, batch, ...).
-      loss_scale: the loss scale to test: a number, a
-        [`jaxamp.LossScaleState`][jaxamp.LossScaleState], or the optimizer state holding one (its
-        current scale).
+      loss_scale: the loss scale the step uses, in any form the step holds it: the
+        [`jaxamp.LossScaleState`][jaxamp.LossScaleState] given to
+        [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite], the optimizer state holding one (or a
+        [`jaxamp.TrainState`][jaxamp.TrainState] or [`jaxamp.nnx.Optimizer`][jaxamp.nnx.Optimizer]),
+        whose current scale is tested, or a positive number.
       dtype: autocast's lower-precision dtype, ``jnp.float16`` or ``jnp.bfloat16``.
       argnums: which positional arguments the gradient is taken with respect
         to (an int or a sequence of ints, negative ones counted from the end).
@@ -92,11 +94,12 @@ def find_overflow(
 
     Raises:
       TypeError: if `loss_fn` is not callable, returns something other than a
-        scalar floating loss, `argnums` is not an int or a sequence of ints, or
-        an argument is a tracer (``find_overflow`` called inside ``jit``).
+        scalar floating loss, `argnums` is not an int or a sequence of ints,
+        `loss_scale` is none of the forms above, or an argument is a tracer
+        (``find_overflow`` called inside ``jit``).
       ValueError: if `dtype` is not float16 or bfloat16, `argnums` is out of
-        range, `loss_scale` is not a positive finite number, or `rules` /
-        `modules` are invalid (as in ``autocast``).
+        range, `loss_scale` is not a positive finite number (or holds several
+        loss-scale states), or `rules` / `modules` are invalid (as in ``autocast``).
 
     Examples:
       >>> def loss_fn(w, x):
@@ -239,26 +242,38 @@ def _check_dtype(dtype: Any) -> np.dtype:
     return resolved
 
 
+_LOSS_SCALE_FORMS = (
+    "find_overflow: loss_scale must be the loss scale the step uses: a jaxamp.LossScaleState, "
+    "the optimizer state holding one (as tx.init / the step returns it, a TrainState, a "
+    "jaxamp.nnx.Optimizer) or a positive number"
+)
+
+
 def _check_loss_scale(loss_scale: Any) -> float:
+    """The scale to test, as a float, from any form the step's loss scale takes."""
+    if loss_scale is None or isinstance(loss_scale, bool | str | bytes):
+        raise TypeError(f"{_LOSS_SCALE_FORMS}, got {loss_scale!r}")
     if not isinstance(loss_scale, int | float | np.number | jax.Array | np.ndarray):
-        # A LossScaleState, or an optimizer state holding one (as metrics takes).
         try:
-            scale = get_loss_scale(loss_scale).scale
-        except (TypeError, ValueError):
+            state = get_loss_scale(loss_scale)
+        except ValueError as e:
+            if "no LossScaleState" not in str(e):  # several: name them, as metrics does
+                raise ValueError(f"find_overflow: loss_scale: {e}") from None
             raise TypeError(
-                "find_overflow: loss_scale must be a number, a jaxamp.LossScaleState or an "
-                f"optimizer state holding one, got a {type(loss_scale).__name__}"
+                f"{_LOSS_SCALE_FORMS}, got a {type(loss_scale).__name__} with no "
+                "LossScaleState in it"
             ) from None
-        # A pmap-replicated state holds one equal copy per device.
-        loss_scale = np.max(jax.device_get(scale))
+        # A state that does not scale holds a scale of 1; a pmap-replicated state holds
+        # one equal copy per device.
+        loss_scale = np.max(jax.device_get(state.scale))
     if np.size(loss_scale) != 1:
         raise ValueError(
             f"find_overflow: loss_scale must be one number, got shape {np.shape(loss_scale)}"
         )
-    try:
-        value = float(np.asarray(jax.device_get(loss_scale)).reshape(()))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"find_overflow: loss_scale must be a number, got {loss_scale!r}") from e
+    value = np.asarray(jax.device_get(loss_scale)).reshape(())
+    if not (jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)):
+        raise TypeError(f"{_LOSS_SCALE_FORMS}, got an array of {value.dtype}")
+    value = float(value)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"find_overflow: loss_scale must be positive and finite, got {value}")
     return value

@@ -640,5 +640,5 @@ def test_loss_scale_from_an_optimizer_state():
     )
     with pytest.raises(ValueError, match="one number"):
         jaxamp.find_overflow(matmul_loss, W_BIG, X_BIG, loss_scale=jnp.ones(2))
-    with pytest.raises(TypeError, match=r"got a dict$"):
+    with pytest.raises(TypeError, match=r"got a dict with no LossScaleState in it$"):
         jaxamp.find_overflow(matmul_loss, W_BIG, X_BIG, loss_scale={"a": jnp.ones(3)})
