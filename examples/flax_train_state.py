@@ -59,7 +59,7 @@ def main() -> None:
     for i in range(301):
         state, loss = train_step(state, x, y)
         if i % 100 == 0:
-            m = jaxamp.metrics(state.opt_state)
+            m = jaxamp.metrics(state)
             print(
                 f"step {i:3d}  loss {loss:.4f}  scale {m['loss_scale']:g}  "
                 f"skipped {m['skipped_steps']}"

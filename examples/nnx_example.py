@@ -70,7 +70,7 @@ def loss_fn(model: LM, ids: jax.Array, poison: jax.Array) -> jax.Array:
 def train_step(model: LM, optimizer: jaxamp.nnx.Optimizer, ids, poison):
     loss, grads = jaxamp.nnx.value_and_grad(loss_fn)(optimizer, model, ids, poison)
     optimizer.update(model, grads)
-    return loss, jaxamp.metrics(optimizer.opt_state)
+    return loss, jaxamp.metrics(optimizer)
 
 
 def build() -> tuple[LM, jaxamp.nnx.Optimizer]:
@@ -112,7 +112,7 @@ def main() -> None:
 
     pairs = zip(arrays(model, optimizer), arrays(fresh_model, fresh_opt), strict=True)
     same = all(np.array_equal(a, b) for a, b in pairs)
-    m = jaxamp.metrics(optimizer.opt_state)
+    m = jaxamp.metrics(optimizer)
     print(f"skipped steps: {int(m['skipped_steps'])} (the injected inf at step {POISON_AT}); "
           f"optimizer.step {int(optimizer.step)} of {STEPS} calls")  # fmt: skip
     print(f"resumed from step {SAVE_AT}, bit for bit: {same}")
