@@ -82,16 +82,9 @@ def renamed_parameter(old: str, new: str, *, removed_in: str) -> Callable[[F], F
     return wrap
 
 
-def warn_renamed(old: str, new: str, *, removed_in: str, stacklevel: int = 3) -> None:
-    """The ``DeprecationWarning`` of a public name that is now spelled ``new``."""
-    warnings.warn(
-        f"{old} is deprecated and will be removed in jaxamp {removed_in}; use {new}.",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )
-
-
-def deprecated_aliases(module: str, aliases: dict[str, tuple[str, Any]], removed_in: str):
+def deprecated_aliases(
+    module: str, aliases: dict[str, tuple[str, Any]], removed_in: str
+) -> Callable[[str], Any]:
     """A module ``__getattr__`` serving each old name in ``aliases`` (old -> (new
     spelling, the object)) with a ``DeprecationWarning`` naming the new spelling;
     the old names are not in the module's ``__all__``."""
@@ -99,7 +92,12 @@ def deprecated_aliases(module: str, aliases: dict[str, tuple[str, Any]], removed
     def __getattr__(name: str) -> Any:
         if name in aliases:
             new, obj = aliases[name]
-            warn_renamed(f"{module}.{name}", new, removed_in=removed_in)
+            warnings.warn(
+                f"{module}.{name} is deprecated and will be removed in jaxamp {removed_in}; "
+                f"use {new}.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             return obj
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
