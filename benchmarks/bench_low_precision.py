@@ -5,8 +5,8 @@ bfloat16 recipe), all computing the forward and backward in bfloat16:
 
 * ``fp32-master``: float32 params and moments; the forward casts the params.
 * ``fp32-master+mu-bf16``: the same with ``mu_dtype=bfloat16``.
-* ``bf16+sr``: bfloat16 params (and so moments), ``jaxamp.stochastic_rounding`` last.
-* ``bf16+kahan``: bfloat16 params and moments, ``jaxamp.kahan_summation`` last.
+* ``bf16+sr``: bfloat16 params (and so moments), ``jaxamp.apply_with_stochastic_rounding`` last.
+* ``bf16+kahan``: bfloat16 params and moments, ``jaxamp.apply_with_kahan_summation`` last.
 * ``bf16-plain``: bfloat16 params and moments, nothing else.
 
 Measured: bytes per parameter of params + optimizer state (summed over the actual
@@ -51,9 +51,9 @@ def make_tx(name: str, lr: Any, seed: int = 0) -> optax.GradientTransformation:
     mu = {"mu_dtype": BF16} if name != "fp32-master" else {}
     chain = [optax.clip_by_global_norm(1.0), optax.adamw(lr, b2=0.95, weight_decay=0.01, **mu)]
     if name == "bf16+sr":
-        chain.append(jaxamp.stochastic_rounding(jax.random.key(seed)))
+        chain.append(jaxamp.apply_with_stochastic_rounding(jax.random.key(seed)))
     elif name == "bf16+kahan":
-        chain.append(jaxamp.kahan_summation())
+        chain.append(jaxamp.apply_with_kahan_summation())
     return jaxamp.skip_nonfinite(optax.chain(*chain))
 
 
