@@ -11,7 +11,7 @@ import numpy as np
 from jaxamp.casting._casts import cast_jit
 from jaxamp.casting._primitives import Handlers
 from jaxamp.casting._rules import FLOAT32
-from jaxamp.casting._scopes import module_match, runs_as_written
+from jaxamp.casting._scopes import module_match, runs_as_written, scope_parts
 
 
 @dataclasses.dataclass
@@ -80,7 +80,7 @@ class Context:
         hit = self.scoped.get(stack)
         if hit is not None:
             return hit
-        parts = [p for p in stack.split("/") if p]
+        parts = scope_parts(stack)
         marker = runs_as_written(parts)
         full, origin = bool(marker), {"*": marker} if marker else {}
         rules = self.rules

@@ -23,7 +23,13 @@ import numpy as np
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._rules import AS_WRITTEN, DEFAULT_RULES, FOLLOW
-from jaxamp.casting._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE, join
+from jaxamp.casting._scopes import (
+    AUTOCAST_SCOPE,
+    FULL_PRECISION_SCOPE,
+    KEEP_FLOAT32_SCOPE,
+    join,
+    scope_parts,
+)
 
 __all__ = ["OpRow"]
 
@@ -169,14 +175,8 @@ def module_path(stack: str) -> str:
     """A name stack without JAX's transformation wrappers, jaxamp's own markers and
     the ``[Class]`` scopes autocast adds for ``modules=`` patterns."""
     own = (AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE)
-    names = []
-    for part in stack.split("/"):
-        while "(" in part and part.endswith(")"):
-            part = part[part.index("(") + 1 : -1]
-        part = part.partition("[")[0]
-        if part and not part.startswith(own):
-            names.append(part)
-    return "/".join(names)
+    names = [p.partition("[")[0] for p in scope_parts(stack)]
+    return "/".join(n for n in names if n and not n.startswith(own))
 
 
 def user_frame(frames: list[tuple[str, int, str]]) -> str:

@@ -9,6 +9,7 @@ does not). Each equation's rules are read from its name stack:
 from __future__ import annotations
 
 import fnmatch
+import re
 
 #: Equations traced under it run as written (``full_precision``).
 FULL_PRECISION_SCOPE = "jaxamp_full_precision"
@@ -21,6 +22,24 @@ KEEP_FLOAT32_SCOPE = "jaxamp_keep_float32"
 def join(outer: str, inner: str) -> str:
     """Two name stacks, one inside the other, as one."""
     return f"{outer}/{inner}" if outer and inner else outer or inner
+
+
+def scope_parts(stack: str) -> list[str]:
+    """The scope names of a name stack, outermost first, without the transformations
+    JAX wraps them in: ``vmap(eqx.nn.MLP)/Linear`` (a model called under ``jax.vmap``,
+    as equinox models are) and ``transpose(jvp(head))`` name ``eqx.nn.MLP`` and
+    ``head``, so ``modules=`` patterns and ``full_precision`` hold there too."""
+    parts, depth, cur = [], 0, ""
+    for ch in stack + "/":
+        if ch == "/" and depth == 0:
+            while re.fullmatch(r"[\w.-]+\((.*)\)", cur):
+                cur = cur[cur.index("(") + 1 : -1]
+            parts += [p for p in cur.split("/") if p]
+            cur = ""
+            continue
+        depth += (ch == "(") - (ch == ")")
+        cur += ch
+    return parts
 
 
 def runs_as_written(parts: list[str]) -> str:

@@ -1,0 +1,99 @@
+"""``full_precision`` and ``modules=`` hold for code run under a transformation
+inside the autocast function (issue 33).
+
+JAX writes a scope opened under ``jax.vmap`` or ``jax.grad`` into the name stack
+wrapped in the transformation, ``vmap(head)/...``, ``transpose(jvp(head))``: an
+equinox model called as ``jax.vmap(model)(x)`` has every module scope so wrapped.
+autocast used to compare the wrapped names with the patterns and markers, so a
+``full_precision`` region or a ``modules=`` rule under ``vmap`` was silently
+ignored and its matmul ran in the lower dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxamp
+
+BF16 = jnp.bfloat16
+
+
+def _dot_dtypes(fn, *args):
+    """The operand dtypes of every ``dot_general`` of `fn`'s program, nested jaxprs included."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def _head(x, w):
+    with jax.named_scope("head"):
+        return x @ w
+
+
+X = jnp.asarray(np.random.default_rng(0).standard_normal((3, 16, 16)), jnp.float32)
+W = jnp.asarray(np.random.default_rng(1).standard_normal((16, 16)), jnp.float32)
+
+
+def test_full_precision_under_vmap_runs_in_float32():
+    def f(x, w):
+        return jax.vmap(jaxamp.full_precision(lambda x: x @ w))(x)
+
+    assert _dot_dtypes(jaxamp.autocast(f, dtype=BF16), X, W) == [("float32", "float32")]
+    # and the result is float32's, not bfloat16's
+    got = jaxamp.autocast(f, dtype=BF16)(X, W)
+    np.testing.assert_allclose(got, X @ W, rtol=1e-6, atol=1e-5)
+
+
+def test_a_modules_rule_holds_under_vmap():
+    def f(x, w):
+        return jax.vmap(_head, in_axes=(0, None))(x, w)
+
+    amp = jaxamp.autocast(f, dtype=BF16, modules={"head": "float32"})
+    assert _dot_dtypes(amp, X, W) == [("float32", "float32")]
+    plain = jaxamp.autocast(f, dtype=BF16)  # without the rule: bfloat16
+    assert _dot_dtypes(plain, X, W) == [("bfloat16", "bfloat16")]
+
+
+@pytest.mark.parametrize("where", ["vmap", "grad"])
+def test_a_modules_rule_holds_under_a_transformation_inside_f(where):
+    def loss(w, x):
+        return jnp.sum(_head(x, w) ** 2)
+
+    if where == "vmap":
+
+        def f(x, w):
+            return jax.vmap(lambda x: jax.grad(loss)(w, x))(x)
+    else:
+
+        def f(x, w):
+            return jax.grad(loss)(w, x[0])
+
+    amp = jaxamp.autocast(f, dtype=BF16, modules={"head": "float32"})
+    dots = _dot_dtypes(amp, X, W)
+    assert dots and all(d == ("float32", "float32") for d in dots), dots
+
+
+def test_fp8_module_rules_hold_under_vmap():
+    def f(x, w):
+        return jax.vmap(_head, in_axes=(0, None))(x, w)
+
+    on = jaxamp.fp8(first_last_bf16=False)
+    assert _dot_dtypes(jaxamp.autocast(f, dtype=BF16, fp8=on), X, W) == [
+        ("float8_e4m3fn", "float8_e4m3fn")
+    ]
+    off = jaxamp.fp8(modules={"head": False}, first_last_bf16=False)
+    assert _dot_dtypes(jaxamp.autocast(f, dtype=BF16, fp8=off), X, W) == [("bfloat16", "bfloat16")]
