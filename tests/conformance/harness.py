@@ -486,13 +486,14 @@ def _needed_skips(row: dict[str, Any]) -> set[int]:
     return out
 
 
-def record(row: dict[str, Any]) -> None:
-    """Append the row (and its failures) to $CONFORMANCE_OUT, if set."""
+def record(row: dict[str, Any], judge: Any = None) -> None:
+    """Append the row (and its failures: `judge`'s, by default :func:`failures`) to
+    $CONFORMANCE_OUT, if set."""
     path = os.environ.get("CONFORMANCE_OUT")
     if not path:
         return
     calibration = len(_needed_skips(row)) if "train" in row else 0
-    row = {**row, "failures": failures(row), "calibration_skips": calibration}
+    row = {**row, "failures": (judge or failures)(row), "calibration_skips": calibration}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(row, default=float) + "\n")

@@ -1,7 +1,8 @@
-"""Writes the conformance table (rows from harness.record) into benchmarks/RESULTS.md.
+"""Writes the conformance tables (rows from harness.record) into benchmarks/RESULTS.md.
 
 ``python tests/conformance/report.py ROWS.jsonl [RESULTS.md]``: replaces the section
-between the conformance markers (appends it the first time) and prints the table.
+between the conformance markers (appends it the first time) and prints the table; the
+FP8 rows (``fp8.py``) go between the FP8 markers, in RESULTS.md's FP8 section.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 BEGIN, END = "<!-- conformance:begin -->", "<!-- conformance:end -->"
+FP8_BEGIN, FP8_END = "<!-- conformance-fp8:begin -->", "<!-- conformance-fp8:end -->"
 PACKAGES = ("jax", "flax", "optax", "transformers", "flaxmodels", "equinox", "diffusers", "jraph")
 
 
@@ -91,18 +93,85 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _fp8_cell(row: dict[str, Any]) -> list[str]:
+    a, b, p = (row.get(k) or {} for k in ("fp8", "bf16", "products"))
+    ratio = a["final"] / b["final"] if "final" in a and "final" in b else None
+    verdict = "FAIL: " + "; ".join(row["failures"]) if row["failures"] else "pass"
+    if not row["failures"] and row.get("note"):
+        verdict = f"pass: {row['note']}"
+    return [
+        row["model"],
+        row["scaling"],
+        f"{p['fp8']} of {p['total']}" if p else "-",
+        _num(a.get("out_err"), ".2e"),
+        _num(b.get("out_err"), ".2e"),
+        _num(a.get("grad_cos"), ".5f"),
+        _num(b.get("grad_cos"), ".6f"),
+        _num(a.get("final"), ".5f"),
+        _num(b.get("final"), ".5f"),
+        _num(row.get("final_f32"), ".5f"),
+        "-" if ratio is None else f"{ratio:.4f} ({100 * (ratio - 1):+.2f} %)",
+        verdict.replace("|", "/"),
+    ]
+
+
+def fp8_table(rows: list[dict[str, Any]]) -> str:
+    steps = max((r["steps"] for r in rows), default=0)
+    head = [
+        "model", "scaling", "FP8 products", "fwd err FP8", "fwd err bf16", "grad cos FP8",
+        "grad cos bf16", "final loss FP8", "bf16", "f32", "FP8 / bf16", "result",
+    ]  # fmt: skip
+    lines = [
+        "### FP8 on the conformance corpus (`make conformance`, `tests/conformance/fp8.py`)",
+        "",
+        "The same models, batches and float32 reference as the conformance table; "
+        "`jaxamp.autocast(apply, dtype=bfloat16, fp8=jaxamp.fp8(scaling))` against bfloat16 "
+        "autocast (`bf16`) and float32. `FP8 products`: forward `dot_general`s that ran in "
+        "FP8, from `jaxamp.audit`'s per-op view (the others: first / last layer, or M, N, K "
+        "not multiples of 16); `fwd err`: max |y - y_f32| / max |y_f32| of the logits; "
+        f"`grad cos`: cosine of the gradient at init to float32's; `final loss`: after {steps} "
+        "AdamW steps with no loss scale, judged by the float32 model. Goal: final loss within "
+        "1 % of bfloat16 autocast's.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for row in sorted(rows, key=lambda r: (r["model"], r["scaling"], r.get("variant", ""))):
+        lines.append("| " + " | ".join(_fp8_cell(row)) + " |")
+    kept: dict[str, dict[str, int]] = {}
+    for row in rows:
+        if row.get("products") and row["scaling"] == "tensorwise":
+            kept[row["model"]] = row["products"]["kept"]
+    if kept:
+        lines += ["", "Kept in bfloat16, and why (`jaxamp.audit(...).ops`):", ""]
+        for model, why in sorted(kept.items()):
+            lines.append(f"- {model}: " + "; ".join(f"{n} x {w}" for w, n in why.items()))
+    return "\n".join(lines)
+
+
+def _replace(text: str, begin: str, end: str, section: str) -> str:
+    """`text` with the part between `begin` and `end` replaced (appended if absent)."""
+    if begin in text and end in text:
+        return text[: text.index(begin)] + section + text[text.index(end) + len(end) :]
+    return text.rstrip("\n") + "\n\n" + section + "\n"
+
+
 def main() -> None:
     src = Path(sys.argv[1])
     dst = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("benchmarks/RESULTS.md")
     rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
-    section = f"{BEGIN}\n{table(rows)}\n{END}"
     text = dst.read_text() if dst.exists() else ""
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    fp8 = [r for r in rows if r.get("kind") == "fp8"]
+    rows = [r for r in rows if r.get("kind") != "fp8"]
+    for begin, end, part, render in (
+        (BEGIN, END, rows, table),
+        (FP8_BEGIN, FP8_END, fp8, fp8_table),
+    ):
+        if part:  # a run of only some rows leaves the other table as it was
+            section = f"{begin}\n{render(part)}\n{end}"
+            text = _replace(text, begin, end, section)
+            print(section)
     dst.write_text(text)
-    print(section)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""FP8 through autocast on the conformance corpus (issue 33): ``jaxamp.fp8``
+tensorwise and rowwise against bfloat16 autocast and float32 (see fp8.py).
+
+``make conformance`` only (``CONFORMANCE_FULL=1``): every row trains its model
+three times (float32, bfloat16 autocast, FP8), which CI's budget has no room for.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import fp8, harness
+
+
+@pytest.mark.skipif(not harness.FULL, reason="FP8 rows: full suite only (make conformance)")
+@pytest.mark.parametrize("scaling", fp8.SCALINGS)
+@pytest.mark.parametrize("name", fp8.MODELS)
+def test_fp8_conformance(name: str, scaling: str) -> None:
+    fp8.check(fp8.evaluate(name, scaling))
+
+
+@pytest.mark.skipif(not harness.FULL, reason="FP8 rows: full suite only (make conformance)")
+@pytest.mark.parametrize("scaling", fp8.SCALINGS)
+@pytest.mark.parametrize("name", sorted(fp8.EXCLUDE))
+def test_fp8_conformance_with_the_documented_exclusion(name: str, scaling: str) -> None:
+    fp8.check(fp8.evaluate(name, scaling, exclude=fp8.EXCLUDE[name]))
+
+
+def test_fp8_rows_name_models_of_the_corpus() -> None:
+    from . import models
+
+    assert set(fp8.MODELS) <= set(models.MODELS)
+    documented = set(fp8.NO_FP8) | set(fp8.EXCLUDE) | set(fp8.MISSES)
+    assert documented <= set(fp8.MODELS)
+    assert not set(fp8.EXCLUDE) & set(fp8.MISSES)
+
+
+def test_a_documented_miss_is_a_note_and_an_undocumented_one_fails() -> None:
+    def row(name: str, fp8_final: float, variant: str = "") -> dict:
+        return {"model": name, "variant": variant, "errors": {}, "final_f32": 1.0,
+                "products": {"fp8": 3}, "fp8": {"final": fp8_final, "nonfinite": 0},
+                "bf16": {"final": 1.0}}  # fmt: skip
+
+    known = row("hf-t5", 1.03)
+    assert fp8.failures(known) == [] and "meets it with modules=" in known["note"]
+    assert fp8.failures(row("hf-t5", 1.03, "modules={'decoder': False}"))  # must meet it
+    assert fp8.failures(row("hf-t5", 1.0 + fp8.MISS_BOUND + 0.01))  # beyond the bound
+    assert fp8.failures(row("hf-gpt2", 1.03))  # no documented miss
+    assert fp8.failures(row("hf-gpt2", 1.005)) == []
