@@ -98,10 +98,10 @@ def _fp8_cell(row: dict[str, Any]) -> list[str]:
     ratio = a["final"] / b["final"] if "final" in a and "final" in b else None
     verdict = "FAIL: " + "; ".join(row["failures"]) if row["failures"] else "pass"
     if not row["failures"] and row.get("note"):
-        verdict = f"pass: {row['note']}"
+        verdict = row["note"]  # a documented outcome (fp8.NO_FP8, EXCLUDE, MISSES)
     return [
         row["model"],
-        row["scaling"],
+        row["scaling"] + (f", `{row['variant']}`" if row.get("variant") else ""),
         f"{p['fp8']} of {p['total']}" if p else "-",
         _num(a.get("out_err"), ".2e"),
         _num(b.get("out_err"), ".2e"),
@@ -136,11 +136,11 @@ def fp8_table(rows: list[dict[str, Any]]) -> str:
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
-    for row in sorted(rows, key=lambda r: (r["model"], r["scaling"], r.get("variant", ""))):
+    for row in sorted(rows, key=lambda r: (r["model"], r.get("variant", ""), r["scaling"])):
         lines.append("| " + " | ".join(_fp8_cell(row)) + " |")
     kept: dict[str, dict[str, int]] = {}
     for row in rows:
-        if row.get("products") and row["scaling"] == "tensorwise":
+        if row.get("products") and row["scaling"] == "tensorwise" and not row.get("variant"):
             kept[row["model"]] = row["products"]["kept"]
     if kept:
         lines += ["", "Kept in bfloat16, and why (`jaxamp.audit(...).ops`):", ""]
