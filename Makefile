@@ -29,16 +29,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m slow tests
 
 test-multidevice: $(STAMP)
-	$(MULTIDEVICE) $(PY) -m pytest -q -n 1 tests/multidevice
-	$(MATRIX_CACHED) $(MULTIDEVICE) $(PY) -m pytest -q -n 1 tests/matrix
-
-# The matrix's cells compile the same step programs over and over (a path's program
-# does not change with the drawn sequence or the mode's data): a compilation cache for
-# one run, in a fresh directory, compiles each once. Not for the other tests, some of
-# which read what a compile reports.
-MATRIX_CACHED = cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
-	JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+	$(MULTIDEVICE) $(PY) -m pytest -q -n 1 tests/multidevice tests/matrix
 
 test-multiprocess: $(STAMP)
 	$(PY) -m pytest -q tests/multiprocess
@@ -106,8 +97,7 @@ conformance: $(STAMP)
 # and 10 hypothesis-drawn ones, checked after every call against plain optax / Flax;
 # 144 must refuse by name); `make test` runs a fixed subset of 17 cells.
 matrix: $(STAMP)
-	$(MATRIX_CACHED) MATRIX_FULL=1 $(MULTIDEVICE) $(PY) -m pytest -q -n 2 -p no:cacheprovider \
-		tests/matrix
+	MATRIX_FULL=1 $(MULTIDEVICE) $(PY) -m pytest -q -n 2 -p no:cacheprovider tests/matrix
 
 # The demo needs jaxamp, matplotlib and tqdm only: its own stamp installs the
 # `examples` extra into the same venv (`make test` adds the rest later).
