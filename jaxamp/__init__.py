@@ -5,6 +5,8 @@ Everything public is re-exported here from the subpackages, one per concept
 ``jaxamp.checkpoint`` and ``jaxamp.nnx`` namespaces.
 """
 
+from typing import TYPE_CHECKING
+
 from jaxamp import checkpoint, compat, nnx
 from jaxamp._utils.conversion_checks import ConversionWarning as ConversionWarning
 from jaxamp._utils.deprecation import deprecated_aliases
@@ -117,14 +119,17 @@ __all__ = [
 ]
 
 # Deprecated spellings, served with a DeprecationWarning until 0.5 (not in __all__).
-__getattr__ = deprecated_aliases(
-    "jaxamp",
-    {
-        "stochastic_rounding": (
-            "jaxamp.apply_with_stochastic_rounding",
-            apply_with_stochastic_rounding,
-        ),
-        "kahan_summation": ("jaxamp.apply_with_kahan_summation", apply_with_kahan_summation),
-    },
-    removed_in="0.5",
-)
+# Hidden from type checkers: a module `__getattr__` would make every unknown `jaxamp.x`
+# type as Any; they see the 0.4 names only.
+if not TYPE_CHECKING:
+    __getattr__ = deprecated_aliases(
+        "jaxamp",
+        {
+            "stochastic_rounding": (
+                "jaxamp.apply_with_stochastic_rounding",
+                apply_with_stochastic_rounding,
+            ),
+            "kahan_summation": ("jaxamp.apply_with_kahan_summation", apply_with_kahan_summation),
+        },
+        removed_in="0.5",
+    )

@@ -19,7 +19,7 @@ the value chosen (an error of at most ``2**-24 * |p|``), never farther.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -344,4 +344,6 @@ _RENAMED = {
     ),
     "kahan_summation": ("jaxamp.apply_with_kahan_summation", apply_with_kahan_summation),
 }
-__getattr__ = deprecated_aliases("jaxamp.low_precision_params", _RENAMED, removed_in="0.5")
+# Hidden from type checkers, as in jaxamp/__init__.py: they see the 0.4 names only.
+if not TYPE_CHECKING:
+    __getattr__ = deprecated_aliases("jaxamp.low_precision_params", _RENAMED, removed_in="0.5")

@@ -58,7 +58,7 @@ class ConversionWarning(UserWarning):
 _scale_read = False
 _warned: set[str] = set()
 
-_OUR_PACKAGES = ("jaxamp", "jax", "jaxlib", "optax", "flax", "chex")
+_OUR_PACKAGES = ("jaxamp", "jax", "jaxlib", "optax", "flax", "chex", "equinox")
 
 
 def _tracing() -> bool:

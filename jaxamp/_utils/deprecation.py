@@ -8,6 +8,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from jaxamp._utils.conversion_checks import _stacklevel
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -53,30 +55,72 @@ def positional_deprecated(*formerly_positional: str, removed_in: str) -> Callabl
     return wrap
 
 
+class _Marker:
+    """A default in a published signature that stands for an argument not given."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+# The published default of a required parameter that an old keyword can stand in for.
+REQUIRED = _Marker("<required>")
+
+
 def renamed_parameter(old: str, new: str, *, removed_in: str) -> Callable[[F], F]:
     """Lets the parameter ``new`` of the decorated function still be passed by its old
-    keyword ``old``, with a ``DeprecationWarning``, until jaxamp ``removed_in``. Its
-    signature (``inspect.signature``, the docs) is the new one; by position nothing
-    changes."""
+    keyword ``old``, with a ``DeprecationWarning``, until jaxamp ``removed_in``. By
+    position nothing changes.
+
+    The published signature (``inspect.signature``, what ``jax.jit``'s
+    ``donate_argnames`` / ``static_argnames``, ``Signature.bind``, ``functools.partial``
+    and ``equinox.filter_jit`` read) lists ``old`` as a keyword-only parameter whose
+    default reads ``<deprecated: use new=>``, and shows ``new`` and the required
+    parameters after it with the default ``<required>``: given ``old`` instead, they
+    bind as they did when ``old`` was the name. The docs read the source, which has the
+    new name only; a call missing a required argument is still Python's error.
+    """
 
     def wrap(f: F) -> F:
-        assert new in inspect.signature(f).parameters
+        sig = inspect.signature(f)
+        names = [p.name for p in sig.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+        assert new in names and old not in sig.parameters
+        assert all(
+            p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in sig.parameters.values()
+        )
         name = f"jaxamp.{f.__name__}"
+        at = names.index(new)
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if any(isinstance(a, _Marker) for a in (*args, *kwargs.values())):
+                # A wrapper filled in the published defaults (``BoundArguments.apply_defaults``):
+                # the markers are the arguments not given.
+                kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
+                kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, _Marker)}
+                args = args[len(names) :]
             if old in kwargs:
-                if new in kwargs:
-                    raise TypeError(f"{name}() got both {old}= and {new}=; pass {new}= only.")
+                if new in kwargs or len(args) > at:
+                    how = "" if new in kwargs else f" (by position: {new} is argument {at + 1})"
+                    raise TypeError(f"{name}() got both {old}= and {new}={how}; pass {new}= only.")
                 warnings.warn(
                     f"{name}: the argument {old}= is now called {new}=; {old}= is deprecated "
                     f"and will be an error in jaxamp {removed_in}.",
                     DeprecationWarning,
-                    stacklevel=2,
+                    stacklevel=_stacklevel(),
                 )
                 kwargs[new] = kwargs.pop(old)
             return f(*args, **kwargs)
 
+        published = [
+            p.replace(default=REQUIRED) if p.name in names[at:] and p.default is p.empty else p
+            for p in sig.parameters.values()
+        ]
+        deprecated = _Marker(f"<deprecated: use {new}=>")
+        published.append(inspect.Parameter(old, inspect.Parameter.KEYWORD_ONLY, default=deprecated))
+        wrapper.__signature__ = sig.replace(parameters=published)  # type: ignore[attr-defined]
         return wrapper  # type: ignore[return-value]
 
     return wrap

@@ -65,7 +65,8 @@ def scale(loss_scale_state: LossScaleState, tree: Any) -> Any:
 
     Args:
       loss_scale_state: the [`LossScaleState`][jaxamp.LossScaleState]; inside an
-        optimizer state, ``jaxamp.get_loss_scale(opt_state)``.
+        optimizer state, ``jaxamp.get_loss_scale(opt_state)``. Until jaxamp 0.5 the
+        keyword ``state=`` also works, with a ``DeprecationWarning``.
       tree: a loss or any pytree; non-floating leaves pass through.
 
     Returns:
@@ -91,7 +92,8 @@ def unscale_and_check(
 
     Args:
       loss_scale_state: the [`LossScaleState`][jaxamp.LossScaleState] the gradients
-        were scaled with.
+        were scaled with. Until jaxamp 0.5 the keyword ``state=`` also works, with a
+        ``DeprecationWarning``.
       grads: a pytree of (scaled) gradients. Non-floating leaves (ints, bools,
         ``float0``, ``None``) pass through; each leaf keeps its dtype (float8 too).
       axis_name: a mapped axis name (``pmap`` / ``shard_map``) over which the
@@ -135,7 +137,8 @@ def update(loss_scale_state: LossScaleState, finite: Any) -> LossScaleState:
     ``loss_scale_state``), so either may be donated.
 
     Args:
-      loss_scale_state: the current [`LossScaleState`][jaxamp.LossScaleState].
+      loss_scale_state: the current [`LossScaleState`][jaxamp.LossScaleState]. Until
+        jaxamp 0.5 the keyword ``state=`` also works, with a ``DeprecationWarning``.
       finite: a bool scalar (usually from [`unscale_and_check`][jaxamp.unscale_and_check]).
 
     Returns:

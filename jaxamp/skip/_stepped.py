@@ -121,7 +121,8 @@ def where_stepped(opt_state_or_loss_scale_state: Any, new: Any, old: Any) -> Any
     Args:
       opt_state_or_loss_scale_state: the optimizer state *after* the step (or what
         holds it), or the ``LossScaleState`` after [`jaxamp.update`][jaxamp.update], as
-        in [`stepped`][jaxamp.stepped].
+        in [`stepped`][jaxamp.stepped]. Until jaxamp 0.5 the keyword ``opt_state=`` also works,
+        with a ``DeprecationWarning``.
       new: the model state the step computed.
       old: the model state before the step; the same tree structure, shapes and dtypes.
 

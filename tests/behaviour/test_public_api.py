@@ -36,7 +36,11 @@ CHANGED = {
 
 # One vocabulary (issue 32): a parameter that takes an optimizer state or a loss-scale
 # state is `opt_state_or_loss_scale_state`, one that needs a loss-scale state is
-# `loss_scale_state`. The old keyword still works, with a DeprecationWarning, until 0.5.
+# `loss_scale_state`. The old keyword still works, with a DeprecationWarning, until 0.5:
+# the published signature lists it, keyword-only, with a default that says so, and shows
+# the required parameters from the renamed one on as `<required>`, so that what binds
+# by signature (jax.jit's argnames, Signature.bind, functools.partial, equinox) takes
+# the old keyword as it did.
 EITHER = "opt_state_or_loss_scale_state"
 RENAMED_PARAMETERS = {
     ("jaxamp", "get_loss_scale"): {"opt_state": EITHER},
@@ -115,7 +119,13 @@ def expected():
         want[ns][name] = (kind, params)
     for (ns, name), renames in RENAMED_PARAMETERS.items():
         kind, params = want[ns][name]
-        want[ns][name] = (kind, [(renames.get(p, p), k, d) for p, k, d in params])
+        ((old, new),) = renames.items()
+        at = [p for p, _, _ in params].index(old)
+        params = [
+            (new if p == old else p, k, "<required>" if i >= at and d == "<no default>" else d)
+            for i, (p, k, d) in enumerate(params)
+        ]
+        want[ns][name] = (kind, [*params, (old, "KEYWORD_ONLY", f"<deprecated: use {new}=>")])
     for (ns, old), new in RENAMED.items():
         want[ns][new] = want[ns].pop(old)
         want[ns]["__all__"] = sorted(new if n == old else n for n in want[ns]["__all__"])
@@ -184,6 +194,156 @@ def test_the_old_keywords_still_work_with_a_deprecation_warning():
         assert str(jax_leaves(got)) == str(jax_leaves(want)), name
     with pytest.raises(TypeError, match=r"got both opt_state= and opt_state_or_loss_scale_state="):
         jaxamp.stepped(opt_state=opt_state, opt_state_or_loss_scale_state=opt_state)
+
+
+def renamed_calls():
+    """Per renamed function: (the old keyword, a LossScaleState or optimizer state to pass
+    by it, the function's other arguments by keyword)."""
+    import jax.numpy as jnp
+    import optax
+
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+    opt_state = tx.init({"w": jnp.ones(2)})
+    ls = jaxamp.get_loss_scale(opt_state)
+    return {
+        "get_loss_scale": ("opt_state", opt_state, {}),
+        "stepped": ("opt_state", opt_state, {}),
+        "where_stepped": ("opt_state", opt_state, {"new": jnp.float32(1), "old": jnp.float32(0)}),
+        "scale": ("state", ls, {"tree": jnp.float32(2.0)}),
+        "unscale_and_check": ("state", ls, {"grads": jnp.ones(2)}),
+        "update": ("state", ls, {"finite": True}),
+    }
+
+
+def test_the_old_keywords_work_through_what_binds_by_signature():
+    """jax.jit's donate_argnames / static_argnames, Signature.bind, functools.partial's
+    signature and equinox.filter_jit read the published signature: given the old keyword
+    they work as in 0.3, with the DeprecationWarning (each was an error before)."""
+    import functools
+
+    import jax
+
+    calls = renamed_calls()
+    assert calls.keys() == {name for _, name in RENAMED_PARAMETERS}
+    jax.clear_caches()  # the warnings are raised while tracing: no trace cached elsewhere
+    for name, (old, state, rest) in calls.items():
+        f = getattr(jaxamp, name)
+        want = jax_leaves(f(state, **rest))
+        jax.jit(f, static_argnames=old)  # constructing it checked the name
+        bound = inspect.signature(f).bind(**{old: state}, **rest)
+        assert bound.arguments[old] is state, name
+        partial = functools.partial(f, **{old: state})
+        assert old in inspect.signature(partial).parameters, name
+        copy_of = jax.tree.map(lambda x: x.copy() if hasattr(x, "copy") else x, state)
+        donating = jax.jit(f, donate_argnames=old)
+        with pytest.warns(DeprecationWarning, match=rf"jaxamp.{name}: the argument {old}=") as w:
+            got = donating(**{old: copy_of}, **rest)
+        assert w[0].filename == __file__, (name, w[0].filename)  # the caller's line, not jax's
+        assert str(jax_leaves(got)) == str(want), name
+        with pytest.warns(DeprecationWarning, match=rf"jaxamp.{name}: the argument {old}="):
+            got = jax.jit(partial)(**rest)
+        assert str(jax_leaves(got)) == str(want), name
+    eqx = pytest.importorskip("equinox")
+    for name, (old, state, rest) in calls.items():
+        f = getattr(jaxamp, name)
+        with pytest.warns(DeprecationWarning, match=rf"jaxamp.{name}: the argument {old}=") as w:
+            got = eqx.filter_jit(f)(**{old: state}, **rest)
+        assert w[0].filename == __file__, (name, w[0].filename)
+        assert str(jax_leaves(got)) == str(jax_leaves(f(state, **rest))), name
+
+
+def test_an_old_keyword_under_a_transformation_warns_at_the_users_line():
+    """Under default filters a DeprecationWarning shows only when it is attributed to the
+    user's code: raised from inside jax's tracing machinery (the jitted function is
+    jaxamp's own), it would be hidden."""
+    import functools
+
+    import jax
+
+    ls = renamed_calls()["update"][1]
+    jax.clear_caches()  # the warning is raised while tracing: no trace cached by earlier tests
+
+    @jax.jit
+    def step(ls):
+        return jaxamp.update(state=ls, finite=True)
+
+    calls = {
+        "jax.jit(jaxamp.update)": lambda: jax.jit(jaxamp.update)(state=ls, finite=True),
+        "jax.jit(partial(jaxamp.update))": lambda: jax.jit(
+            functools.partial(jaxamp.update, state=ls)
+        )(finite=True),
+        "a jitted function of the user's": lambda: step(ls),
+    }
+    for how, call in calls.items():
+        with pytest.warns(DeprecationWarning, match="jaxamp.update: the argument state=") as w:
+            call()
+        code = call.__code__ if "user" not in how else step.__wrapped__.__code__
+        lines = range(code.co_firstlineno, code.co_firstlineno + 3)
+        assert w[0].filename == __file__ and w[0].lineno in lines, (how, w[0].filename)
+
+
+def test_the_old_keyword_with_the_new_one_by_position_is_one_clear_error():
+    ls = renamed_calls()["scale"][1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused before any warning
+        with pytest.raises(TypeError, match=r"got both state= and loss_scale_state= \(by pos"):
+            jaxamp.scale(ls, state=ls)
+        with pytest.raises(TypeError, match=r"got both state= and loss_scale_state=; pass"):
+            jaxamp.scale(loss_scale_state=ls, state=ls, tree=1.0)
+
+
+def test_a_wrapper_filling_in_the_published_defaults_changes_nothing():
+    """``BoundArguments.apply_defaults`` (jax's resolve_kwargs does it) passes the markers
+    of the published signature: they stand for arguments not given."""
+    for name, (old, state, rest) in renamed_calls().items():
+        f = getattr(jaxamp, name)
+        bound = inspect.signature(f).bind(**{old: state}, **rest)
+        bound.apply_defaults()
+        with pytest.warns(DeprecationWarning, match=rf"the argument {old}="):
+            got = f(*bound.args, **bound.kwargs)
+        assert str(jax_leaves(got)) == str(jax_leaves(f(state, **rest))), name
+        bound = inspect.signature(f).bind(state, **rest)
+        bound.apply_defaults()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert str(jax_leaves(f(*bound.args, **bound.kwargs))) == str(
+                jax_leaves(f(state, **rest))
+            )
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'finite'"):
+        jaxamp.update(renamed_calls()["update"][1])
+
+
+def test_each_renamed_parameter_says_in_its_docstring_that_the_old_keyword_works_until_0_5():
+    for (_, name), renames in RENAMED_PARAMETERS.items():
+        ((old, _),) = renames.items()
+        doc = " ".join(getattr(jaxamp, name).__doc__.split())
+        assert f"Until jaxamp 0.5 the keyword ``{old}=`` also works" in doc, name
+
+
+def test_the_deprecated_names_are_hidden_from_type_checkers():
+    """A module ``__getattr__`` makes a type checker type every unknown ``jaxamp.x`` as
+    Any (no misspelling flagged): it is defined only under ``if not TYPE_CHECKING``."""
+    import ast
+    import pathlib
+
+    for module in (jaxamp, jaxamp.low_precision_params):
+        tree = ast.parse(pathlib.Path(module.__file__).read_text())
+        guarded = [
+            node
+            for node in tree.body
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "not TYPE_CHECKING"
+            for node in node.body
+        ]
+        defines = lambda node: (
+            "__getattr__"
+            in {  # noqa: E731
+                getattr(n, "id", getattr(n, "name", None)) for n in ast.walk(node)
+            }
+            and isinstance(node, ast.Assign | ast.FunctionDef)
+        )
+        assert [n for n in tree.body if defines(n)] == [], module.__name__
+        assert [n for n in guarded if defines(n)], module.__name__
+        assert callable(vars(module)["__getattr__"])  # served at run time
 
 
 def test_the_old_names_still_work_with_a_deprecation_warning():
