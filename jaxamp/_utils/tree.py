@@ -119,10 +119,14 @@ def find_one(tree: Any, types: type | tuple[type, ...], *, what: str, hint: str)
 
     The one lookup rule of every "the X inside an optimizer state": none is None (the
     caller says whether that is an error), several are an error, named by ``what``
-    (``"LossScaleStates"``) and followed by ``hint`` (what to pass instead).
+    (``"LossScaleStates"``) with the path of each, followed by ``hint`` (what to pass
+    instead).
     """
     is_node = lambda x: isinstance(x, types)
-    found = [x for x in jax.tree.leaves(tree, is_leaf=is_node) if is_node(x)]
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]
+    found = [(path, x) for path, x in leaves if is_node(x)]
     if len(found) > 1:
-        raise ValueError(f"found {len(found)} {what} in the optimizer state; {hint}")
-    return found[0] if found else None
+        paths = [render_path(path) for path, _ in found]
+        at = ", ".join(paths[:-1]) + " and " + paths[-1]
+        raise ValueError(f"found {len(found)} {what} in the optimizer state, at {at}; {hint}")
+    return found[0][1] if found else None

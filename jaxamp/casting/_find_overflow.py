@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.dtypes import HALF_DTYPES, is_float, times_wide
+from jaxamp._utils.errors import unnamed, with_article
 from jaxamp.casting import _overflow_eval, _overflow_report
 from jaxamp.casting._api import debugging_autocast
 from jaxamp.casting._overflow_advice import advise
@@ -75,7 +76,12 @@ def find_overflow(
         [`jaxamp.LossScaleState`][jaxamp.LossScaleState] given to
         [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite], the optimizer state holding one (or a
         [`jaxamp.TrainState`][jaxamp.TrainState] or [`jaxamp.nnx.Optimizer`][jaxamp.nnx.Optimizer]),
-        whose current scale is tested, or a positive number.
+        whose current scale is tested, or a positive number (a normal float32, as the
+        step multiplies by it in float32). After a skipped step, pass the scale from
+        *before* that step: the state after it has already backed off (to half, by
+        default), and an overflow the old scale caused may not happen at the new one.
+        Keep ``jnp.copy(jaxamp.get_loss_scale(opt_state).scale)`` before the step (the
+        copy survives a step that donates ``opt_state``) and pass that.
       dtype: autocast's lower-precision dtype, ``jnp.float16`` or ``jnp.bfloat16``.
       argnums: which positional arguments the gradient is taken with respect
         to (an int or a sequence of ints, negative ones counted from the end).
@@ -95,10 +101,10 @@ def find_overflow(
     Raises:
       TypeError: if `loss_fn` is not callable, returns something other than a
         scalar floating loss, `argnums` is not an int or a sequence of ints,
-        `loss_scale` is none of the forms above, or an argument is a tracer
-        (``find_overflow`` called inside ``jit``).
+        `loss_scale` is none of the forms above, or an argument or `loss_scale` is a
+        tracer (``find_overflow`` called inside ``jit``).
       ValueError: if `dtype` is not float16 or bfloat16, `argnums` is out of
-        range, `loss_scale` is not a positive finite number (or holds several
+        range, `loss_scale` is not a positive normal float32 number (or holds several
         loss-scale states), or `rules` / `modules` are invalid (as in ``autocast``).
 
     Examples:
@@ -114,6 +120,7 @@ def find_overflow(
     if not callable(loss_fn):
         raise TypeError(f"find_overflow: loss_fn must be callable, got {type(loss_fn).__name__}")
     low = _check_dtype(dtype)
+    _check_concrete(args, kwargs)  # first: a traced loss_scale usually comes with traced args
     loss_scale = _check_loss_scale(loss_scale)
     if not isinstance(autocast, bool):
         raise TypeError(f"find_overflow: autocast must be a bool, got {autocast!r}")
@@ -163,12 +170,6 @@ class _Loss:
     @classmethod
     def of(cls, loss_fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], diff: set[int]):
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        for x in leaves:
-            if isinstance(x, jax.core.Tracer):
-                raise TypeError(
-                    "find_overflow: the arguments must be concrete arrays; call it outside "
-                    "jax.jit / jax.grad (it evaluates the program eagerly, op by op)"
-                )
         arg_of = _leaf_owners(args, kwargs)
         wrt = [
             i
@@ -247,6 +248,15 @@ _LOSS_SCALE_FORMS = (
     "the optimizer state holding one (as tx.init / the step returns it, a TrainState, a "
     "jaxamp.nnx.Optimizer) or a positive number"
 )
+_EAGER = "call it outside jax.jit / jax.grad (it evaluates the program eagerly, op by op)"
+# The normal float32 range, as Python floats (compared with a Python float, numpy's
+# float32 bounds would cast it to float32 first).
+_F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
+
+
+def _check_concrete(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
+        raise TypeError(f"find_overflow: the arguments must be concrete arrays; {_EAGER}")
 
 
 def _check_loss_scale(loss_scale: Any) -> float:
@@ -258,24 +268,39 @@ def _check_loss_scale(loss_scale: Any) -> float:
             state = get_loss_scale(loss_scale)
         except ValueError as e:
             if "no LossScaleState" not in str(e):  # several: name them, as metrics does
-                raise ValueError(f"find_overflow: loss_scale: {e}") from None
+                raise ValueError(f"find_overflow: loss_scale: {unnamed(e)}") from None
             raise TypeError(
-                f"{_LOSS_SCALE_FORMS}, got a {type(loss_scale).__name__} with no "
+                f"{_LOSS_SCALE_FORMS}, got {with_article(type(loss_scale).__name__)} with no "
                 "LossScaleState in it"
             ) from None
-        # A state that does not scale holds a scale of 1; a pmap-replicated state holds
-        # one equal copy per device.
-        loss_scale = np.max(jax.device_get(state.scale))
+        loss_scale = state.scale
+        if not isinstance(loss_scale, jax.core.Tracer):
+            # A state that does not scale holds a scale of 1; a pmap-replicated state
+            # holds one equal copy per device.
+            loss_scale = np.max(jax.device_get(loss_scale))
+    if isinstance(loss_scale, jax.core.Tracer):
+        raise TypeError(f"find_overflow: loss_scale is a traced value; {_EAGER}")
     if np.size(loss_scale) != 1:
         raise ValueError(
             f"find_overflow: loss_scale must be one number, got shape {np.shape(loss_scale)}"
         )
-    value = np.asarray(jax.device_get(loss_scale)).reshape(())
-    if not (jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)):
-        raise TypeError(f"{_LOSS_SCALE_FORMS}, got an array of {value.dtype}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"find_overflow: loss_scale must be positive and finite, got {value}")
+    if not isinstance(loss_scale, int | float):  # a Python int may be too large for numpy
+        loss_scale = np.asarray(jax.device_get(loss_scale)).reshape(())
+        kind = loss_scale.dtype
+        if not (jnp.issubdtype(kind, jnp.integer) or jnp.issubdtype(kind, jnp.floating)):
+            raise TypeError(f"{_LOSS_SCALE_FORMS}, got an array of {kind}")
+    try:
+        value = float(loss_scale)
+    except OverflowError:
+        value = math.inf
+    # The step multiplies by the scale in float32: 1e39 is inf there and 1e-45 subnormal
+    # (flushed to 0 on most accelerators), neither a scale a state can hold.
+    if not (math.isfinite(value) and _F32_TINY <= value <= _F32_MAX):
+        raise ValueError(
+            "find_overflow: loss_scale must be positive and finite as a normal float32 "
+            f"(2**-126 ~ {_F32_TINY:.3g} to {_F32_MAX:.3g}: the step multiplies by it in "
+            f"float32), got {value:g}"
+        )
     return value
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxamp._utils.conversion_checks import mark_scale_read
 from jaxamp._utils.deprecation import renamed_parameter
-from jaxamp._utils.errors import named
+from jaxamp._utils.errors import named, with_article
 from jaxamp._utils.tree import find_one
 from jaxamp.loss_scale._state import (
     DEFAULT_PINNED_STREAK,
@@ -48,7 +48,7 @@ def get_loss_scale(opt_state_or_loss_scale_state: Any) -> LossScaleState:
       The loss-scale state, with plain array fields; ``.scale`` is the scale.
 
     Raises:
-      ValueError: if there is none, or more than one.
+      ValueError: if there is none, or more than one (naming where each is).
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -57,21 +57,27 @@ def get_loss_scale(opt_state_or_loss_scale_state: Any) -> LossScaleState:
       32768.0
     """
     mark_scale_read()  # the scale handed out: a loss may be multiplied by it by hand
+    with named("get_loss_scale"):
+        return _plain(_find(opt_state_or_loss_scale_state))
+
+
+def _find(x: Any) -> LossScaleState:
     found = find_one(
-        opt_state_or_loss_scale_state,
+        x,
         LossScaleState,
         what="LossScaleStates",
         hint="wrap the whole optimizer in one jaxamp.skip_nonfinite (or use "
         "jaxamp.multi_transform), or pass the sub-state you mean.",
     )
     if found is None:
-        got = type(opt_state_or_loss_scale_state).__name__
+        # The argument's name is that of every public function that reads the state
+        # (their errors say `jaxamp.<fn>: ` in place of get_loss_scale's).
         raise ValueError(
-            f"no LossScaleState found in the optimizer state (got a {got}). Build the "
-            "optimizer with jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale()) and pass "
-            "its state."
+            "no LossScaleState found in `opt_state_or_loss_scale_state` (got "
+            f"{with_article(type(x).__name__)}). Build the optimizer with "
+            "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale()) and pass its state."
         )
-    return _plain(found)
+    return found
 
 
 def _plain(state: LossScaleState) -> LossScaleState:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._utils.errors import with_article
 from jaxamp._utils.tree import INT32_MAX
 
 __all__ = ["LossScaleState", "Mode"]
@@ -354,8 +355,8 @@ def check_state(state: Any, fn: str) -> LossScaleState:
         else "make one with jaxamp.dynamic_scale / static_scale / no_scale"
     )
     raise TypeError(
-        f"jaxamp.{fn}: `loss_scale_state` must be a LossScaleState, got a {got}"
-        + (" (an optimizer state holding one)" if holds else "")
+        f"jaxamp.{fn}: `loss_scale_state` must be a LossScaleState, got {with_article(got)}"
+        + (", which holds one" if holds else "")
         + f"; {instead}."
     )
 

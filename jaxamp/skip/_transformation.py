@@ -110,23 +110,45 @@ def loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> 
         # Check and skip, never scale: the bfloat16 case.
         loss_scale = no_scale().replace(mode=Mode.CHECK_ONLY)
     elif not isinstance(loss_scale, LossScaleState):
+        # The two usual slips: the scale as a number (find_overflow's loss_scale takes
+        # one), and the optimizer state that holds the loss-scale state.
+        number = isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool)
+        if getattr(loss_scale, "shape", None) == () and not number:
+            number = jnp.issubdtype(loss_scale.dtype, jnp.integer) or jnp.issubdtype(
+                loss_scale.dtype, jnp.floating
+            )
+        is_state = lambda x: isinstance(x, LossScaleState)  # noqa: E731
+        if number:
+            fixed = loss_scale if isinstance(loss_scale, int | float) else float(loss_scale)
+            hint = (
+                f" For a fixed scale of {fixed!r}, pass jaxamp.static_scale({fixed!r}); for one "
+                "that adapts, jaxamp.dynamic_scale()."
+            )
+        elif any(map(is_state, jax.tree.leaves(loss_scale, is_leaf=is_state))):
+            hint = (
+                " It holds one: to go on with its scale and counters, pass "
+                "jaxamp.get_loss_scale(opt_state)."
+            )
+        else:
+            hint = ""
         raise TypeError(
-            f"{fn}: `loss_scale` must be a LossScaleState (jaxamp.dynamic_scale(), "
-            f"jaxamp.static_scale(), jaxamp.no_scale()) or None, got {type(loss_scale).__name__}."
+            f"jaxamp.{fn}: `loss_scale` must be a LossScaleState (jaxamp.dynamic_scale(), "
+            "jaxamp.static_scale(...), jaxamp.no_scale()) or None, got "
+            f"{type(loss_scale).__name__}.{hint}"
         )
     if max_consecutive_nonfinite is not None:
         # An int N, or math.inf to never raise (the loss-scale state's own spellings).
         limit = max_consecutive_nonfinite
         if isinstance(limit, bool) or not (isinstance(limit, int) or limit == float("inf")):
             raise TypeError(
-                f"{fn}: max_consecutive_nonfinite must be None (check_health's default "
+                f"jaxamp.{fn}: max_consecutive_nonfinite must be None (check_health's default "
                 "rule), an integer >= 0, or math.inf (never raise), got "
                 f"{max_consecutive_nonfinite!r}."
             )
         try:
             loss_scale = loss_scale.replace(max_consecutive_nonfinite=max_consecutive_nonfinite)
         except ValueError as e:
-            raise ValueError(f"{fn}: {e}") from None
+            raise ValueError(f"jaxamp.{fn}: {e}") from None
     return loss_scale
 
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._utils.dtypes import is_inexact
+from jaxamp._utils.errors import unnamed
 from jaxamp.loss_scale import LossScaleState, get_loss_scale, scale
 
 __all__ = ["scaled_loss", "value_and_grad"]
@@ -101,7 +102,7 @@ def value_and_grad(
             ls = get_loss_scale(state)
         except ValueError as e:
             if "no LossScaleState" not in str(e):
-                raise ValueError(f"jaxamp.value_and_grad: {e}") from None
+                raise ValueError(f"jaxamp.value_and_grad: {unnamed(e)}") from None
             # The usual slip: the loss's own arguments passed with no state in front.
             raise ValueError(
                 "jaxamp.value_and_grad: the first argument must be the optimizer state "

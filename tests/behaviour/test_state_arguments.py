@@ -88,9 +88,11 @@ def test_what_needs_a_loss_scale_state_names_it_and_says_where_to_find_it():
             call(opt_state)
         assert str(e.value) == (
             f"jaxamp.{name}: `loss_scale_state` must be a LossScaleState, got a "
-            "SkipNonfiniteState (an optimizer state holding one); pass the loss-scale state "
-            "inside it: jaxamp.get_loss_scale(opt_state)."
+            "SkipNonfiniteState, which holds one; pass the loss-scale state inside it: "
+            "jaxamp.get_loss_scale(opt_state)."
         )
+        with pytest.raises(TypeError, match=r"got an Optimizer, which holds one; pass the"):
+            call(forms()["nnx.Optimizer"])
         with pytest.raises(TypeError, match=r"got a float; make one with jaxamp.dynamic_scale"):
             call(2.0)
 
@@ -115,7 +117,50 @@ def test_a_state_with_no_loss_scale_is_named_by_the_function_called():
         with pytest.raises(ValueError) as e:
             call(plain)
         msg = str(e.value)
-        prefix = "" if name == "get_loss_scale" else f"jaxamp.{name}: "
-        assert msg.startswith(f"{prefix}no LossScaleState found in the optimizer state"), msg
-        assert "(got a tuple)" in msg and "jaxamp.skip_nonfinite(inner, " in msg, msg
+        assert msg.startswith(
+            f"jaxamp.{name}: no LossScaleState found in `{EITHER}` (got a tuple)"
+        ), msg
+        assert "jaxamp.skip_nonfinite(inner, " in msg, msg
         assert "`new` and `old`" not in msg, msg  # where_stepped blamed its other arguments
+
+
+@pytest.mark.filterwarnings("ignore::jaxamp.ConversionWarning")
+def test_several_loss_scale_states_are_named_by_where_they_are_and_by_the_function_called():
+    two = {"gen": forms()["opt_state"], "disc": forms()["opt_state"]}
+    where = "found 2 LossScaleStates in the optimizer state, at disc.loss_scale and gen.loss_scale;"
+    for name, call in TAKES_EITHER.items():
+        with pytest.raises(ValueError) as e:
+            call(two)
+        assert str(e.value).startswith(f"jaxamp.{name}: {where} "), str(e.value)
+        assert "pass the sub-state you mean" in str(e.value)
+    loss_fn = lambda w: jnp.sum(w**2)  # noqa: E731
+    with pytest.raises(ValueError) as e:
+        jaxamp.value_and_grad(loss_fn)(two, jnp.ones(2))
+    assert str(e.value).startswith(f"jaxamp.value_and_grad: {where} "), str(e.value)
+    with pytest.raises(ValueError, match=rf"^find_overflow: loss_scale: {where} "):
+        jaxamp.find_overflow(loss_fn, jnp.ones(2), loss_scale=two)
+
+
+def test_skip_nonfinite_given_a_number_or_an_optimizer_state_says_what_to_write():
+    """``find_overflow``'s ``loss_scale`` takes a number or the optimizer state; the
+    ``loss_scale`` a transformation is built with is a LossScaleState only."""
+    sgd = optax.sgd(0.1)
+    partitioned = lambda t, ls: jaxamp.multi_transform({"a": t}, {"w": "a"}, ls)  # noqa: E731
+    for fn, build in (("skip_nonfinite", jaxamp.skip_nonfinite), ("multi_transform", partitioned)):
+        for number, shown in ((1024.0, "1024.0"), (1024, "1024"), (jnp.float32(8), "8.0")):
+            with pytest.raises(TypeError) as e:
+                build(sgd, number)
+            msg = str(e.value)
+            assert msg.startswith(f"jaxamp.{fn}: `loss_scale` must be a LossScaleState"), msg
+            assert msg.endswith(
+                f"pass jaxamp.static_scale({shown}); for one that adapts, jaxamp.dynamic_scale()."
+            ), msg
+        for holder in ("opt_state", "TrainState", "nnx.Optimizer"):
+            with pytest.raises(TypeError) as e:
+                build(sgd, forms()[holder])
+            assert str(e.value).endswith(
+                "It holds one: to go on with its scale and counters, pass "
+                "jaxamp.get_loss_scale(opt_state)."
+            ), str(e.value)
+        with pytest.raises(TypeError, match=r"or None, got str\.$"):
+            build(sgd, "dynamic")

@@ -102,3 +102,43 @@ def test_a_replicated_state_is_one_scale():
     tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale(init_scale=2.0**11))
     replicated = jax.tree.map(lambda x: jnp.stack([x, x]), tx.init(W))  # as pmap keeps it
     assert scale_tested(replicated) == 2.0**11
+
+
+@pytest.mark.parametrize("bad", [1e39, 1e-45, 2**200, np.float64(1e39), 10**400])
+def test_a_number_must_be_a_normal_float32_as_the_step_multiplies_by_it(bad):
+    """1e39 is inf as the float32 the program multiplies by, and 1e-45 a subnormal
+    (flushed to 0 on most accelerators): neither is a scale a step can use."""
+    with pytest.raises(ValueError, match=r"^find_overflow: loss_scale must be .* normal float32"):
+        scale_tested(bad)
+
+
+def test_the_normal_float32_bounds_are_accepted():
+    assert scale_tested(2.0**-126) == 2.0**-126
+    assert scale_tested(2.0**126) == 2.0**126
+
+
+def test_a_traced_loss_scale_is_the_clear_error_naming_it():
+    """Inside a jitted step the optimizer state is traced: find_overflow runs op by op
+    on concrete values, so it says to call it outside, naming what is traced."""
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+    opt_state = tx.init({"w": W})
+    traced = {
+        "opt_state": opt_state,
+        "LossScaleState": jaxamp.get_loss_scale(opt_state),
+        "number": jnp.float32(512.0),
+    }
+    for form, state in traced.items():
+        with pytest.raises(TypeError) as e:
+            jax.jit(lambda s: jaxamp.find_overflow(loss_fn, W, X, loss_scale=s))(state)
+        assert str(e.value).startswith(
+            "find_overflow: loss_scale is a traced value; call it outside jax.jit"
+        ), (form, str(e.value))
+        # Both traced: the arguments are named first, as the usual case.
+        with pytest.raises(TypeError, match=r"^find_overflow: the arguments must be concrete"):
+            jax.jit(lambda w, s: jaxamp.find_overflow(loss_fn, w, X, loss_scale=s))(W, state)
+
+
+def test_the_docstring_says_which_scale_to_pass_after_a_skip():
+    doc = " ".join(jaxamp.find_overflow.__doc__.split())
+    assert "After a skipped step, pass the scale from *before* that step" in doc
+    assert "jnp.copy(jaxamp.get_loss_scale(opt_state).scale)" in doc

@@ -335,3 +335,42 @@ def test_routes_model_dtype_flag_claims(capsys):
     # and enabled=False leaves the model's float16 products
     assert dots(f32, dtype=jnp.float16, enabled=False) == ["float32", "float32"]
     assert dots(f16, dtype=jnp.float16, enabled=False) == ["float16", "float16"]
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 32's review: find_overflow after a skipped step
+
+
+def test_guide_find_overflow_after_a_skip_tests_the_scale_the_step_used(capsys):
+    """docs/guide.md's recipe keeps the scale before the step and finds the overflow it
+    caused (3.0 * 2**15 past float16's 65504). The state after the skip holds the
+    backed-off 2**14, at which the same batch fits: passed that, find_overflow finds
+    nothing, which is why the recipe keeps the scale from before. The step donates its
+    state: without the copy, the kept scale would be a deleted buffer."""
+    import jax.numpy as jnp
+    import optax
+
+    (recipe,) = [code for code in blocks("guide.md") if "loss_scale=used" in code]
+    ns = run_blocks(
+        "guide.md", [recipe], {"jax": jax, "jnp": jnp, "optax": optax, "jaxamp": jaxamp}
+    )
+    report = ns["report"]
+    assert report.found and report.loss_scale == 2.0**15
+    assert (report.primitive, report.pass_, report.dtype) == ("dot_general", "backward", "float16")
+    assert "dot_general" in capsys.readouterr().out
+    after = ns["w_state"]
+    assert float(jaxamp.get_loss_scale(after).scale) == 2.0**14
+    assert not jaxamp.find_overflow(ns["sum_loss"], ns["w"], ns["batch"], loss_scale=after).found
+    kept = jaxamp.get_loss_scale(after)  # no copy
+    ns["w_step"](ns["w"], after, ns["batch"])
+    assert kept.scale.is_deleted() and not ns["used"].is_deleted()
+
+
+def test_no_page_tells_find_overflow_to_test_the_state_after_the_step():
+    pages = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    told = [
+        f"{page.relative_to(ROOT)}: {m.group(0)}"
+        for page in pages
+        for m in re.finditer(r"loss_scale=(opt_state|optimizer|state)\b", page.read_text())
+    ]
+    assert told == []
