@@ -2,7 +2,7 @@
 
 One backward pass per jaxpr decides which equations run in float32 because
 everything they feed is float32 (``demanded``); one forward pass finds how
-each input is laid out into an equation's result (``layouts``); and
+each input is laid out into an equation's result (``layouts``, ``_layouts``); and
 ``pointwise_region`` finds the equations that compute a pointwise function of
 one activation from a float32-list op on (run in float32, rematerialised from
 the activation).
@@ -10,7 +10,6 @@ the activation).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -18,18 +17,8 @@ import numpy as np
 from jax.extend.core import Jaxpr, Literal
 
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._rules import (
-    AS_WRITTEN,
-    BIAS,
-    ELEMENTWISE,
-    FLOAT32,
-    FOLLOW,
-    LOWER,
-    LOWER_PRECISION_OPS,
-    OWN,
-    SCALAR,
-    VECTOR,
-)
+from jaxamp.casting._layouts import input_layouts
+from jaxamp.casting._rules import AS_WRITTEN, ELEMENTWISE, FLOAT32, FOLLOW, LOWER
 
 if TYPE_CHECKING:
     from jaxamp.casting._context import Context
@@ -44,28 +33,6 @@ _RESIDUAL_FREE: frozenset[str] = frozenset(
         "transpose", "slice", "dynamic_slice", "pad", "rev", "concatenate",
     }
 )  # fmt: skip
-
-# Ops that hand on their operand's values, only laid out again: a value they
-# make is broadcast from what their operand is broadcast from.
-_RELAYOUT: frozenset[str] = frozenset(
-    {
-        "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type",
-        "copy", "copy_p", "transpose",
-    }
-)  # fmt: skip
-
-# The relayouts between a matmul or convolution and its bias add in the layers
-# that write ``dot + bias`` (Flax's Conv reshapes its batch dimensions around
-# ``conv_general_dilated``; a vmapped equinox Linear transposes).
-_BIAS_RELAYOUT: frozenset[str] = frozenset(
-    {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims"}
-)
-
-# Ops whose broadcast operand is a target or a threshold, not a parameter: a
-# per-row target in ``pred - y[:, None]`` or a comparison's bound. Laid out as
-# the result's own values, so a wider one promotes (torch's type promotion)
-# and a small difference is not rounded to 0.
-_TARGET_OPS: frozenset[str] = frozenset({"sub", "eq", "ne", "lt", "le", "gt", "ge"})
 
 #: Elementwise ops a pointwise region may hold: each result element is a
 #: function of the same element of the inputs (and scalars).
@@ -95,65 +62,6 @@ class Analysis(NamedTuple):
     #: per equation, per input: how it is laid out into the result (``OWN``,
     #: ``SCALAR``, ``VECTOR``, ``BIAS``; ``input_layouts``).
     layouts: tuple[tuple[int, ...], ...]
-
-
-def _size(shape: tuple[int, ...]) -> int:
-    return math.prod(int(d) for d in shape)
-
-
-def input_layouts(jaxpr: Jaxpr) -> tuple[tuple[int, ...], ...]:
-    """Per equation, per input: how its values are laid out into the result.
-
-    An input is broadcast when the values it was laid out from (through
-    ``broadcast_in_dim``, ``reshape``, ... in this jaxpr) have fewer elements
-    than the equation's result and at most one axis longer than 1: ``SCALAR``
-    when those values are 0-dimensional (a Python or 0-d constant, a scalar
-    parameter, ``jnp.full(shape, -1e9)``), else ``VECTOR`` (a bias, a norm
-    scale, a per-channel or per-row weight). A value with two such axes (a
-    padding mask of ``(batch, 1, length)``, a positional table), of the
-    result's size, or an operand of a subtraction or comparison is ``OWN``. A
-    jaxpr's inputs count as laid out from themselves.
-
-    ``BIAS``: a ``VECTOR`` added to a matmul's or convolution's result, laid
-    out again at most (``_BIAS_RELAYOUT``) -- the ``dot + bias`` of Flax's
-    Dense and Conv, NNX and equinox Linear, HF's Conv1D, which torch's
-    ``Linear`` and ``conv`` compute with the bias cast down.
-    """
-    source: dict[Any, tuple[int, ...]] = {}
-    lowered: set[Any] = set()  # a lower op's results, through _BIAS_RELAYOUT ops
-
-    def shape_of(v: Any) -> tuple[int, ...]:
-        return tuple(getattr(v.aval, "shape", ()))
-
-    def src(v: Any) -> tuple[int, ...]:
-        return shape_of(v) if isinstance(v, Literal) else source.get(v, shape_of(v))
-
-    def from_lower(v: Any) -> bool:
-        return not isinstance(v, Literal) and v in lowered
-
-    out = []
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        size = max((_size(shape_of(v)) for v in eqn.outvars), default=0)
-        kinds = []
-        for v in eqn.invars:
-            s = src(v)
-            broadcast = _size(s) < size and sum(d > 1 for d in s) <= 1
-            kinds.append(OWN if name in _TARGET_OPS or not broadcast else VECTOR if s else SCALAR)
-        if name == "add" and len(kinds) == 2:
-            for k in (0, 1):
-                if kinds[k] == VECTOR and from_lower(eqn.invars[1 - k]):
-                    kinds[k] = BIAS
-        out.append(tuple(kinds))
-        if name in LOWER_PRECISION_OPS or (
-            name in _BIAS_RELAYOUT and eqn.invars and from_lower(eqn.invars[0])
-        ):
-            lowered.update(eqn.outvars)
-        if name in _RELAYOUT and eqn.invars and len(eqn.outvars) == 1:
-            s = src(eqn.invars[0])
-            if _size(s) <= _size(shape_of(eqn.outvars[0])):
-                source[eqn.outvars[0]] = s
-    return tuple(out)
 
 
 def analyse(jaxpr: Jaxpr, ctx: Context, float32_outputs: bool = False) -> Analysis:
