@@ -1,12 +1,20 @@
 """Which values autocast treats as trace-time constants, whose casts down saturate.
 
 Only sentinels known at trace time saturate (a mask's ``-1e9`` fill); a value of the
-run (a tracer, a data array, a count of a mask) that leaves the low dtype's range
-becomes inf, which the loss scale and ``find_overflow`` see.
+run (a tracer, a data array, a count of a mask, a vector computed from an ``arange``)
+that leaves the low dtype's range becomes inf, which the loss scale and
+``find_overflow`` see, or promotes the op it meets.
+
+A value is ``CONST`` when its cast down loses nothing but rounding or saturates a
+sentinel (``cast_safe``): a literal, a concrete constant `f` closes over that
+passes that check, what layout ops and ``select_n`` make of constants, and a value
+computed element by element whose possible values are known at trace time (the
+values of literals and of boolean masks, ``(1 - mask) * -1e9``) and pass it.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import jax
@@ -14,78 +22,210 @@ import numpy as np
 from jax.extend.core import Literal
 
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._analysis import POINTWISE
-from jaxamp.casting._rules import CONST, NONE, PIN
+from jaxamp.casting._rules import CONST, F32, NONE, PIN
+
+#: The most distinct values a known value set holds (a fill has a few).
+_MAX_VALUES = 16
 
 
-def const_mark(x: Any, low: np.dtype) -> int:
-    """The mark of a value `f` closes over: ``CONST`` (its casts down saturate) only
-    for a sentinel known at trace time.
+def cast_safe(values: np.ndarray, low: np.dtype) -> bool:
+    """Whether casting `values` down to `low` (saturating) loses nothing but rounding
+    or turns sentinels into `low`'s largest value: a sentinel fill.
+
+    A fill is an array whose values within `low`'s range are all 0, beside some
+    beyond it (a mask bias of ``{0, -1e9}`` or ``{0, finfo(float32).min}``).
+    Anything else with a value beyond the range is data (``[1, 2, 1e5]``, a scale
+    of 1e5 everywhere): saturated, it would be a wrong finite number no overflow
+    check sees. So is an array with a nonzero value below `low`'s smallest normal
+    number (a layer scale of 1e-6 in float16): cast down, it would keep a few
+    digits or become 0.
+    """
+    if low.itemsize >= 4 or not is_float_dtype(values.dtype):
+        return True
+    if float(jax.numpy.finfo(values.dtype).max) <= float(jax.numpy.finfo(low).max):
+        return True
+    a = np.asarray(values, np.float64)
+    a = np.abs(a[np.isfinite(a)])
+    if np.any((a > 0) & (a < float(jax.numpy.finfo(low).tiny))):
+        return False
+    out = a > float(jax.numpy.finfo(low).max)
+    if not out.any():
+        return True
+    within = a[~out]
+    return within.size > 0 and not within.any()
+
+
+def distinct(a: Any) -> np.ndarray | None:
+    """The distinct values of a concrete array, or None for more than a few."""
+    a = np.asarray(a).reshape(-1)
+    if a.size > 64 * _MAX_VALUES:
+        return None
+    u = np.unique(a)
+    return u if u.size <= _MAX_VALUES else None
+
+
+def const_facts(x: Any, low: np.dtype) -> tuple[int, np.ndarray | None]:
+    """The mark of a value `f` closes over (``CONST`` only for a value ``cast_safe``
+    holds), and its distinct values when there are a few.
 
     A tracer (a value of an outer ``jit``, ``grad``, ``vmap`` or ``scan`` that `f`
     closes over) is run-time data: clipped, it would be a wrong finite number no
-    overflow check sees. A concrete floating array is a fill (a mask bias of
-    ``-1e9`` or ``finfo.min``) only when every finite value beyond `low`'s range is
-    one and the same value; a data array (features up to 3.5e5) has many and is
-    data too. So is an array with a nonzero value below `low`'s smallest normal
-    number (a layer scale of 1e-6 in float16): cast down, it would be rounded
-    to a few digits or to 0, so it stays in float32 where it meets an activation.
+    overflow check sees. A concrete 0-d value is a constant either way (an op
+    runs in float32 where the low dtype cannot hold it: ``_opmath``).
     """
     if isinstance(x, jax.core.Tracer):
-        return NONE
-    dtype = getattr(x, "dtype", None)
-    if dtype is None or not is_float_dtype(dtype) or np.size(x) <= 1 or low.itemsize >= 4:
-        return CONST
-    hi = float(jax.numpy.finfo(low).max)
+        return NONE, None
+    dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    if not isinstance(dtype, np.dtype):  # a PRNG key: never cast
+        return CONST, None
+    if (
+        low.itemsize >= 4
+        or not is_float_dtype(dtype)
+        or np.ndim(x) == 0
+        or float(jax.numpy.finfo(dtype).max) <= float(jax.numpy.finfo(low).max)
+    ):  # nothing a cast down could clip or flush
+        return CONST, distinct(_read(x)) if np.size(x) <= 64 * _MAX_VALUES else None
+    a = _read(x)
+    if not cast_safe(a, low):
+        return NONE, None
+    return CONST, distinct(a)
+
+
+def _read(x: Any) -> np.ndarray:
     # Read once per trace, not per step; a train step traced under
     # jax.transfer_guard("disallow") must still be able to look.
     with jax.transfer_guard_device_to_host("allow"):
-        a = np.asarray(x)
-    if float(jax.numpy.finfo(a.dtype).max) <= hi:
-        return CONST
-    if np.any((a != 0) & (np.abs(a) < float(jax.numpy.finfo(low).tiny))):
-        return NONE
-    out = np.isfinite(a) & (np.abs(a) > hi)
-    # A fill next to the values it masks: one value beyond the range, some within
-    # (a vector of 1e5 everywhere is a scale, data).
-    return CONST if not out.any() or (np.unique(a[out]).size == 1 and not out.all()) else NONE
+        return np.asarray(x)
 
 
-# Ops whose every result element is a function of the same elements of their
-# inputs (or a re-layout of them): of masks and constants, they give a fill with
-# as few distinct values as the constants. A reduction, a cumulative sum or a product
-# of a mask counts run-time data instead.
-_FILL_OPS: frozenset[str] = POINTWISE | {
-    "convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
-    "transpose", "copy", "copy_p", "eq", "ne", "lt", "le", "gt", "ge", "and", "or",
-    "not", "xor", "select_n",
-}  # fmt: skip
+# Ops that hand on the values of one operand (the first), laid out again: a
+# constant stays a constant with the same values.
+_CARRY: frozenset[str] = frozenset(
+    {
+        "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev",
+        "slice", "dynamic_slice", "gather", "copy", "copy_p",
+    }
+)  # fmt: skip
+
+# Ops whose result holds values of several operands: which ones (of how many).
+_UNION = {
+    "select_n": lambda n: range(1, n),  # the cases, not the predicate
+    "concatenate": range,
+    "pad": lambda n: range(min(n, 2)),  # the operand and the padding value
+}
+
+# Element-by-element arithmetic a fill is built with, evaluated on its operands'
+# possible values at trace time: ``(1 - mask) * finfo.min``.
+_ARITHMETIC = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "div": np.divide,  # results are floating: true division, as lax.div of floats
+    "neg": np.negative,
+    "abs": np.abs,
+    "max": np.maximum,
+    "min": np.minimum,
+}
 
 
-def constant_marks(eqn: Any, inmarks: list[int], outmarks: list[int], fills: set[Any]) -> list[int]:
-    """``outmarks``, or all ``CONST`` for a value computed from constants and masks
-    alone (``jnp.where(mask, 0.0, -1e9)``, ``(1 - mask) * -1e9``): still a
-    constant (unless the user asked for float32: keep_float32, an explicit cast).
+def known_values(v: Any, x: Any, known: dict[int, tuple[Any, np.ndarray]]) -> np.ndarray | None:
+    """The values variable `v` (now `x`) can hold, when known at trace time: a
+    literal's, a boolean's, those `known` records for `x`, or a small concrete
+    value's (a literal handed to a nested ``jit``)."""
+    if isinstance(v, Literal):
+        return np.asarray(v.val, np.dtype(v.aval.dtype)).reshape(-1)
+    dtype = getattr(v.aval, "dtype", None)
+    if dtype == np.dtype(bool):
+        return np.array([False, True])
+    hit = known.get(id(x))
+    if hit is not None and hit[0] is x:
+        return hit[1]
+    if not isinstance(x, jax.core.Tracer) and np.size(x) <= _MAX_VALUES:
+        return distinct(x)
+    return None
 
-    A run-time boolean only selects between constants or scales them, element
-    by element (``_FILL_OPS``): such a result is a fill, added to `fills`. What
-    is counted or summed from a mask or a fill (``jnp.sum(mask)``) is run-time
-    data, not a constant.
+
+def constant_marks(
+    eqn: Any,
+    ins: list[tuple[Any, Any, int]],
+    outs: list[Any],
+    outmarks: list[int],
+    low: np.dtype,
+    known: dict[int, tuple[Any, np.ndarray]],
+) -> list[int]:
+    """``outmarks``, or ``CONST`` for a constant `eqn` makes of constants; records in
+    `known` the values each such result can hold, when they are known.
+
+    `ins`: ``(var, value, mark)`` of each input. A layout op (``_CARRY``) of a
+    constant is a constant with its values; ``select_n``, ``concatenate`` and
+    ``pad`` of constants hold the union of their values; element-by-element
+    arithmetic (``_ARITHMETIC``, ``convert_element_type``) of operands whose values
+    are known (literals, booleans, such results) is evaluated on those values at
+    trace time. Each new set of values must pass ``cast_safe``, or the result is
+    data. Anything else is data: an ``iota``, a sum, a product of an ``arange``
+    (``jnp.arange(16) * 1e-9``, ``jnp.linspace``), a count of a mask.
     """
-    if eqn.effects or PIN in outmarks:
+    if eqn.effects or PIN in outmarks or len(outs) != 1:
         return outmarks
-    ins = list(zip(eqn.invars, inmarks, strict=True))
-    masks = [m != CONST and _is_bool(v) for v, m in ins]
-    derived = any(masks) or any(v in fills for v, _ in ins if not isinstance(v, Literal))
-    if not all(m == CONST or mask for (_, m), mask in zip(ins, masks, strict=True)):
-        return outmarks
-    if not derived:
-        return [CONST] * len(outmarks)
-    if eqn.primitive.name in _FILL_OPS:
-        fills.update(eqn.outvars)
-        return [CONST] * len(outmarks)
+    name, (y,) = eqn.primitive.name, outs
+
+    def values(k: int) -> np.ndarray | None:
+        v, x, _ = ins[k]
+        return known_values(v, x, known)
+
+    def settle(vals: np.ndarray | None, const: bool) -> list[int]:
+        if vals is not None and vals.size <= _MAX_VALUES:
+            known[id(y)] = (y, vals)
+        return [CONST] if const else outmarks
+
+    def is_const(k: int) -> bool:
+        return ins[k][2] == CONST or isinstance(ins[k][0], Literal)
+
+    floats = [k for k, (v, _, _) in enumerate(ins) if is_float_dtype(v.aval.dtype)]
+    convert_float = name == "convert_element_type" and floats == [0]
+    if name in _CARRY or (convert_float and values(0) is None):
+        if not ins or not is_const(0):
+            return outmarks
+        vals = values(0)
+        return settle(None if vals is None else vals.astype(y.dtype), True)
+    if name in _UNION:
+        picks = list(_UNION[name](len(ins)))
+        if not all(is_const(k) for k in picks):
+            return outmarks
+        sets = [values(k) for k in picks]
+        if any(s is None for s in sets):
+            # Some values unknown (a constant with many values, each checked):
+            # still a constant when the known ones pass on their own.
+            return settle(None, all(cast_safe(s, low) for s in sets if s is not None))
+        vals = np.unique(np.concatenate([np.asarray(s, y.dtype) for s in sets]))
+        return settle(vals, cast_safe(vals, low))
+    if name in _ARITHMETIC or name == "convert_element_type":
+        if not is_float_dtype(y.dtype):
+            return outmarks
+        sets = [values(k) for k in range(len(ins))]
+        if any(s is None for s in sets) or np.prod([s.size for s in sets]) > 64:
+            return outmarks
+        return settle(vals := _evaluate(eqn, sets), cast_safe(vals, low))
+    if all(is_const(k) for k in floats):
+        # Computed from constants and integers alone (an arange, a scale
+        # ``1 / sqrt(d)``): data known at trace time, neither a sentinel nor a
+        # float32-list result that promotes what it meets (a scalar of it meets
+        # an activation at float32 precision: ``_opmath``).
+        return [NONE if m == F32 else m for m in outmarks]
     return outmarks
 
 
-def _is_bool(v: Any) -> bool:
-    return getattr(v.aval, "dtype", None) == np.dtype(bool)
+def _evaluate(eqn: Any, sets: list[np.ndarray]) -> np.ndarray:
+    """`eqn` on every combination of its operands' possible values, in numpy."""
+    combos = list(itertools.product(*sets))
+    cols = [
+        np.array([c[k] for c in combos], dtype=np.dtype(v.aval.dtype))
+        for k, v in enumerate(eqn.invars)
+    ]
+    out_dtype = np.dtype(eqn.outvars[0].aval.dtype)
+    with np.errstate(all="ignore"):
+        if eqn.primitive.name == "convert_element_type":
+            res = cols[0].astype(out_dtype)
+        else:
+            res = np.asarray(_ARITHMETIC[eqn.primitive.name](*cols)).astype(out_dtype)
+    return np.unique(res)

@@ -50,6 +50,10 @@ class Context:
     cache: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     # Casts already made: (id(value), dtype, saturating) -> (value, cast).
     casts: dict[tuple[int, Any], tuple[Any, Any]] = dataclasses.field(default_factory=dict)
+    # The values a trace-time constant can hold, where known (``_constants``):
+    # id(value) -> (value, distinct values). Keyed by the value, not its jaxpr
+    # variable, so a fill built inside a nested jit keeps them outside it.
+    known: dict[int, tuple[Any, Any]] = dataclasses.field(default_factory=dict)
     # Resolved per-module rules per name stack.
     scoped: dict[str, tuple[bool, Mapping[str, str]]] = dataclasses.field(default_factory=dict)
     # Per name stack, where its rules differ from ``rules`` and why: primitive

@@ -25,9 +25,10 @@ from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._analysis import analyse, pointwise_region, starts_region
 from jaxamp.casting._casts import bind, bind_opmath, bind_region, host_cast, to_original
-from jaxamp.casting._constants import const_mark, constant_marks
+from jaxamp.casting._constants import const_facts, constant_marks
 from jaxamp.casting._context import Context
 from jaxamp.casting._decisions import note, note_outs, note_region
+from jaxamp.casting._opmath import eval_opmath, opmath_reason
 from jaxamp.casting._primitives import kind_of
 from jaxamp.casting._rules import (
     ACT,
@@ -80,7 +81,9 @@ def eval_jaxpr(
     args = list(args)
     marks = list(marks) if marks is not None else [NONE] * len(args)
     for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v], mark[v] = x, const_mark(x, ctx.dtype)
+        env[v], (mark[v], values) = x, const_facts(x, ctx.dtype)
+        if values is not None:
+            ctx.known[id(x)] = (x, values)
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
         env[v], mark[v] = x, m
     facts = analyse(jaxpr, ctx, float32_outputs)
@@ -92,7 +95,6 @@ def eval_jaxpr(
         return [CONST if isinstance(v, Literal) else mark.get(v, NONE) for v in vs]
 
     done: set[int] = set()  # equations evaluated as part of a pointwise region
-    fills: set[Any] = set()  # constants that depend on a run-time mask (constant_marks)
     for i, eqn in enumerate(jaxpr.eqns):
         if i in done:
             continue
@@ -118,7 +120,9 @@ def eval_jaxpr(
                 invals = [read(v) for v in eqn.invars]
                 demanded, layouts = i in facts.demanded, facts.layouts[i]
                 outs, outmarks = eval_eqn(eqn, invals, inmarks, ctx, demanded, layouts)
-            outvars, outmarks = eqn.outvars, constant_marks(eqn, inmarks, outmarks, fills)
+            ins = list(zip(eqn.invars, invals, inmarks, strict=True))
+            outmarks = constant_marks(eqn, ins, outs, outmarks, ctx.dtype, ctx.known)
+            outvars = eqn.outvars
         for v, x, m in zip(outvars, outs, outmarks, strict=True):
             env[v], mark[v] = x, m
     return [read(v) for v in jaxpr.outvars], marks_of(jaxpr.outvars)
@@ -218,7 +222,7 @@ def eval_eqn(
     ]
     target, out_mark, why = choose(rule, float_ins, ctx.dtype, demanded)
     fp8 = ctx.fp8 is not None and name == "dot_general" and rule == LOWER
-    return _eval_in(eqn, ins, ctx, floats, target, out_mark, rules if fp8 else None, why)
+    return _eval_in(eqn, ins, ctx, floats, target, out_mark, layouts, rules if fp8 else None, why)
 
 
 def _eval_in(
@@ -228,21 +232,27 @@ def _eval_in(
     floats: list[int],
     target: np.dtype,
     out_mark: int,
+    layouts: Sequence[int],
     fp8_rules: Mapping[str, str] | None = None,
     why: str = "",
 ) -> Outs:
     """An equation with its floating inputs (at ``floats``) cast to ``target``; with
     ``fp8_rules`` (the rules in force for a ``"lower"`` ``dot_general`` under FP8), as
-    an FP8 product where the trace's FP8 plan wants one. `why`: ``choose``'s reason."""
+    an FP8 product where the trace's FP8 plan wants one. `why`: ``choose``'s reason.
+    In float32, rounded once to ``target``, where a scalar operand ``target`` would
+    change (``_opmath``)."""
     nout = len(eqn.outvars)
     opmath = "; in float32, rounded once (torch's opmath)"
     if eqn.primitive.name in OPMATH_OPS and target == ctx.dtype and target.itemsize < 4:
         note(eqn, ctx, FLOAT32_DTYPE, why + opmath)
         outs = bind_opmath(eqn, ins.vals[floats[0]], target, ctx, ctx.cached)
         return outs, [out_mark] * nout
-    if target == ctx.dtype and _literal_beyond(eqn, ins, floats, target):
-        note(eqn, ctx, FLOAT32_DTYPE, f"{why}; a Python scalar {target.name} cannot hold{opmath}")
-        return _eval_opmath(eqn, ins, ctx, floats, target, out_mark)
+    if target == ctx.dtype:
+        reason = opmath_reason(eqn, *ins, floats, layouts, target)
+        if reason is not None:
+            note(eqn, ctx, FLOAT32_DTYPE, f"{why}; {reason}{opmath}")
+            outs = eval_opmath(eqn, *ins, floats, ctx, target)
+            return outs, [out_mark] * nout
     args = list(ins.vals)
     for i in floats:
         if ins.dtypes[i] != target:
@@ -259,50 +269,6 @@ def _eval_in(
         why = f"{why}; {fp8_why}" if fp8_why else why
     note(eqn, ctx, target, why)
     return bind(eqn, args, params, ctx.cached), [out_mark] * nout
-
-
-#: Ops where a literal is a fill or a bound (``jnp.where(m, x, -1e9)``,
-#: ``jnp.maximum(x, -1e30)``): there it saturates, as any constant does.
-_FILL_POSITIONS: frozenset[str] = frozenset({"select_n", "max", "min", "clamp"})
-
-
-def _literal_beyond(eqn: Any, ins: Ins, floats: list[int], low: np.dtype) -> bool:
-    """A Python-scalar operand (not a fill) that `low` cannot hold: beyond its
-    range, or so small it would become 0 or subnormal (``(x @ w) * 1e5 * 1e-5``)."""
-    if low.itemsize >= 4 or eqn.primitive.name in _FILL_POSITIONS:
-        return False
-    fi = jax.numpy.finfo(low)
-    for i in floats:
-        x = ins.vals[i]
-        scalar = ins.marks[i] == CONST and np.ndim(x) == 0 and not isinstance(x, jax.core.Tracer)
-        if isinstance(eqn.invars[i], Literal) or scalar:
-            v = np.abs(np.asarray(x, np.float64))
-            if np.any(np.isfinite(v) & ((v > float(fi.max)) | ((v > 0) & (v < float(fi.tiny))))):
-                return True
-    return False
-
-
-def _eval_opmath(
-    eqn: Any, ins: Ins, ctx: Context, floats: list[int], low: np.dtype, out_mark: int
-) -> Outs:
-    """`eqn` in float32 with its literal exact, the results rounded once to `low`:
-    torch keeps a Python scalar at its op's float32 "opmath" precision, so
-    ``h * 1e5`` is ``h`` times 1e5 (inf only where the product overflows), never
-    ``h`` times a saturated 65504."""
-    wide = promote(low, FLOAT32_DTYPE)
-    args = list(ins.vals)
-    for i in floats:
-        if isinstance(eqn.invars[i], Literal):
-            args[i] = np.asarray(ins.vals[i], wide)[()]
-        elif np.ndim(ins.vals[i]) == 0 and not isinstance(ins.vals[i], jax.core.Tracer):
-            args[i] = np.asarray(ins.vals[i], wide)
-        elif ins.dtypes[i] != wide:
-            args[i] = ctx.cast(ins.vals[i], wide)
-    params, _ = _accumulation(eqn, floats, wide, out_mark)
-    outs = bind(eqn, args, params, ctx.cached)
-    return [ctx.cast(o, low) if is_float_dtype(o.dtype) else o for o in outs], [out_mark] * len(
-        outs
-    )
 
 
 def _accumulation(eqn: Any, floats: list[int], target: np.dtype, mark: int) -> tuple[dict, int]:

@@ -239,8 +239,8 @@ def _keeps_float32(x: FloatIn, compute: np.dtype) -> bool:
       saturates.
 
     Scalars follow the activation (a 0-dim tensor does not promote in torch);
-    an op runs in float32 with a Python scalar it cannot hold
-    (``_interpret._literal_beyond``).
+    an op runs in float32 and rounds once with a Python scalar it cannot hold
+    or a run-time 0-dim float32 value, as torch's opmath (``_opmath``).
     """
     if not x.strong or x.mark not in (NONE, CONST) or x.dtype.itemsize <= compute.itemsize:
         return False
