@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 
@@ -67,14 +67,16 @@ class MatmulRow:
 
 @dataclasses.dataclass(frozen=True)
 class AuditReport:
-    """What ``jaxamp.audit`` found: ``matmuls``, ``large_converts`` and ``ops``;
-    ``str()`` is a table of each.
+    """What ``jaxamp.audit`` found: ``matmuls``, ``converts`` and ``ops``;
+    ``str()`` is a table of each (converts of at least ``LARGE`` elements).
 
     Attributes:
       platform: the backend compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
       matmuls: one `MatmulRow` per product / convolution, in program order.
-      large_converts: standalone dtype conversions of at least `large` elements
-        (an extra pass over memory that a fused cast would not cost).
+      converts: every standalone (unfused) dtype conversion, as ``(element
+        count, description)``: an extra pass over memory that a fused cast
+        would not cost. ``large_converts`` / ``converts_of_at_least(n)`` keep
+        the large ones.
       ops: autocast's choice for each floating equation it evaluated, before
         XLA, in trace order: one `OpRow` (primitive, dtype, op class and where
         the class comes from, why, module path, source line). Empty when `fn`
@@ -83,12 +85,27 @@ class AuditReport:
 
     platform: str
     matmuls: tuple[MatmulRow, ...]
-    large_converts: tuple[str, ...]
+    converts: tuple[tuple[int, str], ...]
     ops: tuple[OpRow, ...] = ()
+
+    #: The element count from which ``large_converts`` lists a convert (4 MiB of float32).
+    LARGE: ClassVar[int] = 2**20
 
     @property
     def flagged(self) -> tuple[MatmulRow, ...]:
         return tuple(r for r in self.matmuls if r.flags)
+
+    @property
+    def large_converts(self) -> tuple[str, ...]:
+        """The standalone converts of at least ``LARGE`` (2**20) elements."""
+        return self.converts_of_at_least(self.LARGE)
+
+    def converts_of_at_least(self, elements: int) -> tuple[str, ...]:
+        """The standalone converts of at least `elements` elements.
+
+        A method of the report rather than an argument of ``audit``, whose
+        keyword arguments are all `fn`'s."""
+        return tuple(text for size, text in self.converts if size >= elements)
 
     def __str__(self) -> str:
         lines = [f"jaxamp.audit ({self.platform}): {len(self.matmuls)} products, "
@@ -195,7 +212,7 @@ def _flags(requested: str, executed: str, kernel: str, op_name: str, platform: s
     return flags
 
 
-def audit(fn: Callable[..., Any], *args: Any, large: int = 2**20, **kwargs: Any) -> AuditReport:
+def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
     """Compiles ``fn(*args, **kwargs)`` and lists every matrix product as XLA will run it.
 
     For each ``dot`` / convolution (and the GEMM custom calls XLA makes of
@@ -204,8 +221,9 @@ def audit(fn: Callable[..., Any], *args: Any, large: int = 2**20, **kwargs: Any)
     dtype, forward or backward, the module path and the user's source line
     (from the HLO metadata). Flagged: an FP8 product XLA does not run as an
     FP8 GEMM, a bfloat16 / float16 one it runs in float32, a float32 product
-    inside ``autocast``. ``large_converts`` lists unfused dtype conversions of
-    at least `large` elements. Works on any backend: on the CPU every FP8 and
+    inside ``autocast``. ``converts`` lists the unfused dtype conversions
+    (``large_converts``: those of at least 2**20 elements;
+    ``converts_of_at_least(n)``: of at least `n`). Works on any backend: on the CPU every FP8 and
     bfloat16 product is flagged, since XLA:CPU computes them in float32.
 
     ``ops`` is the view before XLA: for each floating equation every
@@ -218,8 +236,8 @@ def audit(fn: Callable[..., Any], *args: Any, large: int = 2**20, **kwargs: Any)
     Args:
       fn: the function, e.g. a training step (jitted or not).
       *args: its arguments (arrays, or ``jax.ShapeDtypeStruct``s).
-      large: the element count from which a standalone convert is listed.
-      **kwargs: its keyword arguments.
+      **kwargs: its keyword arguments, every one passed to `fn` (audit has no
+        keyword of its own to collide with them).
 
     Returns:
       An ``AuditReport``; print it for a table.
@@ -263,16 +281,16 @@ def audit(fn: Callable[..., Any], *args: Any, large: int = 2**20, **kwargs: Any)
         ))  # fmt: skip
     converts = []
     for ins in post.instrs.values():
-        if ins.opcode != "convert" or not ins.dims or _size(ins.dims) < large:
+        if ins.opcode != "convert" or not ins.dims:
             continue
         comp = post.computations.get(ins.computation, [])
         if all(post.instrs[n].opcode in _PASSTHROUGH for n in comp):
             src = post.instrs.get(ins.operands[0]) if ins.operands else None
-            converts.append(
+            converts.append((_size(ins.dims),
                 f"{src.type if src else '?'} -> {ins.type} at "
                 f"{_module_path(ins.attr('op_name') or '') or '-'} "
                 f"({user_frame(post.frames_of(ins))})"
-            )
+            ))  # fmt: skip
     return AuditReport(platform, tuple(rows), tuple(converts), tuple(ops))
 
 

@@ -62,6 +62,9 @@ class Context:
     origins: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     # The FP8 plan of this trace (``_fp8.Plan``), or None: no FP8.
     fp8: Any = None
+    # The ids of the equations enclosing the jaxpr being evaluated, from the
+    # outer one: where an inner jaxpr called at several places is called from.
+    site: tuple[int, ...] = ()
 
     def sub(self, **changes: Any) -> Context:
         """A context for an inner trace: the same caches, no casts (other tracers)."""
@@ -105,6 +108,8 @@ class Context:
         """``make()``, once per (key, owner) and everything in this context
         that changes how an inner jaxpr is evaluated."""
         key = (key, self.axis_env, self.saturate, self.in_region)
+        if self.fp8 is not None:  # a call site with an FP8 exclusion inside is its own
+            key += (self.fp8.exclusions_under(self.site),)
         hit = self.cache.get(key)
         if hit is not None and hit[0] is owner:
             return hit[1]

@@ -8,6 +8,10 @@ equation is evaluated (``plan``):
 
 * its rule where it stands is ``"lower"`` (``rules=`` / ``modules=`` of autocast,
   ``full_precision`` regions and float64 products are not touched);
+* it has no batch dimensions (a Linear layer's product), unless
+  ``batched=True``: attention's score and value products lose several times
+  bfloat16's precision in e4m3, and Transformer Engine and torchao run only
+  Linear GEMMs in FP8;
 * M, N and K (the products of its lhs free, rhs free and contracting
   dimensions) are multiples of 16. XLA's GPU GEMM rewriter pads every
   non-batch dimension of an FP8 operand to a multiple of 16 before it calls
@@ -21,9 +25,11 @@ equation is evaluated (``plan``):
   program order, among the products that run once per call: loop bodies
   (``scan``, ``while_loop``: the repeated blocks) are not searched, calls,
   ``remat``, custom derivatives, ``shard_map`` and ``cond`` branches are. The
-  product is identified by its equation and its module path (the name stack:
-  a Flax module's path, nnx paths included), so the same layer code called at
-  another place is not excluded. On a transformer whose embedding is a lookup
+  product is identified by its call site (the equations that enclose it, from
+  the outer jaxpr), its equation and its module path (the name stack: a Flax
+  module's path, nnx paths included), so the same layer code, or the same
+  ``jax.jit`` / ``jax.checkpoint`` layer function, called at another place is
+  not excluded. On a transformer whose embedding is a lookup
   this keeps the LM head (or the tied ``attend``) and the first projection in
   bfloat16; on a classifier, its first and last ``Dense``.
 
@@ -66,11 +72,13 @@ class Fp8Config:
       modules: ``(pattern, on)`` pairs, in the order given.
       first_last_bf16: keep the first and last matrix-product layers in the
         autocast dtype.
+      batched: run products with batch dimensions (attention's) in FP8 too.
     """
 
     scaling: str = "tensorwise"
     modules: tuple[tuple[str, bool], ...] = ()
     first_last_bf16: bool = True
+    batched: bool = False
 
 
 def fp8(
@@ -78,12 +86,14 @@ def fp8(
     *,
     modules: Mapping[str, bool] | None = None,
     first_last_bf16: bool = True,
+    batched: bool = False,
 ) -> Fp8Config:
     """FP8 matrix products for ``jaxamp.autocast``, with current scaling.
 
     ``jaxamp.autocast(f, dtype=jnp.bfloat16, fp8=jaxamp.fp8())`` runs every
-    matrix product (``dot_general``: ``@``, ``einsum``, ``Dense``, attention)
-    of `f` that autocast runs in bfloat16 as an FP8 GEMM instead: both operands
+    Linear-kind matrix product (a ``dot_general`` without batch dimensions:
+    ``@`` of a weight, ``Dense``, an ``einsum`` projection) of `f` that autocast
+    runs in bfloat16 as an FP8 GEMM instead: both operands
     scaled by ``fp8 max / amax`` of this step's values and rounded to
     float8_e4m3fn, accumulated in float32, multiplied back and rounded once to
     bfloat16. In the backward pass the incoming gradient is scaled the same
@@ -96,8 +106,11 @@ def fp8(
     Products whose M, N or K is not a multiple of 16 stay in bfloat16 (XLA
     would pad them for the cuBLASLt FP8 kernel), as do the first and last
     matrix-product layers by default (the embedding projection, the LM head or
-    classifier, as Megatron's ``first_last_layers_bf16``). Convolutions stay
-    in bfloat16.
+    classifier, as Megatron's ``first_last_layers_bf16``). Products with batch
+    dimensions (attention's ``q @ k.T`` and ``p @ v``) stay in bfloat16 unless
+    ``batched=True``: as in Transformer Engine and torchao, which run only the
+    Linear layers' GEMMs in FP8, since e4m3 costs attention several times
+    bfloat16's error. Convolutions stay in bfloat16.
 
     Args:
       scaling: ``"tensorwise"`` (one scale per operand; default) or
@@ -110,6 +123,8 @@ def fp8(
         ``/``); the last matching pattern wins.
       first_last_bf16: keep the first and last matrix-product layers of the
         forward program out of FP8 (default True).
+      batched: also run products with batch dimensions (attention's score and
+        value products, a ``vmap``'d matmul inside `f`) in FP8 (default False).
 
     Returns:
       An ``Fp8Config`` for ``autocast(..., fp8=...)``.
@@ -146,7 +161,9 @@ def fp8(
         raise TypeError(
             f"jaxamp.fp8: first_last_bf16 must be True or False, got {first_last_bf16!r}"
         )
-    return Fp8Config(scaling, tuple(pairs), first_last_bf16)
+    if not isinstance(batched, bool):
+        raise TypeError(f"jaxamp.fp8: batched must be True or False, got {batched!r}")
+    return Fp8Config(scaling, tuple(pairs), first_last_bf16, batched)
 
 
 def resolve(value: Any) -> Fp8Config | None:
@@ -174,15 +191,27 @@ def _subjaxprs(params: Mapping[str, Any]) -> list[Jaxpr]:
     return found
 
 
+#: A product as the plan names it: the ids of the equations that enclose it from
+#: the outer jaxpr (its call site: one layer function called four times is four
+#: products), the id of its own equation, and its name stack.
+Site = tuple[tuple[int, ...], int, str]
+
+
 @dataclasses.dataclass
 class Plan:
     """The FP8 decisions of one autocast trace (``Context.fp8``)."""
 
     config: Fp8Config
     compute: np.dtype
-    # (id(eqn), stack) of the first and last layer's product -> (the equation,
-    # kept alive so that its id stays its own; "first" or "last").
-    excluded: dict[tuple[int, str], tuple[Any, str]] = dataclasses.field(default_factory=dict)
+    # The first and last layer's product -> (the equations of its site, kept
+    # alive so that their ids stay theirs; "first" or "last").
+    excluded: dict[Site, tuple[Any, str]] = dataclasses.field(default_factory=dict)
+
+    def exclusions_under(self, site: tuple[int, ...]) -> tuple[Site, ...]:
+        """The excluded products inside the call at `site` (``Context.memo``: an inner
+        jaxpr evaluated there is not the one evaluated at another call site)."""
+        n = len(site)
+        return tuple(k for k in self.excluded if k[0][:n] == site)
 
     def scope_rules(self, parts: list[str], stack: str, rules: Mapping[str, str]) -> Any:
         """`rules` for the scope `stack`, marked where an FP8 decision depends on it."""
@@ -190,33 +219,38 @@ class Plan:
         for pattern, on in self.config.modules:
             if module_match(pattern, parts):
                 verdict = (pattern, on)
-        if verdict is None and not any(s == stack for _, s in self.excluded):
+        if verdict is None and not any(k[2] == stack for k in self.excluded):
             return rules
         return {**rules, FP8_KEY: verdict}
 
-    def refusal(self, eqn: Any, stack: str, rules: Mapping[str, str]) -> str:
+    def refusal(self, eqn: Any, ctx: Any, rules: Mapping[str, str]) -> str:
         """Why this product stays out of FP8 by the config (``""``: it does not)."""
         verdict = rules.get(FP8_KEY)
         if verdict is not None:
             pattern, on = verdict
             return "" if on else f"jaxamp.fp8(modules={{{pattern!r}: False}})"
-        hit = self.excluded.get((id(eqn), stack))
+        hit = self.excluded.get((ctx.site, id(eqn), ctx.stack))
         return f"the model's {hit[1]} matrix-product layer (first_last_bf16)" if hit else ""
 
     def dot(
         self, eqn: Any, args: list[Any], params: Mapping[str, Any], target: np.dtype,
-        rules: Mapping[str, str], stack: str,
+        rules: Mapping[str, str], ctx: Any,
     ) -> tuple[list[Any] | None, str]:  # fmt: skip
         """The FP8 product for a ``"lower"`` ``dot_general`` bound on `args` (or None:
-        it stays in `target`), and why (``jaxamp.audit``'s per-op view)."""
+        it stays in `target`) under the Context `ctx`, and why (``jaxamp.audit``'s
+        per-op view)."""
         if target != self.compute:
             return None, ""
-        refusal = self.refusal(eqn, stack, rules)
+        refusal = self.refusal(eqn, ctx, rules)
         if refusal:
             return None, f"not FP8: {refusal}"
         lhs, rhs = args
-        dims = params["dimension_numbers"]
-        dims = tuple(tuple(tuple(int(i) for i in d) for d in pair) for pair in dims)
+        dims = _dims(params)
+        if dims[1][0] and not self.config.batched:
+            return None, (
+                "not FP8: a batched product (attention): bf16 by default; "
+                "jaxamp.fp8(batched=True) runs it in FP8"
+            )
         if not _fp8_gemm.eligible(lhs.shape, rhs.shape, dims):
             m, n, k = _fp8_gemm.mnk(lhs.shape, rhs.shape, dims)
             return None, (
@@ -247,32 +281,42 @@ class Plan:
         )
 
 
+def _dims(params: Mapping[str, Any]) -> _fp8_gemm.DotDims:
+    dims = params["dimension_numbers"]
+    return tuple(tuple(tuple(int(i) for i in d) for d in pair) for pair in dims)  # type: ignore[return-value]
+
+
 def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
     """The FP8 plan of autocast's trace of `jaxpr` (`ctx`: its Context, still without one)."""
     if config is None:
         return None
     # A throwaway cache: the trace's own scopes get the FP8 marks once planned.
     probe = dataclasses.replace(ctx, scoped={}, origins={}, fp8=None)
-    found: list[tuple[Any, str]] = []
+    found: list[tuple[tuple[Any, ...], Any, str]] = []
 
-    def walk(jaxpr: Jaxpr, outer: str) -> None:
+    def walk(jaxpr: Jaxpr, outer: str, site: tuple[Any, ...]) -> None:
         for eqn in jaxpr.eqns:
             stack = join(outer, jax_compat.name_stack(eqn))
             full, rules = probe.rules_at(stack)
             rule = _rules.AS_WRITTEN if full else rules.get(eqn.primitive.name, _rules.FOLLOW)
             if eqn.primitive.name == "dot_general":
                 dtypes = [np.dtype(v.aval.dtype) for v in eqn.invars]
-                if rule == _rules.LOWER and all(
-                    is_float_dtype(d) and d.itemsize <= 4 for d in dtypes
+                # A batched product is no layer unless it may run FP8 itself.
+                kind = config.batched or not _dims(eqn.params)[1][0]
+                if (
+                    kind
+                    and rule == _rules.LOWER
+                    and all(is_float_dtype(d) and d.itemsize <= 4 for d in dtypes)
                 ):
-                    found.append((eqn, stack))
+                    found.append((site, eqn, stack))
             elif rule != _rules.AS_WRITTEN and eqn.primitive.name not in _LOOPS:
                 for sub in _subjaxprs(eqn.params):
-                    walk(sub, stack)
+                    walk(sub, stack, (*site, eqn))
 
-    walk(jaxpr, "")
+    walk(jaxpr, "", ())
     result = Plan(config, np.dtype(ctx.dtype))
     if config.first_last_bf16 and found:
-        for (eqn, stack), which in ((found[-1], "last"), (found[0], "first")):
-            result.excluded[(id(eqn), stack)] = (eqn, which)
+        for (site, eqn, stack), which in ((found[-1], "last"), (found[0], "first")):
+            key = (tuple(map(id, site)), id(eqn), stack)
+            result.excluded[key] = ((*site, eqn), which)
     return result

@@ -106,10 +106,18 @@ def _free(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> list[int]
     return [i for i in range(ndim) if i not in contract and i not in batch]
 
 
-def _out_factor(inv_l: Any, inv_r: Any, nl: int, nr: int, dims: DotDims, rowwise: bool) -> Any:
-    """The dequantization factor of a product's float32 result (rank ``nb + fl + fr``)."""
+def _out_factors(
+    inv_l: Any, inv_r: Any, nl: int, nr: int, dims: DotDims, rowwise: bool
+) -> tuple[Any, Any]:
+    """The dequantization factors of a product's float32 result (rank ``nb + fl +
+    fr``), the lhs's and the rhs's, each broadcastable to it.
+
+    They are applied one after the other, never multiplied together first: their
+    product underflows float32 for operands whose amaxes multiply to below
+    ~1e-33 (tiny cotangents), and overflows (inf times a zero sum: NaN) for
+    amaxes near 1e25, where the result itself is a normal number."""
     if not rowwise:
-        return inv_l * inv_r  # two scalars: one scalar multiply after the GEMM
+        return inv_l, inv_r  # scalars: a multiply by a broadcast scalar each
     (lc, rc), (lb, rb) = dims
     lf, rf = _free(nl, lc, lb), _free(nr, rc, rb)
     # Per-row factors of the lhs in the result's order (batch, lhs free), then a
@@ -118,7 +126,7 @@ def _out_factor(inv_l: Any, inv_r: Any, nl: int, nr: int, dims: DotDims, rowwise
     r2 = jnp.transpose(jnp.squeeze(inv_r, axis=tuple(rc)), _order(nr, rc, list(rb) + rf))
     l2 = l2.reshape(l2.shape + (1,) * len(rf))
     r2 = r2.reshape(r2.shape[: len(rb)] + (1,) * len(lf) + r2.shape[len(rb) :])
-    return l2 * r2
+    return l2, r2
 
 
 def _order(ndim: int, dropped: Sequence[int], want: Sequence[int]) -> list[int]:
@@ -136,7 +144,8 @@ def scaled_dot(
     acc = lax.dot_general(
         ql, qr, dims, precision=gemm.precision, preferred_element_type=F32, **kwargs
     )
-    return acc * _out_factor(inv_l, inv_r, ql.ndim, qr.ndim, dims, gemm.rowwise)
+    fl, fr = _out_factors(inv_l, inv_r, ql.ndim, qr.ndim, dims, gemm.rowwise)
+    return (acc * fl) * fr
 
 
 def _quantize_for(x: Any, dtype: np.dtype, contract: Sequence[int], rowwise: bool) -> Any:

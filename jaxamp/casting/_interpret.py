@@ -12,6 +12,7 @@ context's handlers, by kind (``_primitives``; the handlers are in ``_calls`` and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -199,7 +200,7 @@ def eval_eqn(
     if rule != AS_WRITTEN and has_subjaxprs(eqn.params):
         handler = ctx.handlers.get(kind_of(name))
         if handler is not None:
-            return handler(eqn, ins, ctx)
+            return handler(eqn, ins, dataclasses.replace(ctx, site=(*ctx.site, id(eqn))))
         _unknown_higher_order(name, ctx)
         rule, why = AS_WRITTEN, "a higher-order primitive autocast does not enter"
         origin = (AS_WRITTEN, "unknown_higher_order=")
@@ -262,7 +263,7 @@ def _eval_in(
                 args[i] = ctx.cast(ins.vals[i], target, const=ins.marks[i] == CONST)
     params, out_mark = _accumulation(eqn, floats, target, out_mark)
     if fp8_rules is not None:
-        fp8_outs, fp8_why = ctx.fp8.dot(eqn, args, params, target, fp8_rules, ctx.stack)
+        fp8_outs, fp8_why = ctx.fp8.dot(eqn, args, params, target, fp8_rules, ctx)
         if fp8_outs is not None:
             note(eqn, ctx, "float8_e4m3fn", fp8_why)
             return fp8_outs, [out_mark] * nout

@@ -78,9 +78,27 @@ def test_a_planted_float32_product_inside_autocast_is_flagged():
 
 
 def test_a_large_standalone_convert_is_listed():
-    report = jaxamp.audit(lambda x: x.astype(BF16), jnp.ones((64, 64)), large=1024)
-    assert report.large_converts and "bf16[64,64]" in report.large_converts[0]
-    assert not jaxamp.audit(lambda x: x.astype(BF16), jnp.ones((8, 8)), large=1024).large_converts
+    report = jaxamp.audit(lambda x: x.astype(BF16), jnp.ones((64, 64)))
+    assert "bf16[64,64]" in report.converts_of_at_least(1024)[0]
+    assert not report.large_converts  # 4096 elements < 2**20
+    big = jaxamp.audit(lambda x: x.astype(BF16), jnp.ones((1024, 1024)))
+    assert "bf16[1024,1024]" in big.large_converts[0]
+    small = jaxamp.audit(lambda x: x.astype(BF16), jnp.ones((8, 8)))
+    assert not small.converts_of_at_least(1024)
+
+
+def test_every_keyword_goes_to_fn():
+    # audit has no keyword of its own: a `large=` of fn reaches fn.
+    seen = []
+
+    def h(x, w, large=False):
+        seen.append(large)
+        return (x @ w) * (2.0 if large else 1.0)
+
+    jaxamp.audit(
+        jax.jit(h, static_argnames="large"), jnp.ones((16, 32)), jnp.ones((32, 16)), large=True
+    )
+    assert seen == [True]
 
 
 def test_stack_frames_are_read_innermost_first():

@@ -1,0 +1,119 @@
+"""FP8 through autocast: fixes from the hostile review of issue 33.
+
+Numerical checks compare with a float64 reference of the same inputs, within a
+bound derived from the formats (see each test).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+import jaxamp
+
+BF16 = jnp.bfloat16
+
+
+def _f8_products_per_call(jaxpr: Jaxpr) -> list[bool]:
+    """For each ``dot_general`` the program runs, in order and counting an inner
+    jaxpr once per call of it: whether its operands are FP8."""
+    found: list[bool] = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(all("float8" in str(v.aval.dtype) for v in eqn.invars))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (ClosedJaxpr, Jaxpr)):
+                    found += _f8_products_per_call(getattr(sub, "jaxpr", sub))
+    return found
+
+
+def _layer(h, w):
+    return jnp.tanh(h @ w)
+
+
+@pytest.mark.parametrize(
+    "wrap", [lambda f: f, jax.jit, jax.checkpoint], ids=["plain", "jit", "remat"]
+)
+def test_first_last_bf16_excludes_only_the_first_and_last_call_of_a_shared_layer(wrap):
+    # One layer function (jitted or checkpointed) called four times is four
+    # layers: the first and last call stay bfloat16, the two between run FP8.
+    layer = wrap(_layer)
+    x = jnp.ones((32, 64))
+    ws = [jnp.full((64, 64), 0.01) for _ in range(4)]
+
+    def net(ws, x):
+        for w in ws:
+            x = layer(x, w)
+        return x
+
+    f = jaxamp.autocast(net, dtype=BF16, fp8=jaxamp.fp8())
+    # The forward program: 4 products (the grad's would add the transposes).
+    fwd = jax.make_jaxpr(f)(ws, x).jaxpr
+    products = _f8_products_per_call(fwd)
+    assert products == [False, True, True, False], products
+
+
+def _attention(q, k, v):
+    # flax's dot_product_attention without its import: two batched einsums.
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def test_attention_products_stay_bfloat16_unless_batched():
+    # q, k, v ~ N(0, 1), d = 64: logits ~ N(0, 1), |logit| < 6 here. Each of q, k,
+    # v, the logits, the probabilities and the output rounds once to bfloat16
+    # (relative u = 2**-9 each, the logits' absolute error u * 6 entering the
+    # probabilities relatively): a relative L2 error below (5 + 6) u = 0.022.
+    # e4m3 (u = 2**-4) in the two products exceeds it (about 0.05).
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 512, 4, 64)), jnp.float32) for _ in range(3))
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    s = np.einsum("bqhd,bkhd->bhqk", q64, k64) / 8.0
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v64)
+    bound = 11 * 2.0**-9
+
+    def err(cfg):
+        f = jaxamp.autocast(_attention, dtype=BF16, fp8=cfg)
+        got = np.asarray(jax.jit(f)(q, k, v), np.float64)
+        return np.linalg.norm(got - ref) / np.linalg.norm(ref)
+
+    default = jaxamp.fp8(first_last_bf16=False)
+    rows = jaxamp.audit(jaxamp.autocast(_attention, dtype=BF16, fp8=default), q, k, v).ops
+    dots = [r for r in rows if r.primitive == "dot_general"]
+    assert [r.dtype for r in dots] == ["bfloat16", "bfloat16"]
+    assert all("a batched product (attention)" in r.reason for r in dots)
+    assert err(default) < bound
+    opted = jaxamp.fp8(first_last_bf16=False, batched=True)
+    rows = jaxamp.audit(jaxamp.autocast(_attention, dtype=BF16, fp8=opted), q, k, v).ops
+    assert [r.dtype for r in rows if r.primitive == "dot_general"] == ["float8_e4m3fn"] * 2
+    assert err(opted) > bound  # what the default avoids
+
+
+def test_batched_must_be_a_bool():
+    with pytest.raises(TypeError, match="batched must be True or False"):
+        jaxamp.fp8(batched="yes")
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("case", ["tiny cotangent", "huge disjoint operands"])
+def test_dequantization_is_range_safe(case, scaling):
+    # The two inverse scales are applied one after the other: their product
+    # underflows float32 for a cotangent ~1e-32 (all-zero dx, dw) and overflows
+    # for operands ~1e25 (0 * inf = NaN where the product is exactly 0).
+    from tests.casting.test_fp8 import check_matmul
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 32))
+    w = rng.standard_normal((32, 48)) * 0.05
+    g = rng.standard_normal((16, 48))
+    if case == "tiny cotangent":
+        g = g * 1e-32
+    else:
+        x[:, :16], w[16:, :] = 0.0, 0.0  # x @ w is exactly 0
+        x, w = x * 1e25, w * 1e25
+    check_matmul(*(jnp.asarray(t, BF16) for t in (x, w, g)), scaling)
