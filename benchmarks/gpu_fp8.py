@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+# benchmarks/ (gpu.py, models.py), the repository (jaxamp) and examples/
+# (train_lm's corpus): runnable as a script from any directory.
+for _path in (HERE.parent / "examples", HERE.parent, HERE):
+    sys.path.insert(0, str(_path))
 
 VARIANTS = ("f32", "bf16_autocast", "f16_autocast", "fp8_tensorwise", "fp8_rowwise")
 
@@ -67,6 +69,29 @@ def variant(name: str, cfg: Any) -> tuple[Any, Any]:
     return tx.init, step
 
 
+def _machine() -> dict[str, Any]:
+    """Platform, device, library versions: ``run.machine_info``'s, without its jmp
+    (which a stock GPU Python lacks)."""
+    import os
+    import platform
+
+    import flax
+    import jax
+    import optax
+
+    dev = jax.devices()[0]
+    return {
+        "platform": dev.platform,
+        "device_kind": dev.device_kind,
+        "device_count": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="large", choices=["tiny", "default", "large"])
@@ -82,7 +107,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import gpu
     import jax
     import models
-    import run as bench_run
 
     import jaxamp
 
@@ -96,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     entries = []
     for name in names:
         init, step = variant(name, cfg)
-        p = bench_run._copy(params)
+        p = jax.tree.map(lambda x: x.copy(), params)
         state = (p, init(p))
         t0 = time.perf_counter()
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*state, batches[0]).compile()
@@ -132,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         } | {"step_ms": t * 1e3, "tokens_per_s": tokens / t, "final_loss": losses[-1],
              "skipped": e["skipped"]})  # fmt: skip
     result = {
-        "machine": bench_run.machine_info(),
+        "machine": _machine(),
         "size": args.size,
         "params": models.param_count(params),
         "rows": rows,
@@ -140,8 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for row in rows:
         print(
             f"{row['name']:<15} {row['step_ms']:8.1f} ms/step {row['tokens_per_s']:10.0f} tok/s "
-            f"loss {row['final_loss']:.4f}  FP8 GEMMs {row['cublaslt_fp8_calls']} of "
-            f"{row['audit_fp8_requested']} requested",
+            f"loss {row['final_loss']:.4f}  cuBLASLt FP8 calls {row['cublaslt_fp8_calls']}, "
+            f"FP8 products requested {row['audit_fp8_requested']} (calls and products are "
+            "counted apart: they need not match)",
             flush=True,
         )
     if args.out:

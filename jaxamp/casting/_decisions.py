@@ -34,6 +34,9 @@ from jaxamp.casting._scopes import (
 __all__ = ["OpRow"]
 
 _LOG: ContextVar[list[OpRow] | None] = ContextVar("jaxamp_autocast_log", default=None)
+# Per recording: (id(eqn), call site, name stack) -> (the equation, kept alive so
+# that its id stays its own; its row's index in the log).
+_SEEN: ContextVar[dict[Any, tuple[Any, int]]] = ContextVar("jaxamp_autocast_seen")
 _LIBRARIES = tuple(
     os.path.dirname(m.__file__) + os.sep
     for m in (__import__("jax"), __import__("jaxamp"))
@@ -74,11 +77,12 @@ class OpRow:
 def recording() -> Iterator[list[OpRow]]:
     """Collects the notes of every autocast trace run inside it, in order."""
     log: list[OpRow] = []
-    token = _LOG.set(log)
+    token, seen = _LOG.set(log), _SEEN.set({})
     try:
         yield log
     finally:
         _LOG.reset(token)
+        _SEEN.reset(seen)
 
 
 _FRESH = itertools.count(1)
@@ -118,9 +122,16 @@ def note(eqn: Any, ctx: Any, dtype: Any, why: str, rule: tuple[str, str] | None 
         return  # the nested autocast logged its own decision when it was traced
     dtype = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     frames = jax_compat.traceback_frames(eqn)
-    log.append(
-        OpRow(name, dtype, op_class, origin, why, module_path(ctx.stack), user_frame(frames))
-    )
+    row = OpRow(name, dtype, op_class, origin, why, module_path(ctx.stack), user_frame(frames))
+    # A loop body or cond branch is evaluated more than once (until the dtypes
+    # it carries settle): one row per equation and call site, the last decision.
+    seen, key = _SEEN.get(), (id(eqn), getattr(ctx, "site", ()), ctx.stack)
+    hit = seen.get(key)
+    if hit is not None and hit[0] is eqn:
+        log[hit[1]] = row
+        return
+    seen[key] = (eqn, len(log))
+    log.append(row)
 
 
 def note_outs(

@@ -41,6 +41,7 @@ matching pattern wins, and it overrides the first/last default either way.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,7 +51,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting import _fp8_gemm, _rules
-from jaxamp.casting._scopes import join, module_match
+from jaxamp.casting._scopes import join, module_match, scope_parts
 
 __all__ = ["Fp8Config", "fp8"]
 
@@ -281,6 +282,11 @@ class Plan:
         )
 
 
+def _paths(parts: list[list[str]]) -> set[str]:
+    """The module paths of name stacks, without the ``[Class]`` scopes."""
+    return {p for p in ("/".join(n for n in ns if not n.startswith("[")) for ns in parts) if p}
+
+
 def _dims(params: Mapping[str, Any]) -> _fp8_gemm.DotDims:
     dims = params["dimension_numbers"]
     return tuple(tuple(tuple(int(i) for i in d) for d in pair) for pair in dims)  # type: ignore[return-value]
@@ -294,9 +300,12 @@ def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
     probe = dataclasses.replace(ctx, scoped={}, origins={}, fp8=None)
     found: list[tuple[tuple[Any, ...], Any, str]] = []
 
-    def walk(jaxpr: Jaxpr, outer: str, site: tuple[Any, ...]) -> None:
+    stacks: set[str] = set()
+
+    def walk(jaxpr: Jaxpr, outer: str, site: tuple[Any, ...], once: bool = True) -> None:
         for eqn in jaxpr.eqns:
             stack = join(outer, jax_compat.name_stack(eqn))
+            stacks.add(stack)
             full, rules = probe.rules_at(stack)
             rule = _rules.AS_WRITTEN if full else rules.get(eqn.primitive.name, _rules.FOLLOW)
             if eqn.primitive.name == "dot_general":
@@ -304,16 +313,30 @@ def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
                 # A batched product is no layer unless it may run FP8 itself.
                 kind = config.batched or not _dims(eqn.params)[1][0]
                 if (
-                    kind
+                    once
+                    and kind
                     and rule == _rules.LOWER
                     and all(is_float_dtype(d) and d.itemsize <= 4 for d in dtypes)
                 ):
                     found.append((site, eqn, stack))
-            elif rule != _rules.AS_WRITTEN and eqn.primitive.name not in _LOOPS:
+            elif rule != _rules.AS_WRITTEN:
+                # Loop bodies run more than once per call: no first or last layer
+                # there, but their module names count for the patterns.
                 for sub in _subjaxprs(eqn.params):
-                    walk(sub, stack, (*site, eqn))
+                    walk(sub, stack, (*site, eqn), once and eqn.primitive.name not in _LOOPS)
 
     walk(jaxpr, "", ())
+    parts = [scope_parts(s) for s in stacks]
+    for pattern, _ in config.modules:
+        if not any(module_match(pattern, p) for p in parts):
+            warnings.warn(
+                f"jaxamp.fp8(modules={{{pattern!r}: ...}}) matches no module of the "
+                f"function autocast traced (its module paths: "
+                f"{sorted(_paths(parts))[:8]}); check the name, "
+                "class or path",
+                UserWarning,
+                stacklevel=2,
+            )
     result = Plan(config, np.dtype(ctx.dtype))
     if config.first_last_bf16 and found:
         for (site, eqn, stack), which in ((found[-1], "last"), (found[0], "first")):

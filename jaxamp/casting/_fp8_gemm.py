@@ -5,17 +5,18 @@ rounded to float8_e4m3fn; backward: the incoming gradient scaled the same way
 and rounded to float8_e5m2 (two more exponent bits, one less mantissa bit:
 gradients span a wider range); dgrad and wgrad are each one FP8 product.
 Every product accumulates in float32 (``preferred_element_type``), is
-multiplied by the two inverse scales and rounded once to the output dtype.
+multiplied by the two inverse scales, one after the other, and rounded once to
+the output dtype.
 
 The HLO this emits per product is the shape XLA's GPU GEMM rewriter turns into
 one cuBLASLt FP8 call (``xla/service/gpu/transforms/gemm_rewriter.cc``):
-``MatchFp8Param`` accepts a ``dot`` operand that is itself f8, and
-``GemmRewriterVisitor::HandleMultiply`` / ``F8ScaleD`` fold a following
-multiply by a broadcast *scalar* into the call's scale. So each operand enters
-the ``dot`` in f8 and the scales are applied to its float32 result: tensorwise
-that is one scalar (folded into the call); rowwise a per-row times per-column
-factor (``CreateF8CustomCall`` takes scalar scales only), an elementwise
-epilogue XLA fuses after the call.
+``MatchFp8Param`` accepts a ``dot`` operand that is itself f8, and the
+``dot``'s only user is a multiply by a broadcast scale. So each operand enters
+the ``dot`` in f8 and the scales are applied to its float32 result (scalars
+tensorwise; per-row and per-column factors rowwise). On an H200 (jax 0.11.2)
+XLA made the forward products cuBLASLt FP8 calls with a constant scale of 1
+and ran the rescale in the fusion after the call; the backward products ran
+as Triton GEMM fusions (docs/fp8.md).
 
 Nothing here is stateful: the scales are recomputed from each call's operands
 (current scaling), so there is nothing to checkpoint.
@@ -98,8 +99,33 @@ def quantize(x: Any, dtype: np.dtype, reduce_axes: Sequence[int] | None) -> tupl
     scaled = x32 * (fmax / amax)
     # |scaled| <= fmax up to the rounding of the scale; e4m3fn has no inf and
     # converts anything past fmax + half an ulp to NaN, so clamp first.
-    q = lax.clamp(np.float32(-fmax), scaled, np.float32(fmax)).astype(dtype)
+    q = _to_fp8(lax.clamp(np.float32(-fmax), scaled, np.float32(fmax)), dtype)
     return q, amax / fmax
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _to_fp8(x: Any, dtype: np.dtype) -> Any:
+    """``x.astype(dtype)``, refusing forward-mode differentiation.
+
+    Forward mode reaches an FP8 cast only through the backward rule (``jax.jvp``
+    of ``jax.grad``, ``jax.hessian``, grad of grad): JAX's own jvp of the cast
+    rounds the tangent to e4m3fn unscaled, and e4m3fn, which has no inf, turns
+    every tangent past 448 into NaN; a Hessian of all NaN, silently."""
+    return x.astype(dtype)
+
+
+@_to_fp8.defjvp
+def _to_fp8_jvp(dtype: np.dtype, primals: Any, tangents: Any) -> Any:
+    raise TypeError(FORWARD_MODE)
+
+
+FORWARD_MODE = (
+    "jaxamp.autocast(..., fp8=...): an FP8 product cannot be differentiated in forward "
+    "mode or twice (jax.jvp, jax.linearize, jax.hessian, jax.jacfwd, grad of grad): "
+    "its scales and e4m3/e5m2 roundings have no useful derivative. Differentiate an "
+    "autocast of the same function without fp8= (dtype=jnp.bfloat16) for Hessians "
+    "and forward-mode derivatives."
+)
 
 
 def _free(ndim: int, contract: Sequence[int], batch: Sequence[int]) -> list[int]:
