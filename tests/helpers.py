@@ -87,17 +87,17 @@ def _tanh_proj_bwd(res, g):
 tanh_proj.defvjp(_tanh_proj_fwd, _tanh_proj_bwd)
 
 
-def dot_input_dtypes(jaxpr) -> list[tuple[np.dtype, ...]]:
-    """Input dtypes of every dot_general in `jaxpr` (closed or not), sub-jaxprs included."""
+def dot_input_dtypes(jaxpr, primitive: str = "dot_general") -> list[tuple[np.dtype, ...]]:
+    """Input dtypes of every `primitive` in `jaxpr` (closed or not), sub-jaxprs included."""
     from jax.extend.core import ClosedJaxpr, Jaxpr
 
     jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
     found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
+        if eqn.primitive.name == primitive:
             found.append(tuple(np.dtype(v.aval.dtype) for v in eqn.invars))
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(sub, (ClosedJaxpr, Jaxpr)):
-                    found.extend(dot_input_dtypes(sub))
+                    found.extend(dot_input_dtypes(sub, primitive))
     return found

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jaxamp
+from tests.helpers import dot_input_dtypes
 
 BF16 = jnp.bfloat16
 
@@ -53,20 +54,8 @@ def _rows(report, primitive, module=None):
 def _jaxpr_dtypes(fn, *args, primitive):
     """The input dtypes of every `primitive` equation of `fn`'s program, nested
     jaxprs included: what really ran, to hold the log to."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == primitive:
-                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    found = dot_input_dtypes(jax.make_jaxpr(fn)(*args), primitive)
+    return [tuple(str(d) for d in ins) for ins in found]
 
 
 def test_a_user_rule_shows_its_class_and_where_it_comes_from():

@@ -17,26 +17,14 @@ import numpy as np
 import pytest
 
 import jaxamp
+from tests.helpers import dot_input_dtypes
 
 BF16 = jnp.bfloat16
 
 
 def _dot_dtypes(fn, *args):
     """The operand dtypes of every ``dot_general`` of `fn`'s program, nested jaxprs included."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [tuple(str(d) for d in ins) for ins in dot_input_dtypes(jax.make_jaxpr(fn)(*args))]
 
 
 def _head(x, w):
