@@ -95,8 +95,10 @@ def accumulate(
             state = state._replace(spikes=state.spikes._replace(pending=jnp.zeros_like(loss)))
         out, state = window_step(Window(state.acc, grads), state, mean, window_loss)
         zeros = _fresh_zeros(state.acc, count)
-        # zeros_like keeps the counter's type: per-device (varying) under shard_map.
-        return out, state._replace(acc=zeros, mini_step=jnp.zeros_like(state.mini_step))
+        # The counter's 0 likewise (a constant would be copied into the output), in
+        # its type: per-device (varying) under shard_map, as `count` is.
+        restart = (count.astype(jnp.float32) * 0.0).astype(state.mini_step.dtype)
+        return out, state._replace(acc=zeros, mini_step=restart)
 
     def add(shapes: Any, grads: Any, state: Any) -> tuple[Any, Any]:
         out = params if to_params else zeros_of(shapes[0])
