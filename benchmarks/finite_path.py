@@ -59,9 +59,10 @@ def targets(rows: list[dict[str, Any]], model: str) -> list[str]:
         h = by[name]["hlo"]
         verdict = "PASS" if h["taken_copies"] == 0 else "MISS"
         out.append(
-            f"{verdict} {name}: {h['taken_copies']} copy ops ({h['taken_copy_bytes']} bytes) in "
-            f"the branches a finite step takes on {model}; copy ops per branch (the last taken "
-            f"on a finite step) of each conditional: {h['branch_copies']}"
+            f"{verdict} {name}: {h['taken_copies']} copy kernels ({h['taken_layout_copies']} of "
+            f"them layout changes; {h['taken_copy_bytes'] / 1e6:.3f} MB written) in the branches "
+            f"a finite step takes on {model}; per conditional, copy kernels per branch (the "
+            f"last is a finite step's): {h['branch_copies']}"
         )
     return out
 
@@ -88,7 +89,10 @@ def study(
                 "finite_path_bytes": e["finite_path_bytes"],
                 "temp_bytes": e["temp_bytes"],
                 "kernels": sum(e["hlo"]["finite_step_kernels"].values()),
-                "hlo": {k: e["hlo"][k] for k in ("taken_copies", "taken_copy_bytes")}
+                "hlo": {
+                    k: e["hlo"][k]
+                    for k in ("taken_copies", "taken_copy_bytes", "taken_layout_copies")
+                }
                 | {"branch_copies": e["hlo"]["branch_copies"]},
             }
         )

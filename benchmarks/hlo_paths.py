@@ -106,20 +106,38 @@ def _array_bytes(shape: str) -> int:
     return n * _BYTES[m.group(1)]
 
 
+_CALLS = re.compile(r"\bcalls=(%[\w.-]+)")
+# Ops that only move or reinterpret bytes: a fusion made of nothing else is a copy kernel
+# (XLA:CPU wraps a layout-changing copy in one: `%wrapped_copy = ... fusion(...)`).
+_MOVES = {"parameter", "copy", "transpose", "bitcast", "reshape", "tuple", "get-tuple-element"}
+
+
+def _is_copy_fusion(comps: dict[str, list[str]], line: str) -> bool:
+    called = _CALLS.search(line)
+    body = comps.get(called.group(1), []) if called else []
+    ops = [m.group(2) for m in map(_OP.search, body) if m is not None]
+    return bool(ops) and set(ops) <= _MOVES and any(o in ("copy", "transpose") for o in ops)
+
+
 def _copies_in(comps: dict[str, list[str]], name: str, taken_only: bool) -> list[dict[str, Any]]:
-    """The copy ops a computation runs, with those of the computations it runs in place
-    (conditionals: their taken branch only, or every branch)."""
+    """The copy kernels a computation runs (``copy`` ops, and fusions that only copy or
+    transpose: ``kind`` "copy" or "layout"), with those of the computations it runs in
+    place (conditionals: their taken branch only, or every branch)."""
     out = []
     for line in comps.get(name, []):
         m = _OP.search(line)
         if m is None:
             continue
         op = m.group(2)
-        if op in _COPIES:
+        kind = "copy" if op in _COPIES else None
+        if op == "fusion" and _is_copy_fusion(comps, line):
+            kind = "layout"
+        if kind is not None:
             meta = _OP_NAME.search(line)
             shape = m.group(1)
             out.append(
                 {
+                    "kind": kind,
                     "shape": shape,
                     "bytes": _array_bytes(shape),
                     "op_name": meta.group(1) if meta else "",
@@ -144,9 +162,11 @@ def branch_copies(text: str) -> list[dict[str, Any]]:
 
     Returns one dict per conditional: its ``name``, and ``branches``, a list (in
     ``branch_computations`` order, so the last is what a finite step takes) of lists
-    of ``{"shape", "bytes", "op_name"}``, one per copy op the branch runs (nested
-    conditionals: their taken branch). Copies inside fused computations are not ops
-    of their own (a fusion is one kernel) and are not listed.
+    of ``{"kind", "shape", "bytes", "op_name"}``, one per copy kernel the branch runs
+    (nested conditionals: their taken branch): a ``copy`` op ("copy": what XLA
+    inserts for a buffer handed through or shared), or a fusion that only copies or
+    transposes ("layout": a layout change XLA did not fuse into the consumers). A
+    copy fused with other work into one kernel is not listed.
     """
     comps = computations(text)
     out = []

@@ -78,6 +78,7 @@ def scan_hlo(text: str) -> dict[str, Any]:
     taken = [c["branches"][-1] for c in conds if c["branches"]]
     out["taken_copies"] = sum(len(b) for b in taken)
     out["taken_copy_bytes"] = sum(x["bytes"] for b in taken for x in b)
+    out["taken_layout_copies"] = sum(x["kind"] == "layout" for b in taken for x in b)
     out["host_callbacks"] = sorted({m.group(1) for m in _HOST_CALLBACK.finditer(text)})
     # send/recv appear as send( and send-done( pairs: count the ops, not the pairs.
     out["host_traffic"] = bool(

@@ -181,7 +181,24 @@ ENTRY %main (x: f32[8], y: s32[4], p: s32[]) -> (f32[8], s32[4]) {
     }
     copies = hlo_paths.branch_copies(hlo)
     assert [[len(b) for b in c["branches"]] for c in copies] == [[0, 1]]
-    assert copies[0]["branches"][1][0]["bytes"] == 16
+    assert copies[0]["branches"][1][0] == {
+        "kind": "copy",
+        "shape": "s32[4]{0}",
+        "bytes": 16,
+        "op_name": "",
+    }
+    # A fusion that only changes a layout is a copy kernel too; one that computes is not.
+    layout = hlo.replace(
+        "%c = s32[4]{0} copy(%b)",
+        "%c = f32[8]{0} fusion(%a), kind=kLoop, calls=%wrapped_copy_computation",
+    ).replace(
+        "%command_buffer (a",
+        "%wrapped_copy_computation (p: f32[8]) -> f32[8] {\n"
+        "  %p = f32[8]{0} parameter(0)\n"
+        "  ROOT %t = f32[8]{0} copy(f32[8]{0} %p)\n}\n\n%command_buffer (a",
+    )
+    got = hlo_paths.branch_copies(layout)[0]["branches"][1]
+    assert [(x["kind"], x["bytes"]) for x in got] == [("layout", 32)]
     # The finite path calls the last branch on its operand, in place of the conditional.
     path = hlo_paths.finite_path_text(hlo)
     assert "conditional(" not in path

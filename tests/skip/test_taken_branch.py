@@ -39,14 +39,24 @@ def _computations(text: str) -> dict[str, list[str]]:
     return comps
 
 
+_CALLS = re.compile(r"\bcalls=(%[\w.-]+)")
+_MOVES = {"parameter", "copy", "transpose", "bitcast", "reshape", "tuple", "get-tuple-element"}
+
+
 def _taken(comps: dict[str, list[str]], name: str) -> list[str]:
-    """Opcodes a finite step runs in ``name``'s taken branches (nested ones too)."""
+    """Opcodes a finite step runs in ``name``'s taken branches (nested ones too); a
+    fusion that only copies or transposes (a layout change) counts as a ``copy``."""
     ops = []
     for line in comps[name]:
         m = _OPCODE.search(line)
         if m is None:
             continue
-        ops.append(m.group(1))
+        op = m.group(1)
+        called = _CALLS.search(line)
+        if op == "fusion" and called:
+            body = {o.group(1) for o in map(_OPCODE.search, comps[called.group(1)]) if o}
+            op = "copy" if body <= _MOVES and body & {"copy", "transpose"} else op
+        ops.append(op)
         branches = _BRANCHES.search(line)
         if m.group(1) == "conditional" and branches:
             ops.extend(_taken(comps, branches.group(1).split(", ")[-1]))
@@ -68,7 +78,10 @@ def _finite_path(compiled) -> tuple[int, int]:
 
 
 def _model():
-    # Leaves of one shape (the zeros XLA would share), small and large ones.
+    # Leaves of one shape (the zeros XLA would share), small and large ones. Products
+    # `x @ w` give row-major gradients: an einsum whose gradient XLA lays out transposed
+    # (attention's (d, heads, head_dim) kernels) still gets a layout-changing copy at
+    # the top of the taken branch on XLA:CPU (benchmarks/RESULTS.md, issue 34).
     k = jax.random.split(jax.random.key(0), 4)
     params = {
         "a": {"w": jax.random.normal(k[0], (16, 16)), "b": jnp.zeros(16)},
