@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("\n".join(targets))
     print(
         "finite MB = bytes accessed with every conditional reduced to the branch a finite "
-        "step takes; copies = copy ops in those branches"
+        "step takes; copies = copy kernels in those branches (copy ops and copy-only fusions)"
     )
 
     leaves = None
