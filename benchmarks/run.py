@@ -27,8 +27,11 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import finite_check  # noqa: E402
+import finite_path  # noqa: E402
+import hlo_paths  # noqa: E402
 import models  # noqa: E402
 import variants as variants_lib  # noqa: E402
+from hlo_paths import finite_step_kernels  # noqa: E402, F401  (tests import it from here)
 
 # Custom-call targets that call back into the host (Python callbacks, debug prints).
 _HOST_CALLBACK = re.compile(r'custom_call_target="([^"]*(callback|host|print)[^"]*)"', re.I)
@@ -64,67 +67,18 @@ def reduction_kernels(text: str) -> int:
     return count + (fused and has_reduce)
 
 
-# Ops that launch no kernel: they name buffers or are resolved at compile time.
-_NO_KERNEL = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
-# `%name = shape op(`; a tuple shape holds spaces: `(f32[2]{0}, s32[]) conditional(`.
-_OP = re.compile(r"= (\(.*?\)|\S+) ([\w-]+)\(")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-# Computations an op runs in place (a GPU command buffer's `call`, a loop's body):
-# their ops are kernels of the step. A fusion's `calls=` is one kernel, not followed.
-_RUNS = re.compile(r"\b(?:to_apply|body|condition)=(%[\w.-]+)")
-
-
-def _computations(text: str) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    name = None
-    for line in text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            name = "ENTRY" if line.startswith("ENTRY") else line.split(" ")[0]
-            out[name] = []
-        elif name is not None and line.strip() not in ("", "}"):
-            out[name].append(line.strip())
-    return out
-
-
-def finite_step_kernels(text: str) -> dict[str, int]:
-    """The kernels a finite step runs in compiled HLO text, counted per ``op shape``.
-
-    The entry computation's ops plus, for each conditional, its last branch: the
-    ``true`` branch of a ``lax.cond``, which is the update taken on a finite step;
-    ``call`` and ``while`` computations are followed (once). Fused computations
-    count once (one kernel); parameters, constants, bitcasts and tuple plumbing
-    launch nothing and are left out.
-    """
-    comps = _computations(text)
-
-    def walk(name: str) -> dict[str, int]:
-        got: dict[str, int] = {}
-        for line in comps.get(name, []):
-            m = _OP.search(line)
-            if m is None or m.group(2) in _NO_KERNEL:
-                continue
-            shape = "(tuple)" if m.group(1).startswith("(") else m.group(1)
-            key = f"{m.group(2)} {shape}"
-            got[key] = got.get(key, 0) + 1
-            inner: list[str] = []
-            branches = _BRANCHES.search(line)
-            if m.group(2) == "conditional" and branches:
-                inner = [branches.group(1).split(", ")[-1]]
-            elif m.group(2) in ("call", "while"):
-                inner = _RUNS.findall(line)
-            for sub in inner:
-                for k, v in walk(sub).items():
-                    got[k] = got.get(k, 0) + v
-        return got
-
-    return walk("ENTRY")
-
-
 def scan_hlo(text: str) -> dict[str, Any]:
     """Counts host traffic, conditionals and reduction kernels in compiled HLO text."""
     out: dict[str, Any] = {k: len(p.findall(text)) for k, p in _OPS.items()}
     out["reductions"] = reduction_kernels(text)
     out["finite_step_kernels"] = finite_step_kernels(text)
+    # Per conditional, the copy ops each branch runs (the last: a finite step's).
+    conds = hlo_paths.branch_copies(text)
+    out["branch_copies"] = [[len(b) for b in c["branches"]] for c in conds]
+    taken = [c["branches"][-1] for c in conds if c["branches"]]
+    out["taken_copies"] = sum(len(b) for b in taken)
+    out["taken_copy_bytes"] = sum(x["bytes"] for b in taken for x in b)
+    out["taken_layout_copies"] = sum(x["kind"] == "layout" for b in taken for x in b)
     out["host_callbacks"] = sorted({m.group(1) for m in _HOST_CALLBACK.finditer(text)})
     # send/recv appear as send( and send-done( pairs: count the ops, not the pairs.
     out["host_traffic"] = bool(
@@ -152,17 +106,20 @@ def compile_variant(variant: variants_lib.Variant, params: Any, batch: Any) -> d
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
+    text = compiled.as_text()
     return {
         "variant": variant,
         "compiled": compiled,
         "state": state,
         "compile_s": compile_s,
         "bytes_accessed": _bytes_accessed(compiled),
+        # The same module with every conditional reduced to a finite step's branch.
+        "finite_path_bytes": hlo_paths.finite_path_bytes(text),
         "temp_bytes": int(mem.temp_size_in_bytes) if mem is not None else None,
         "argument_bytes": int(mem.argument_size_in_bytes) if mem is not None else None,
         "output_bytes": int(mem.output_size_in_bytes) if mem is not None else None,
         "alias_bytes": int(mem.alias_size_in_bytes) if mem is not None else None,
-        "hlo": scan_hlo(compiled.as_text()),
+        "hlo": scan_hlo(text),
     }
 
 
@@ -239,14 +196,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """Fixed-width table of the step benchmark."""
     head = (
         f"{'variant':<24}{'ms/step':>9}{'time x':>8}{'bytes MB':>10}{'bytes x':>9}"
-        f"{'temp MB':>9}{'temp x':>8}{'compile s':>10}{'host/cond':>10}{'reduce':>8}"
+        f"{'finite MB':>10}{'finite x':>9}{'temp MB':>9}{'temp x':>8}{'kernels':>8}"
+        f"{'copies':>7}{'compile s':>10}{'host/cond':>10}{'reduce':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['name']:<24}{r['step_ms']:>9.1f}{r['time_ratio']:>8.3f}"
             f"{r['bytes_accessed'] / 1e6:>10.1f}{r['bytes_ratio']:>9.3f}"
+            f"{r['finite_path_bytes'] / 1e6:>10.1f}{r['finite_ratio']:>9.3f}"
             f"{r['temp_bytes'] / 1e6:>9.2f}{r['temp_ratio']:>8.3f}"
+            f"{sum(r['hlo']['finite_step_kernels'].values()):>8}{r['hlo']['taken_copies']:>7}"
             f"{r['compile_s']:>10.2f}{_hlo_cell(r['hlo']):>10}{r['hlo']['reductions']:>8}"
         )
     return "\n".join(lines)
@@ -436,6 +396,8 @@ def build_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "time_ratio_median_of_rounds": statistics.median(per_round),
                 "bytes_accessed": e["bytes_accessed"],
                 "bytes_ratio": e["bytes_accessed"] / plain["bytes_accessed"],
+                "finite_path_bytes": e["finite_path_bytes"],
+                "finite_ratio": e["finite_path_bytes"] / plain["finite_path_bytes"],
                 "temp_bytes": e["temp_bytes"],
                 "temp_ratio": e["temp_bytes"] / plain["temp_bytes"],
                 "argument_bytes": e["argument_bytes"],
@@ -461,6 +423,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=str(HERE / "results.json"))
     ap.add_argument("--no-finite-check", action="store_true", help="skip the finite-check study")
     ap.add_argument("--no-autocast", action="store_true", help="skip bench_autocast.py")
+    ap.add_argument(
+        "--no-many-leaves",
+        action="store_true",
+        help="skip the many-small-leaves model's compiled figures (never run at --size tiny)",
+    )
     ap.add_argument("--no-low-precision", action="store_true", help="skip bench_low_precision.py")
     ap.add_argument(
         "--low-precision-quick", action="store_true", help="bench_low_precision at smoke size"
@@ -513,7 +480,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         probe["share_of_bench_step"] = probe["record_us"] / (step_ms * 1e3)
         probe["bench_n_leaves"] = len(jax.tree.leaves(params))
     targets = check_targets(rows, info["platform"], probe)
+    targets += finite_path.targets(rows, f"the {args.size} model")
     print("\n".join(targets))
+    print(
+        "finite MB = bytes accessed with every conditional reduced to the branch a finite "
+        "step takes; copies = copy kernels in those branches (copy ops and copy-only fusions)"
+    )
+
+    leaves = None
+    if args.size != "tiny" and not args.no_many_leaves:
+        cfg_l = models.SIZES["many_leaves"]
+        leaves = finite_path.study(variants_lib.build_variants, compile_variant, models)
+        n_leaves = len(jax.tree.leaves(models.build("many_leaves")[1]))
+        print(
+            f"\nmany small leaves ({n_leaves} leaves, {cfg_l.n_layers} layers, d={cfg_l.d_model}; "
+            "compiled, not timed)"
+        )
+        print(finite_path.format_study(leaves))
+        lines = finite_path.targets(leaves, "the many-leaves model")
+        print("\n".join(lines))
+        targets += lines
 
     fc = None
     if not args.no_finite_check:
@@ -544,6 +530,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "variants": rows,
         "targets": targets,
         "record_probe": probe,
+        "many_leaves": leaves,
         "finite_check": fc,
         "autocast": autocast,
         "low_precision": low_precision,

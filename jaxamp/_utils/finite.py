@@ -1,9 +1,8 @@
 """The finite check: whether gradients hold an inf or NaN, in as few reads as possible.
 
-Each large leaf is reduced on its own, in place; the small leaves (biases, norm
-scales) are checked one reduction per dtype. ``sum(x - x)`` is finite iff every
-``x`` is (see :func:`leaf_finite`), so each reduction reads its leaves once and
-XLA fuses it with their producer.
+Each leaf is reduced on its own, in place, unscaled in registers: ``sum(x - x)`` is
+finite iff every ``x`` is (see :func:`leaf_finite`), so each reduction reads its leaf
+once and XLA fuses it with the leaf's producer.
 """
 
 from __future__ import annotations
@@ -16,13 +15,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxamp._utils.dtypes import is_inexact, times_wide
-from jaxamp._utils.jax_compat import typed_spec
-
-# Leaves up to this many elements (biases, norm scales) are checked together, one
-# reduction per dtype: on a GPU each reduction is a kernel launch, and a model's many
-# small leaves would cost more in launches than in reading. At worst the small leaves
-# are copied once (kilobytes); large leaves are each read once, in place.
-SMALL_LEAF = 2**14
 
 
 def leaf_finite(leaf: Any) -> jax.Array:
@@ -106,76 +98,61 @@ def unscaled(tree: Any, scale: jax.Array | None) -> Any:
     )
 
 
-def checked_alone(leaf: Any) -> bool:
-    """Whether the finite check reads this floating leaf on its own (not joined).
-
-    Large leaves, complex ones, and leaves sharded in their type (an Explicit mesh:
-    flattening one has no one sharding, and JAX refuses the reshape).
-    """
-    leaf = jnp.asarray(leaf)
-    return leaf.size > SMALL_LEAF or jnp.iscomplexobj(leaf) or typed_spec(leaf) is not None
+def floating_leaves(tree: Any) -> list[int]:
+    """The indices in ``jax.tree.leaves(tree)`` of its floating (checked) leaves."""
+    return [i for i, leaf in enumerate(jax.tree.leaves(tree)) if is_inexact(leaf)]
 
 
-def check_groups(tree: Any) -> tuple[list[jax.Array], list[int | None]]:
-    """The inexact leaves to check: large ones alone, small ones joined per dtype;
-    and each group's leaf index (None for a joined group)."""
-    groups: list[jax.Array] = []
-    owners: list[int | None] = []
-    small: dict[Any, list[jax.Array]] = {}
-    for i, leaf in enumerate(jax.tree.leaves(tree)):
-        if not is_inexact(leaf):
-            continue
-        leaf = jnp.asarray(leaf)
-        if checked_alone(leaf):
-            groups.append(leaf)
-            owners.append(i)
-        else:
-            small.setdefault(leaf.dtype, []).append(leaf)
-    # A joined group is each small leaf's own ``sum(x - x)`` (NaN iff the leaf has an
-    # inf or NaN), stacked: no array joins the leaves themselves, whose shardings may
-    # differ (a concatenation let XLA's propagation on an Auto mesh shard a replicated
-    # bias's outputs after it).
-    groups.extend(
-        jnp.stack([_self_difference_sum(x) for x in xs]) if len(xs) > 1 else xs[0]
-        for xs in small.values()
-    )
-    owners.extend([None] * len(small))
-    return groups, owners
+def _leaf_sums(leaves: list[Any], owners: list[int]) -> jax.Array:
+    """float32[n]: each owned leaf's ``sum(x - x)`` (0, or NaN if the leaf holds an inf or
+    NaN; a complex one's as real + imag), one reduction per leaf, stacked."""
+    sums = [_self_difference_sum(leaves[i]) for i in owners]
+    sums = [(s.real + s.imag if jnp.iscomplexobj(s) else s).astype(jnp.float32) for s in sums]
+    return jnp.stack(sums)
 
 
-def group_flags(
+def leaf_flags(
     grads: Any, scale: jax.Array | None, prepare: Callable[[Any], Any] | None = None
-) -> tuple[jax.Array, list[int | None]]:
-    """Whether each check group of the *unscaled* gradients is finite on this device.
+) -> tuple[jax.Array, list[int]]:
+    """Whether each floating leaf of the *unscaled* gradients is finite on this device.
 
-    Returns ``(flags, owners)``: ``flags`` is bool[n_groups]; ``owners[k]`` is the
-    index (in ``jax.tree.leaves(prepare(grads))``) of the one large leaf group ``k``
-    checks, or None for a group of small leaves joined per dtype.
+    Returns ``(flags, owners)``: ``flags`` is bool[n], one per floating leaf of
+    ``prepare(grads)``, and ``owners[k]`` the index in ``jax.tree.leaves(prepare(grads))``
+    of the leaf ``flags[k]`` is about. One flag per leaf costs what one per group
+    would (each leaf is its own reduction anyway), and the per-leaf record of
+    non-finite leaves takes its flags from here instead of reading any leaf again.
 
     The scaled gradients are read once. While the scale is >= 1, unscaling
     multiplies by at most 1 and cannot overflow, so that is the answer. Below 1 it
     can (60000 / 0.5 overflows float16), so a ``lax.cond`` on the scale, a run-time
     fact rather than a configuration flag, then also checks the unscaled values.
-    That branch is taken only while the scale is below 1; XLA's cost analysis counts
-    its bytes anyway. ``scale=None``: the gradients are not scaled. ``prepare`` maps
-    ``grads`` to the scaled gradients inside each reduction (an accumulation
-    window's mean), so the cond's operand is never a derived tree.
+    Its branch for a scale >= 1 is the ``isfinite`` of the sums, which would run
+    anyway: a finite step runs no extra kernel for the cond and copies nothing
+    through it. XLA's cost analysis counts the other branch's read of the gradients
+    in its static figure all the same. (Unscaling in registers inside the one read
+    would need no cond, but XLA:CPU then writes the scale's broadcast to memory,
+    once per leaf shape, for its reduction kernels.) ``scale=None``: the gradients
+    are not scaled. ``prepare`` maps ``grads`` to the scaled gradients inside each
+    reduction (an accumulation window's mean), so the cond's operand is never a
+    derived tree.
     """
     prepare = prepare or (lambda g: g)
-    groups, owners = check_groups(prepare(grads))
-    flags = jnp.stack([leaf_finite(g) for g in groups]) if groups else jnp.ones((0,), bool)
+    owners = floating_leaves(prepare(grads))
+    if not owners:
+        return jnp.ones((0,), jnp.bool_), owners
+    sums = _leaf_sums(jax.tree.leaves(prepare(grads)), owners)
     if scale is None:
-        return flags, owners
+        return jnp.isfinite(sums), owners
+    # `scale > 0` always holds (states are validated); both branches read it, so their
+    # results have one type under shard_map (a per-device state varies where
+    # replicated gradients do not).
+    positive = scale > 0
 
-    def also_unscaled(flags: jax.Array, grads: Any) -> jax.Array:
-        groups, _ = check_groups(unscaled(prepare(grads), scale))
-        if not groups:
-            return flags
-        return flags & jnp.stack([leaf_finite(g) for g in groups])
+    def as_is(sums: jax.Array, grads: Any) -> jax.Array:
+        return jnp.isfinite(sums) & positive
 
-    # Both branches return a value derived from `flags`, so they have one type under
-    # shard_map too (varying over the mapped axes). `scale > 0` always holds (states
-    # are validated); it gives `flags` the scale's type as well, which the re-check
-    # reads: a per-device (stacked) state varies where replicated gradients do not.
-    flags = flags & (scale > 0)
-    return lax.cond(scale >= 1, lambda f, g: f, also_unscaled, flags, grads), owners
+    def also_unscaled(sums: jax.Array, grads: Any) -> jax.Array:
+        again = _leaf_sums(jax.tree.leaves(unscaled(prepare(grads), scale)), owners)
+        return jnp.isfinite(sums + again) & positive
+
+    return lax.cond(scale >= 1, as_is, also_unscaled, sums, grads), owners

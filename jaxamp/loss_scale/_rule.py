@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jaxamp._utils.conversion_checks import mark_loss_scaled
 from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.dtypes import is_inexact, times_wide
-from jaxamp._utils.finite import agree, as_finite, group_flags, unscaled
+from jaxamp._utils.finite import agree, as_finite, leaf_flags, unscaled
 from jaxamp._utils.tree import saturating_inc
 from jaxamp.loss_scale._state import (
     CONFIG_FIELDS,
@@ -114,7 +114,7 @@ def unscale_and_check(
     scale = state.scale if state.mode.scales else None
     if not state.mode.checks:
         return unscaled(grads, scale), jnp.array(True)
-    flags, _ = group_flags(grads, scale)
+    flags, _ = leaf_flags(grads, scale)
     return unscaled(grads, scale), agree(jnp.all(flags), axis_name)
 
 

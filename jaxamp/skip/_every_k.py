@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._utils.dtypes import is_inexact
+from jaxamp._utils.jax_compat import aval_of
 from jaxamp._utils.tree import like, zeros_of
 from jaxamp.skip._guard import cond_traced_once
 
@@ -35,6 +36,29 @@ WindowStep = Callable[..., tuple[Any, Any]]
 
 def _add(a: Any, g: Any) -> Any:
     return a + g.astype(a.dtype) if is_inexact(a) else a
+
+
+def _fresh_zeros(acc: Any, count: jax.Array) -> Any:
+    """Zeros for each leaf of ``acc``, each computed apart: the reset of a window's sum.
+
+    By replacement: ``acc * 0`` would keep an overflowed micro-batch's NaN. And not
+    ``zeros_like``: XLA merges equal broadcasts, so leaves of one shape would share one
+    zero buffer, which the cond then copies into each of its outputs (a read and a
+    write per leaf, where a broadcast is a write). Each leaf's zero is
+    ``(count + i) * 0`` instead, ``count`` the window's positive run-time size and
+    ``i`` the leaf's index: a float the compiler cannot fold (``x * 0`` is NaN for
+    an infinite ``x``), exactly +0.0 for every finite ``count + i``, and a different
+    expression for every leaf.
+    """
+    count = count.astype(jnp.float32)
+    leaves, treedef = jax.tree.flatten(acc)
+    zeros = [
+        like(jnp.full(a.shape, ((count + i) * 0.0).astype(a.dtype), a.dtype), aval_of(a))
+        if is_inexact(a)
+        else jnp.zeros_like(a)
+        for i, a in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(treedef, zeros)
 
 
 def accumulate(
@@ -70,10 +94,11 @@ def accumulate(
             window_loss = (state.spikes.pending + loss) / count.astype(jnp.float32)
             state = state._replace(spikes=state.spikes._replace(pending=jnp.zeros_like(loss)))
         out, state = window_step(Window(state.acc, grads), state, mean, window_loss)
-        # Reset by replacement: `acc * 0` would keep an overflowed micro-batch's NaN.
-        zeros = jax.tree.map(jnp.zeros_like, state.acc)
-        # zeros_like keeps the counter's type: per-device (varying) under shard_map.
-        return out, state._replace(acc=zeros, mini_step=jnp.zeros_like(state.mini_step))
+        zeros = _fresh_zeros(state.acc, count)
+        # The counter's 0 likewise (a constant would be copied into the output), in
+        # its type: per-device (varying) under shard_map, as `count` is.
+        restart = (count.astype(jnp.float32) * 0.0).astype(state.mini_step.dtype)
+        return out, state._replace(acc=zeros, mini_step=restart)
 
     def add(shapes: Any, grads: Any, state: Any) -> tuple[Any, Any]:
         out = params if to_params else zeros_of(shapes[0])

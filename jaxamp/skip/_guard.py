@@ -22,12 +22,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 from jaxamp._utils.conversion_checks import check_scale_read
 from jaxamp._utils.dtypes import is_inexact
-from jaxamp._utils.finite import agree, as_finite, group_flags, unscaled
+from jaxamp._utils.finite import agree, as_finite, floating_leaves, leaf_flags, unscaled
 from jaxamp._utils.jax_compat import aval_of
 from jaxamp._utils.tree import like, zeros_of
 from jaxamp.loss_scale import LossScaleState, update
@@ -141,15 +142,14 @@ class Checked(NamedTuple):
     Attributes:
       unscale: maps scaled gradients to unscaled ones (the identity for ``finite=``).
       takes: per part, whether its gradients are finite (None: nothing is checked).
-      flags: per part, the agreed flags of its check groups (None: none read).
-      alone: per part, ``(leaf, group)`` for each of its leaves the check read alone,
-        in leaf order: the per-leaf record takes those leaves' flags from here.
+      flags: all the parts' per-leaf flags, agreed, in part order (None: none read).
+      owners: per part, the leaf (in its ``prepare(grads)``) each of its flags is about.
     """
 
     unscale: Callable[[Any], Any]
     takes: list[Any]
-    flags: list[Any]
-    alone: list[tuple[tuple[int, int], ...]]
+    flags: Any
+    owners: list[list[int]]
 
 
 def _check(ls: LossScaleState, parts: list[Part], call: Call, axis_name: Any) -> Checked:
@@ -157,21 +157,18 @@ def _check(ls: LossScaleState, parts: list[Part], call: Call, axis_name: Any) ->
     n = len(parts)
     if call.verdict is not None:
         verdict = as_finite(call.verdict, "jaxamp.step")
-        return Checked(lambda g: g, [verdict] * n, [None] * n, [()] * n)
+        return Checked(lambda g: g, [verdict] * n, None, [[]] * n)
     scale = ls.scale if ls.enabled else None
     unscale = lambda g: unscaled(g, scale)
     if not ls.skip_nonfinite:
-        return Checked(unscale, [None] * n, [None] * n, [()] * n)
-    local = [group_flags(p.grads, scale, p.prepare) for p in parts]
+        return Checked(unscale, [None] * n, None, [[]] * n)
+    local = [leaf_flags(p.grads, scale, p.prepare) for p in parts]
     agreed = agree(jnp.concatenate([f for f, _ in local]), axis_name)
-    takes, flags, alone, start = [], [], [], 0
+    takes, start = [], 0
     for _, owners in local:
-        mine = agreed[start : start + len(owners)]
+        takes.append(jnp.all(agreed[start : start + len(owners)]))
         start += len(owners)
-        takes.append(jnp.all(mine))
-        flags.append(mine)
-        alone.append(tuple(sorted((o, k) for k, o in enumerate(owners) if o is not None)))
-    return Checked(unscale, takes, flags, alone)
+    return Checked(unscale, takes, agreed, [owners for _, owners in local])
 
 
 def _judge_spikes(
@@ -194,70 +191,75 @@ def _run_part(
     take: jax.Array | None,
     unscale: Callable[[Any], Any],
     call: Call,
-    stats: Any,
-    flags: Any,
-    on_skip: Callable[[Any, Any, Any], Any] | None,
+    read_flags: bool,
+    axis_name: Any,
 ) -> tuple[Any, Any, Any]:
     """One part's update under ``lax.cond(take, ...)``; ``take=None``: unchecked, no cond.
 
-    Also returns the per-leaf record ``stats`` after this part: ``on_skip(stats,
-    unscaled grads, flags)`` writes it in the skip branch; the taken branch hands it
-    through unchanged, so a finite step runs no op for it.
+    The cond's operands and results are the part's inner state, gradients and params
+    (and updates or new params) only, so a finite step hands nothing through its
+    branch unchanged: XLA copies what a branch returns as it got it.
+
+    ``read_flags``: the gradients were not checked here (``finite=``) and there is a
+    per-leaf record, so the skip branch says which leaves are finite, agreed over
+    ``axis_name``, and the taken branch that all are. The third result is those
+    flags (None without ``read_flags``).
     """
     prepare = part.prepare or (lambda g: g)
 
-    def apply(state: Any, grads: Any, params: Any, nonfinite: Any, stats: Any, _: Any) -> Any:
+    def apply(state: Any, grads: Any, params: Any, nonfinite: Any) -> Any:
         grads = unscale(prepare(grads))
         updates, state = part.inner.update(grads, state, params, **call.extra_args)
+        ok = jnp.ones((len(floating_leaves(grads)),), jnp.bool_) if read_flags else None
         if not call.to_params:
-            return updates, state, stats
+            return updates, state, ok
         updates = _opaque(updates, nonfinite)
-        return optax.apply_updates(params, updates), state, stats
+        return optax.apply_updates(params, updates), state, ok
 
     if take is None:  # nothing is checked: no cond, and so nothing to round either
         grads = unscale(prepare(part.grads))
         updates, state = part.inner.update(grads, part.state, part.params, **call.extra_args)
         out = optax.apply_updates(part.params, updates) if call.to_params else updates
-        return out, state, stats
+        return out, state, None
 
-    def skip(shapes: Any, state: Any, grads: Any, params: Any, _: Any, stats: Any, flags: Any):
+    def skip(shapes: Any, state: Any, grads: Any, params: Any, _: Any) -> Any:
         out = params if call.to_params else zeros_of(shapes[0])
-        if on_skip is not None:
-            stats = on_skip(stats, unscale(prepare(grads)), flags)
-        return like(out, shapes[0]), like(state, shapes[1]), stats
+        ok = None
+        if read_flags:
+            ok = agree(leaf_flags(unscale(prepare(grads)), None)[0], axis_name)
+        return like(out, shapes[0]), like(state, shapes[1]), like(ok, shapes[2])
 
-    operands = (part.state, part.grads, part.params, (~take).astype(jnp.int32), stats, flags)
+    operands = (part.state, part.grads, part.params, (~take).astype(jnp.int32))
     return cond_traced_once(take, apply, skip, *operands)
 
 
-def _record_writers(
-    record: tuple[_record.NonfiniteLeaves, list[list[int]] | None],
+def _leaf_ok(
+    stats: _record.NonfiniteLeaves,
+    positions: list[list[int]] | None,
     parts: list[Part],
-    check: Checked,
-    axis_name: Any,
-) -> list[Callable[[Any, Any, Any], Any]]:
-    """Per part, the function its skip branch writes the per-leaf record with."""
-    stats, positions = record
+    flags: jax.Array,
+    owners: list[list[int]],
+) -> jax.Array:
+    """bool[n_leaves]: per leaf of the params (record order), whether it was finite.
+
+    ``flags`` are the parts' per-leaf flags in part order, ``owners[i]`` the leaves of
+    part ``i`` (in its ``prepare(grads)``) they are about; a leaf with no flag (not
+    floating) counts as finite.
+    """
     sizes = [len(jax.tree.leaves(_prepared(p))) for p in parts]
     # One part: its leaves (those of `prepare(grads)`: an accumulation window's mean,
     # not the window) are all the leaves, in order.
     positions = positions or [list(range(n)) for n in sizes]
     _record.check_length(stats, sum(sizes))
-    owner = [0] * sum(sizes)
-    for i, pos in enumerate(positions):
-        for j in pos:
-            owner[j] = i
-    parts_finite = jnp.stack(check.takes)
-
-    def writer(where: _record.Where) -> Callable[[Any, Any, Any], Any]:
-        return lambda stats, grads, flags: _record.after_skip(
-            stats, where, grads, flags, parts_finite, axis_name
-        )
-
-    return [
-        writer(_record.Where(tuple(pos), tuple(owner), alone))
-        for pos, alone in zip(positions, check.alone, strict=True)
-    ]
+    where = [int(flags.shape[0])] * sum(sizes)  # the index of a True appended to flags
+    start = 0
+    for pos, own in zip(positions, owners, strict=True):
+        for k, leaf in enumerate(own):
+            where[pos[leaf]] = start + k
+        start += len(own)
+    if where == list(range(len(where))):  # every leaf floating, one part: as they are
+        return flags
+    return jnp.concatenate([flags, jnp.ones((1,), jnp.bool_)])[np.asarray(where)]
 
 
 def guarded(
@@ -279,7 +281,8 @@ def guarded(
         part (in the same cond), and the scale does not move for it.
       record: the per-leaf record of non-finite gradients, and per part where its
         leaves sit among all the leaves (None: one part, every leaf in order); it is
-        updated in the parts' skip branches.
+        updated after the conds from the check's per-leaf flags (one small fusion,
+        written in place) and does not move on a step where every part is finite.
 
     Returns:
       An ``Outcome``; the scale advances with "every part finite".
@@ -291,13 +294,20 @@ def guarded(
     takes, new_spikes = check.takes, None
     if spikes is not None:
         takes, new_spikes = _judge_spikes(spikes, parts, check, every, axis_name)
-    stats, writers = None, [None] * len(parts)
-    if record is not None and checked:
-        stats, writers = record[0], _record_writers(record, parts, check, axis_name)
-    outs, states = [], []
-    for part, take, flags, write in zip(parts, takes, check.flags, writers, strict=True):
-        flags = None if write is None else flags  # only the record reads them
-        out, state, stats = _run_part(part, take, check.unscale, call, stats, flags, write)
+    # Which leaves are finite: the check's flags, or (``finite=``) the skip branches'.
+    read_flags = record is not None and bool(checked) and check.flags is None
+    outs, states, oks = [], [], []
+    for part, take in zip(parts, takes, strict=True):
+        out, state, ok = _run_part(part, take, check.unscale, call, read_flags, axis_name)
         outs.append(out)
         states.append(state)
+        oks.append(ok)
+    stats = None
+    if record is not None and checked:
+        flags, owners = check.flags, check.owners
+        if flags is None:
+            flags = jnp.concatenate(oks)
+            owners = [floating_leaves(_prepared(p)) for p in parts]
+        ok = _leaf_ok(record[0], record[1], parts, flags, owners)
+        stats = _record.after_step(record[0], ok, every)
     return Outcome(outs, states, update(ls, every), stats, every, new_spikes)

@@ -2,31 +2,26 @@
 
 One int32 vector with an entry per leaf of the params (in ``jax.tree.leaves``
 order): on how many non-finite steps the leaf held an inf or NaN, negative if it
-did on the last one. It is updated inside the guarded step's skip branch
-(``_guard``), which runs only when a step is skipped; the taken branch hands it
-through, so a finite step runs no op for it and pays only for carrying it:
-``4 * n_leaves`` bytes of state, one buffer. Large leaves' flags come from the
-finite check itself (it reads each large leaf on its own, every step); only the
-small leaves, which the check reads joined per dtype, are read again, in the skip
-branch: reading the large ones there too would keep more buffers live across the
-cond. [`jaxamp.explain`][jaxamp.explain]
-turns the record into words on the host.
+did on the last one. Each leaf's flag comes from the finite check itself, which
+reduces every leaf on its own, every step, so no leaf is read again for the record
+(with ``jaxamp.step(..., finite=)``, where nothing is checked here, a skip branch
+reads them). The guarded step (``_guard``) updates the record after its conds,
+elementwise on that one vector, in place: one small fusion a step, and ``4 *
+n_leaves`` bytes of state. It is kept out of the conds, since a branch that hands a
+buffer through unchanged makes XLA copy it, there and again into the donated
+output. [`jaxamp.explain`][jaxamp.explain] turns the record into words on the host.
 """
 
 from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jaxamp._utils.dtypes import is_inexact
-from jaxamp._utils.finite import leaf_finite
 from jaxamp._utils.tree import render_path, saturating_inc
 
 __all__ = ["NonfiniteLeaves"]
@@ -142,23 +137,6 @@ def init(tree: Any) -> NonfiniteLeaves:
     return NonfiniteLeaves(jnp.zeros((len(layout),), jnp.int32), layout)
 
 
-def bad_leaves(tree: Any, axis_name: Any, known: Sequence[bool] = ()) -> jax.Array:
-    """bool[n_leaves]: which leaves of ``tree`` hold an inf or NaN, ORed over ``axis_name``.
-
-    One reduction per floating leaf not ``known`` (those are False here: the finite
-    check already has their flags). Run only where a step is skipped.
-    """
-    known = list(known) or [False] * len(jax.tree.leaves(tree))
-    flags = [
-        ~leaf_finite(x) if is_inexact(x) and not k else jnp.array(False)
-        for x, k in zip(jax.tree.leaves(tree), known, strict=True)
-    ]
-    bad = jnp.stack(flags) if flags else jnp.zeros((0,), jnp.bool_)
-    if axis_name is not None:
-        bad = lax.pmax(bad.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    return bad
-
-
 def check_length(stats: NonfiniteLeaves, n_leaves: int) -> None:
     """Trace time: the record must have one entry per gradient leaf."""
     if stats.signed_counts.shape != (n_leaves,):
@@ -169,73 +147,17 @@ def check_length(stats: NonfiniteLeaves, n_leaves: int) -> None:
         )
 
 
-class Where(NamedTuple):
-    """Where one part's leaves sit, static: what its skip branch needs besides values.
+def after_step(stats: NonfiniteLeaves, ok: jax.Array, every: jax.Array) -> NonfiniteLeaves:
+    """The record after a step, from ``ok`` (bool[n_leaves]: which leaves were finite,
+    agreed over the devices) and ``every`` (bool[]: every part's gradients finite).
 
-    Attributes:
-      positions: the part's leaves among all the params' leaves.
-      owner: for every leaf of the params, the index of the part it belongs to.
-      alone: ``(leaf of the part, group)`` for each leaf the finite check read on its
-        own: its flag is ``flags[group]``, and it is not read again.
+    A step on which every part was finite (taken, or skipped only for a spike)
+    leaves the record as it was. Otherwise each leaf's sign says whether it was
+    non-finite on this step, and its count grows by one if it was. Elementwise on
+    one small vector: one fusion, written in place into the donated record.
     """
-
-    positions: tuple[int, ...]
-    owner: tuple[int, ...]
-    alone: tuple[tuple[int, int], ...]
-
-
-def after_skip(
-    stats: NonfiniteLeaves,
-    where: Where,
-    grads: Any,
-    flags: jax.Array,
-    parts_finite: jax.Array,
-    axis_name: Any,
-) -> NonfiniteLeaves:
-    """The record after one part's step was skipped (run in its skip branch).
-
-    ``grads`` are the part's unscaled gradients, ``flags`` the finite check's agreed
-    flags for its groups, ``parts_finite`` bool[n_parts]: which parts were finite.
-    """
-    read_alone = {j for j, _ in where.alone}
-    n = len(jax.tree.leaves(grads))
-    bad = bad_leaves(grads, axis_name, [j in read_alone for j in range(n)])
-    if where.alone:
-        leaves, groups = zip(*where.alone, strict=True)
-        picked = flags[jnp.array(groups, jnp.int32)]
-        bad = bad.at[jnp.array(leaves, jnp.int32)].set(~picked)
-    return skipped(stats, bad, where.positions, where.owner, parts_finite)
-
-
-def skipped(
-    stats: NonfiniteLeaves,
-    bad: jax.Array,
-    positions: Sequence[int],
-    owner: Sequence[int],
-    parts_finite: jax.Array,
-) -> NonfiniteLeaves:
-    """The record after a step on which one part was skipped (run in its skip branch).
-
-    Args:
-      stats: the record before the step (over all the params' leaves).
-      bad: bool[the part's leaves]: which of them were non-finite.
-      positions: where the part's leaves sit among all the leaves.
-      owner: for every leaf, the index of the part it belongs to.
-      parts_finite: bool[n_parts]: which parts' gradients were finite this step.
-
-    A step skipped only for a spike (every part finite) leaves the record as it
-    was. Otherwise this part writes its own leaves' flags, and False for the
-    leaves of the finite parts; a non-finite part writes its own in its own skip
-    branch, so the result does not depend on the order the parts run in.
-    """
-    n = stats.signed_counts.shape[0]
-    pos = jnp.array(positions, jnp.int32)
-    mine = jnp.zeros((n,), jnp.bool_).at[pos].set(True)
-    full = jnp.zeros((n,), jnp.bool_).at[pos].set(bad)
-    leaf_ok = parts_finite[jnp.array(owner, jnp.int32)]
-    every = jnp.all(parts_finite)
-    last = jnp.where(mine, full, stats.last & ~leaf_ok)
-    count = saturating_inc(stats.count, full.astype(jnp.int32))
+    bad = ~ok
+    count = saturating_inc(stats.count, bad.astype(jnp.int32))
     return stats._replace(
-        signed_counts=jnp.where(every, stats.signed_counts, jnp.where(last, -count, count))
+        signed_counts=jnp.where(every, stats.signed_counts, jnp.where(bad, -count, count))
     )

@@ -23,8 +23,8 @@ RULE = jaxamp.spike_rule(window=4, warmup=2)
 
 
 def _params():
-    # "c" is large (> 2**14 elements): its flag comes from the finite check itself
-    # (agreed over the devices), the small leaves' from the skip branch.
+    # A large leaf and small ones: every leaf's flag comes from the finite check itself
+    # (one reduction per leaf, agreed over the devices).
     return {"a": jnp.ones((N_DEV, 2)), "b": jnp.ones(3), "c": jnp.ones((N_DEV * 2560,))}
 
 

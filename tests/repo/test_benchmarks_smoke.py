@@ -18,6 +18,7 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
+import hlo_paths  # noqa: E402
 import run as bench_run  # noqa: E402
 import variants as variants_lib  # noqa: E402
 
@@ -178,6 +179,30 @@ ENTRY %main (x: f32[8], y: s32[4], p: s32[]) -> (f32[8], s32[4]) {
         "fusion f32[8]{0}": 2,
         "copy s32[4]{0}": 1,
     }
+    copies = hlo_paths.branch_copies(hlo)
+    assert [[len(b) for b in c["branches"]] for c in copies] == [[0, 1]]
+    assert copies[0]["branches"][1][0] == {
+        "kind": "copy",
+        "shape": "s32[4]{0}",
+        "bytes": 16,
+        "op_name": "",
+    }
+    # A fusion that only changes a layout is a copy kernel too; one that computes is not.
+    layout = hlo.replace(
+        "%c = s32[4]{0} copy(%b)",
+        "%c = f32[8]{0} fusion(%a), kind=kLoop, calls=%wrapped_copy_computation",
+    ).replace(
+        "%command_buffer (a",
+        "%wrapped_copy_computation (p: f32[8]) -> f32[8] {\n"
+        "  %p = f32[8]{0} parameter(0)\n"
+        "  ROOT %t = f32[8]{0} copy(f32[8]{0} %p)\n}\n\n%command_buffer (a",
+    )
+    got = hlo_paths.branch_copies(layout)[0]["branches"][1]
+    assert [(x["kind"], x["bytes"]) for x in got] == [("layout", 32)]
+    # The finite path calls the last branch on its operand, in place of the conditional.
+    path = hlo_paths.finite_path_text(hlo)
+    assert "conditional(" not in path
+    assert "ROOT %c = (f32[8]{0}, s32[4]{0}) call(%t), to_apply=%apply" in path
 
     # A real program: the true branch's multiply is counted, the false branch's
     # reduction (the only f32[] op) is not.
@@ -190,6 +215,23 @@ ENTRY %main (x: f32[8], y: s32[4], p: s32[]) -> (f32[8], s32[4]) {
     assert got.get("conditional (tuple)") == 1, got
     assert got.get("fusion f32[8]{0}") == 1, got
     assert not any("f32[]" in k for k in got), got
+
+
+def test_finite_path_bytes_count_the_taken_branch_only() -> None:
+    # XLA's static figure counts the costlier branch (the false one here, which reads
+    # three arrays); the finite path, the true branch's x * 3 (one read, one write).
+    n = 1 << 16
+
+    def f(p: jax.Array, x: jax.Array, y: jax.Array, z: jax.Array) -> jax.Array:
+        return lax.cond(p, lambda: x * 3.0, lambda: x + y * z)
+
+    args = (jnp.bool_(True), *(jnp.ones(n) for _ in range(3)))
+    compiled = jax.jit(f).lower(*args).compile()
+    static = bench_run._bytes_accessed(compiled)
+    finite = hlo_paths.finite_path_bytes(compiled.as_text())
+    assert hlo_paths.hlo_bytes(compiled.as_text()) == static  # the same analysis, from text
+    assert 2 * 4 * n <= finite <= 2 * 4 * n + 64
+    assert static >= 4 * 4 * n
 
 
 @pytest.mark.slow

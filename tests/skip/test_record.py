@@ -23,8 +23,8 @@ import jaxamp
 
 
 def _params():
-    # enc.kernel is large enough (> 2**14 elements) for the finite check to read it alone:
-    # its flag comes from the check, the small leaves' from the skip branch.
+    # A large leaf and small ones: every leaf's flag comes from the finite check (one
+    # reduction per leaf); none is read again for the record.
     return {"enc": {"kernel": jnp.ones((200, 100)), "bias": jnp.ones(100)}, "head": jnp.ones(4)}
 
 
