@@ -1,6 +1,7 @@
 """The only place where jaxamp relies on JAX behaviour that is not public API.
 
-Supported JAX versions: 0.5.0 (``make test-oldest``) to 0.10.2 (``make test``).
+Supported JAX versions: 0.5.0 (``make test-oldest``) to 0.10.2 (``make test``); the
+0.11 spelling of ``scan``'s parameters is read too (``scan_counts``).
 
 Everything else in ``jaxamp.casting`` uses ``jax.make_jaxpr``,
 ``jax.extend.core`` and ``Primitive.bind`` / ``Primitive.get_bind_params``.
@@ -32,6 +33,7 @@ __all__ = [
     "name_stack",
     "name_stack_items",
     "outputs_as_list",
+    "scan_counts",
     "shard_map_call",
     "source_info_context",
     "traceback_frames",
@@ -267,6 +269,19 @@ def inlinable_call(params: dict[str, Any]) -> bool:
 def is_unspecified(sharding: Any) -> bool:
     """Whether a ``jit`` equation's in/out sharding was left to the compiler."""
     return type(sharding).__name__ == "UnspecifiedValue"
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """``(consts, carry)``: how many of a ``scan`` equation's inputs are each.
+
+    The body takes the constants, then the carry, then the scanned inputs. JAX up
+    to 0.10 names the two counts; JAX 0.11 packs the inputs as one flat tree of
+    ``(consts, carry, xs)`` in ``ft_in`` instead.
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 # --------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
+from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._calls import traced
 from jaxamp.casting._casts import SATURATING_CAST_OPS, bind
@@ -185,7 +186,7 @@ def eval_scan(eqn: Any, ins: Ins, ctx: Context) -> Outs:
     params = eqn.params
     orig, forms = _forms(eqn, inmarks, dtypes)
     body = params["jaxpr"]  # body inputs: consts, carry, xs
-    carry0, ncarry = params["num_consts"], params["num_carry"]
+    carry0, ncarry = jax_compat.scan_counts(params)
     carry = range(carry0, carry0 + ncarry)
     for i in carry:  # a carry changes each iteration: no longer a constant
         forms[i] = None if forms[i] is not None and forms[i][1] == CONST else forms[i]

@@ -264,7 +264,7 @@ def _call(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any]
 
 def _scan(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any]:
     params = eqn.params
-    nconsts, ncarry, length = params["num_consts"], params["num_carry"], params["length"]
+    (nconsts, ncarry), length = jax_compat.scan_counts(params), params["length"]
     body, _ = _open(params["jaxpr"])
     consts = invals[:nconsts]
     carry = invals[nconsts : nconsts + ncarry]

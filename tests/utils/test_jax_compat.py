@@ -67,6 +67,30 @@ def test_higher_order_params_hold_jaxprs():
             assert isinstance(eqn.params["jaxpr"], Jaxpr)
 
 
+def test_scan_counts_on_this_jax():
+    def f(c, xs):
+        return jax.lax.scan(lambda c, x: (c * k + x, c), c, xs)
+
+    k = jnp.float32(2.0)  # a closed-over constant of the body
+    eqn = next(
+        e for e in jax.make_jaxpr(f)(1.0, jnp.ones(3)).jaxpr.eqns if e.primitive.name == "scan"
+    )
+    consts, carry = jax_compat.scan_counts(eqn.params)
+    assert (consts, carry) == (1, 1)
+    assert len(eqn.invars) == consts + carry + 1
+
+
+def test_scan_counts_reads_jax_0_11_flat_tree():
+    # JAX 0.11 (not installable here: CI's index stops at 0.10.2) replaced
+    # `num_consts` / `num_carry` by `ft_in`, a flat tree of (consts, carry, xs)
+    # whose `unpack()` gives the three parts; this stands in for it.
+    class FlatTree:
+        def unpack(self):
+            return (["k1", "k2"], ["c"], ["x1", "x2", "x3"])
+
+    assert jax_compat.scan_counts({"ft_in": FlatTree(), "length": 3}) == (2, 1)
+
+
 def test_shard_map_availability_matches_version():
     # jaxamp enters shard_map through the public jax.shard_map (JAX >= 0.7).
     major, minor = (int(p) for p in jax.__version__.split(".")[:2])
