@@ -168,12 +168,33 @@ def _is_matmul(ins: _hlo_text.Instr) -> bool:
     return ins.opcode == "custom-call" and (target in _GEMM_TARGETS or "conv" in target)
 
 
-def _key(mod: _hlo_text.Module, ins: _hlo_text.Instr) -> tuple[Any, ...]:
-    """What a product keeps through XLA's passes: its metadata and its result's
-    size (XLA reshapes a (batch, seq, features) product to a 2-D one and may
-    transpose it, which changes the dims, not their product)."""
-    frames = mod.frames_of(ins)
-    return (ins.attr("op_name") or "", frames[0] if frames else None, _size(ins.dims))
+def _op_names(mod: _hlo_text.Module) -> dict[str, str]:
+    """Each instruction's op_name as the optimized HLO spells it: the text JAX
+    gives XLA names a called computation's instructions relative to their
+    ``call`` (``dot_general`` under ``jit(f)/jit(layer)``), which XLA inlines."""
+    full: dict[str, str] = {}
+
+    def name_of(ins: _hlo_text.Instr) -> str:
+        if ins.name not in full:
+            own = ins.attr("op_name") or ""
+            caller = mod.instrs.get(mod.callers.get(ins.computation, ""))
+            if caller is not None and caller.opcode == "call":
+                outer = name_of(caller)
+                if outer and not own.startswith(outer):
+                    own = f"{outer}/{own}" if own else outer
+            full[ins.name] = own
+        return full[ins.name]
+
+    for ins in mod.instrs.values():
+        name_of(ins)
+    return full
+
+
+def _key(mod: _hlo_text.Module, ins: _hlo_text.Instr, op_name: str) -> tuple[Any, ...]:
+    """What a product keeps through XLA's passes: its op_name, the user's line and
+    its result's size (XLA reshapes a (batch, seq, features) product to a 2-D one
+    and may transpose it, which changes the dims, not their product)."""
+    return (op_name, user_frame(mod.frames_of(ins)), _size(ins.dims))
 
 
 def _dtypes(mod: _hlo_text.Module, ins: _hlo_text.Instr, n: int) -> str:
@@ -261,16 +282,20 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
     pre, post = _hlo_text.parse(pre_text), _hlo_text.parse(compiled.as_text())
     platform = jax.devices()[0].platform
     requests: dict[tuple[Any, ...], list[str]] = {}
+    names = _op_names(pre)
     for ins in pre.instrs.values():
         if _is_matmul(ins):
-            requests.setdefault(_key(pre, ins), []).append(_dtypes(pre, ins, 2))
+            requests.setdefault(_key(pre, ins, names[ins.name]), []).append(_dtypes(pre, ins, 2))
     rows = []
     for ins in post.instrs.values():
         if not _is_matmul(ins):
             continue
         op_name = ins.attr("op_name") or ""
-        queue = requests.get(_key(post, ins)) or []
-        requested = queue.pop(0) if queue else "?"
+        # In order; the last request of a key also answers the products XLA makes
+        # more of (a nested jit called twice is one computation before XLA inlines
+        # it, an unrolled loop body, a GEMM split in two).
+        queue = requests.get(_key(post, ins, op_name)) or ["?"]
+        requested = queue.pop(0) if len(queue) > 1 else queue[0]
         executed, kernel = _dtypes(post, ins, 2), _kernel(post, ins)
         accumulation = "f32" if "FP8" in kernel else ins.dtype
         rows.append(MatmulRow(

@@ -37,6 +37,10 @@ class Context:
     # ``jax.core.eval_jaxpr`` does), so the result's equations point at the
     # user's source lines and module scopes (``find_overflow``).
     source_info: bool = False
+    # Re-bind every equation under its own traceback and name stack but keep
+    # the float32 regions: the program is the one that runs, with each op at
+    # its user's line (``find_overflow``, and ``jaxamp.audit``'s HLO rows).
+    lines: bool = False
     # True inside a loop body or a cond branch. There the forward and the backward
     # pass land in different HLO computations, so XLA cannot CSE a rematerialised
     # op into the forward and its checkpoint needs no optimisation barriers
@@ -76,9 +80,9 @@ class Context:
 
     @property
     def cached(self) -> bool:
-        """Whether pure ops are bound through cached jits; not with ``source_info``,
+        """Whether pure ops are bound through cached jits; not with ``lines``,
         where a cached trace would keep the source info of its first use."""
-        return not self.source_info
+        return not self.lines
 
     def rules_at(self, stack: str | None = None) -> tuple[bool, Mapping[str, str]]:
         """``(run as written?, rules)`` for equations traced under ``stack`` (this

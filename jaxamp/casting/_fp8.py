@@ -40,6 +40,7 @@ matching pattern wins, and it overrides the first/last default either way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Mapping
@@ -271,8 +272,11 @@ class Plan:
         )
         # Under the equation's own source info: the FP8 GEMMs, forward and
         # backward, carry the user's line and module path into the HLO metadata
-        # (what ``jaxamp.audit`` reads), not autocast's.
-        with jax_compat.source_info_context(eqn):
+        # (what ``jaxamp.audit`` reads), not autocast's. With ``ctx.lines`` the
+        # interpreter has entered it already (a second time would repeat the
+        # module path).
+        entered = ctx.lines
+        with contextlib.nullcontext() if entered else jax_compat.source_info_context(eqn):
             outs = [_fp8_gemm.fp8_dot_general(lhs, rhs, gemm)]
         on = rules.get(FP8_KEY)
         why = f" (jaxamp.fp8(modules={{{on[0]!r}: True}}))" if on else ""

@@ -160,7 +160,7 @@ def _region(
 
 
 def _source_info(eqn: Any, ctx: Context) -> Any:
-    return jax_compat.source_info_context(eqn) if ctx.source_info else contextlib.nullcontext()
+    return jax_compat.source_info_context(eqn) if ctx.lines else contextlib.nullcontext()
 
 
 def _dtype_of(x: Any, v: Any) -> Any:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting import _flax, _fp8
+from jaxamp.casting import _decisions, _flax, _fp8
 from jaxamp.casting._config import Config
 from jaxamp.casting._context import Context
 from jaxamp.casting._handlers import HANDLERS
@@ -87,6 +87,7 @@ def _run(
         HANDLERS,
         cfg.modules,
         source_info=cfg.debug,
+        lines=cfg.debug or _decisions.active(),  # under `jaxamp.audit`
     )
     ctx.fp8 = _fp8.plan(cfg.fp8, closed.jaxpr, ctx)
     # f's float32 outputs count as float32 uses: the elementwise ops right

@@ -113,3 +113,47 @@ def test_stack_frames_are_read_innermost_first():
     (dot,) = [i for i in mod.instrs.values() if i.opcode == "dot"]
     frames = mod.frames_of(dot)
     assert [f[2].rsplit(".", 1)[-1] for f in frames[:2]] == ["h", "g"]
+
+
+def _layer(x, w):
+    return jnp.tanh(x @ w)  # LAYER
+
+
+def test_products_in_a_scan_body_and_a_nested_jit_are_matched_to_their_request():
+    # JAX names a called computation's instructions relative to their call
+    # (`dot_general` under `jit(f)/jit(_layer)`); XLA inlines them under the
+    # full name. Each product XLA runs is matched to the one autocast asked for,
+    # also where XLA makes two of one (a nested jit called twice).
+    inner = jax.jit(_layer)
+
+    def f(x, ws, w2):
+        y, _ = jax.lax.scan(lambda c, w: (_layer(c, w), None), x, ws)
+        y = inner(y, w2)
+        y = inner(y, w2)
+        return jnp.sum(y.astype(jnp.float32))
+
+    fwd = jaxamp.autocast(f, dtype=BF16)
+    x, ws, w2 = jnp.ones((32, 64)), jnp.ones((3, 64, 64)) * 0.01, jnp.ones((64, 64)) * 0.01
+    report = jaxamp.audit(jax.grad(fwd, argnums=(1, 2)), x, ws, w2)
+    src, start = inspect.getsourcelines(_layer)
+    line = start + next(i for i, s in enumerate(src) if "# LAYER" in s)
+    assert len(report.matmuls) >= 9  # forward, dgrad, wgrad of three call sites
+    for r in report.matmuls:
+        assert r.requested == "bf16 x bf16 -> bf16", r
+        assert r.source == f"test_audit.py:{line} (_layer)", r
+
+
+def test_each_product_names_its_own_line():
+    # Two products of one shape and parameters: each row names the line it is
+    # written on, not the first one's (autocast binds them through one cached op).
+    def f(x, w):
+        a = x @ w  # FIRST
+        b = jnp.tanh(a) @ w  # SECOND
+        return b
+
+    src, start = inspect.getsourcelines(f)
+    lines = [start + i for i, s in enumerate(src) if "# FIRST" in s or "# SECOND" in s]
+    report = jaxamp.audit(jaxamp.autocast(f, dtype=BF16), jnp.ones((16, 16)), jnp.ones((16, 16)))
+    got = sorted(r.source for r in report.matmuls)
+    assert got == [f"test_audit.py:{n} ({f.__qualname__})" for n in lines], got
+    assert sorted(o.source for o in report.ops if o.primitive == "dot_general") == got
