@@ -1,8 +1,9 @@
 """The finite check: whether gradients hold an inf or NaN, in as few reads as possible.
 
-Each leaf is reduced on its own, in place, unscaled in registers: ``sum(x - x)`` is
-finite iff every ``x`` is (see :func:`leaf_finite`), so each reduction reads its leaf
-once and XLA fuses it with the leaf's producer.
+Each leaf is reduced on its own, in place: ``sum(x - x)`` is finite iff every ``x`` is
+(see :func:`leaf_finite`), so each reduction reads its leaf once and XLA fuses it with
+the leaf's producer. Only while a loss scale is below 1 are the leaves read again,
+unscaled (:func:`leaf_flags`).
 """
 
 from __future__ import annotations
@@ -137,10 +138,11 @@ def leaf_flags(
     derived tree.
     """
     prepare = prepare or (lambda g: g)
-    owners = floating_leaves(prepare(grads))
+    leaves = jax.tree.leaves(prepare(grads))
+    owners = floating_leaves(leaves)
     if not owners:
         return jnp.ones((0,), jnp.bool_), owners
-    sums = _leaf_sums(jax.tree.leaves(prepare(grads)), owners)
+    sums = _leaf_sums(leaves, owners)
     if scale is None:
         return jnp.isfinite(sums), owners
     # `scale > 0` always holds (states are validated); both branches read it, so their
