@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._utils.dtypes import is_inexact
+from jaxamp._utils.finite import all_finite
 from jaxamp._utils.jax_compat import aval_of
 from jaxamp._utils.tree import like, zeros_of
 from jaxamp.skip._guard import cond_traced_once
@@ -61,6 +62,25 @@ def _fresh_zeros(acc: Any, count: jax.Array) -> Any:
     return jax.tree.unflatten(treedef, zeros)
 
 
+def _agreed(acc: Any, axis_name: Any) -> Any:
+    """The window's sum, non-finite on every device once it is on one.
+
+    Mid-window, whether the window is still finite is read off the sum itself
+    (``stepped``, and through it every model-state write), and each device holds
+    only its own: so a device whose micro-batch overflowed poisons one element of
+    every device's sum (a scalar write in place; the window ends skipped anyway).
+    """
+    leaves, treedef = jax.tree.flatten(acc)
+    i = next((i for i, x in enumerate(leaves) if is_inexact(x) and x.size), None)
+    if i is None:
+        return acc
+    ok = all_finite(acc, axis_name=axis_name)
+    x = leaves[i]
+    first = (0,) * x.ndim
+    leaves[i] = x.at[first].set(jnp.where(ok, x[first], jnp.nan))
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def accumulate(
     every_k: int,
     grads: Any,
@@ -69,9 +89,11 @@ def accumulate(
     window_step: WindowStep,
     to_params: bool,
     loss: Any,
+    axis_name: Any = None,
 ) -> tuple[Any, Any]:
     """One call of a window: add ``grads`` to ``state.acc``, or end the window with one
-    guarded step on its mean (``window_step``). ``loss`` is None without a spike rule."""
+    guarded step on its mean (``window_step``). ``loss`` is None without a spike rule;
+    ``axis_name``: the mapped axis the tx agrees over."""
 
     def finish(grads: Any, state: Any) -> tuple[Any, Any]:
         # The window's mean over the micro-batches it holds: k, or more when a
@@ -102,9 +124,10 @@ def accumulate(
 
     def add(shapes: Any, grads: Any, state: Any) -> tuple[Any, Any]:
         out = params if to_params else zeros_of(shapes[0])
-        state = state._replace(
-            acc=jax.tree.map(_add, state.acc, grads), mini_step=state.mini_step + 1
-        )
+        acc = jax.tree.map(_add, state.acc, grads)
+        if axis_name is not None:
+            acc = _agreed(acc, axis_name)
+        state = state._replace(acc=acc, mini_step=state.mini_step + 1)
         if loss is not None:
             state = state._replace(
                 spikes=state.spikes._replace(pending=state.spikes.pending + loss)

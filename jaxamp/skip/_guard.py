@@ -156,7 +156,10 @@ def _check(ls: LossScaleState, parts: list[Part], call: Call, axis_name: Any) ->
     """Unscales and checks every part's gradients, with one collective for all of them."""
     n = len(parts)
     if call.verdict is not None:
-        verdict = as_finite(call.verdict, "jaxamp.step")
+        # Agreed like a verdict of our own: a `finite` each device computed from
+        # its own gradients would send devices down different branches (and the
+        # skip branch's collective would wait for devices that never reach it).
+        verdict = agree(as_finite(call.verdict, "jaxamp.step"), axis_name)
         return Checked(lambda g: g, [verdict] * n, None, [[]] * n)
     scale = ls.scale if ls.enabled else None
     unscale = lambda g: unscaled(g, scale)

@@ -106,7 +106,9 @@ class _SkipNonfiniteUpdate(GuardedUpdate):
                 "jaxamp.step: finite= cannot be combined with every_k > 1: the window's "
                 "gradients are accumulated inside the optimizer state and checked at its end."
             )
-        return accumulate(self.every_k, grads, state, params, window_step, call.to_params, loss)
+        return accumulate(
+            self.every_k, grads, state, params, window_step, call.to_params, loss, self.axis_name
+        )
 
 
 def skip_nonfinite(
