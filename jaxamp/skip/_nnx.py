@@ -27,7 +27,7 @@ from flax import nnx
 from jaxamp._utils.errors import named
 from jaxamp._utils.tree import render_path
 from jaxamp.loss_scale import LossScaleState, get_loss_scale, select_tree
-from jaxamp.skip._nnx_state import forward_written
+from jaxamp.skip._nnx_state import FORWARD_WRITTEN
 from jaxamp.skip._nnx_state import pure as _pure
 from jaxamp.skip._stepped import applied_calls, stepped
 from jaxamp.skip._transformation import GuardedUpdate, step
@@ -118,7 +118,7 @@ class Optimizer(nnx.Optimizer):
         """The model state a forward can write, as plain arrays."""
         graph = getattr(self, "graph", None)
         kw = {} if graph is None else {"graph": graph}
-        return _pure(nnx.state(model, forward_written(self.wrt), **kw))
+        return _pure(nnx.state(model, FORWARD_WRITTEN, **kw))
 
     @property
     def loss_scale(self) -> LossScaleState:
@@ -148,7 +148,8 @@ class Optimizer(nnx.Optimizer):
             had = {render_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(kept)}
             new, gone = sorted(have - had), sorted(had - have)
             raise ValueError(
-                f"jaxamp.nnx.Optimizer.{fn}: the model's state outside `wrt` is not the one "
+                f"jaxamp.nnx.Optimizer.{fn}: the model's forward-written state (every Variable "
+                "but Params) is not the one "
                 "the optimizer was built with"
                 + (f"; new: {', '.join(new[:4])}" if new else "")
                 + (f"; missing: {', '.join(gone[:4])}" if gone else "")
@@ -173,7 +174,7 @@ class Optimizer(nnx.Optimizer):
         """
         graph = getattr(self, "graph", None)
         kw = {} if graph is None else {"graph": graph}
-        written = self._checked(model, "update")
+        self._checked(model, "update")
         kept = _pure(self.kept)
         params = _pure(nnx.state(model, self.wrt, **kw))
         grads = _pure(nnx.state(grads, self.wrt, **kw))
@@ -182,8 +183,9 @@ class Optimizer(nnx.Optimizer):
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, **kw))
         self.step[...] += applied_calls(opt_state, new_opt_state).astype(self.step.dtype)
-        # What the forwards of this step wrote stays only if the step was taken.
-        state = select_tree(stepped(new_opt_state), written, kept)
+        # What the forwards of this step wrote (and, for a non-Param Variable in
+        # `wrt`, the update then made of it) stays only if the step was taken.
+        state = select_tree(stepped(new_opt_state), self._written(model), kept)
         nnx.update(model, state)
         nnx.update(self.kept, nnx.state(_as_kept(state)))
         self.armed[...] = jnp.array(False)

@@ -22,14 +22,13 @@ def pure(tree: Any) -> Any:
     return nnx.as_pure(tree) if hasattr(nnx, "as_pure") else nnx.to_pure_dict(tree)
 
 
-def forward_written(wrt: Any) -> Any:
-    """The nnx filter of what a forward can write: outside ``wrt``, not a Param or Intermediate.
-
-    ``nnx.Intermediate`` (values ``sow``n by the forward) is an output, not state the
-    next step reads; Params outside ``wrt`` (a frozen base under LoRA) are read, not
-    written, so no optimizer needs a copy of them.
-    """
-    return nnx.All(nnx.Not(wrt), nnx.Not(nnx.Param), nnx.Not(nnx.Intermediate))
+#: The nnx filter of what a forward can write: every Variable but Params and
+#: Intermediates. ``nnx.Intermediate`` (values ``sow``n by the forward) is an output,
+#: not state the next step reads; Params (a frozen base under LoRA too) are read, not
+#: written, so no optimizer needs a copy of them. A non-Param Variable in ``wrt``
+#: (``wrt=nnx.Any(nnx.Param, nnx.BatchStat)``) is both written by the forward and
+#: updated by the optimizer: it is recorded too, so that a skip puts it back.
+FORWARD_WRITTEN = nnx.All(nnx.Not(nnx.Param), nnx.Not(nnx.Intermediate))
 
 
 def refuse_flax_optimizer(frame: FrameType | None) -> None:
@@ -61,7 +60,7 @@ _FRAMES_UP = 12
 
 
 def _refuse(optimizer: Any, model: nnx.Module) -> None:
-    written = pure(nnx.state(model, forward_written(optimizer.wrt)))
+    written = pure(nnx.state(model, FORWARD_WRITTEN))
     paths = [render_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(written)[0]]
     if not paths:
         return

@@ -318,3 +318,39 @@ def test_state_created_after_the_optimizer_is_named() -> None:
     model.extra = nnx.BatchStat(jnp.zeros(3))
     with pytest.raises(ValueError, match="new: extra"):
         _step(model, optimizer, X)
+
+
+def test_a_wrt_holding_batch_stats_is_put_back_on_a_skip_and_updated_on_a_step() -> None:
+    # `wrt` covers a Variable the forward writes: a skip puts back its value from
+    # before the forward; a finite step gives what Flax's own optimizer gives.
+    wrt = nnx.Any(nnx.Param, nnx.BatchStat)
+    diff = nnx.DiffState(0, wrt)
+
+    def build(tx):
+        model = Net(nnx.Rngs(0))
+        return model, tx(model)
+
+    model, optimizer = build(
+        lambda m: jaxamp.nnx.Optimizer(m, jaxamp.skip_nonfinite(optax.sgd(0.1)), wrt=wrt)
+    )
+    ref, ref_opt = build(lambda m: nnx.Optimizer(m, optax.sgd(0.1), wrt=wrt))
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        _, grads = jaxamp.nnx.value_and_grad(_loss, argnums=diff)(optimizer, model, x)
+        optimizer.update(model, grads)
+
+    @nnx.jit
+    def ref_step(model, optimizer, x):
+        optimizer.update(model, nnx.grad(_loss, argnums=diff)(model, x))
+
+    step(model, optimizer, X)
+    ref_step(ref, ref_opt, X)
+    # The same arithmetic, fused differently by XLA: float32 within a few ulps.
+    for a, b in zip(jax.tree.leaves(_host(model)), jax.tree.leaves(_host(ref)), strict=True):
+        eps = np.finfo(np.float32).eps
+        np.testing.assert_allclose(a, b, rtol=8 * eps, atol=8 * eps * np.abs(b).max())
+    before = _host(model)
+    step(model, optimizer, BAD)
+    assert not bool(jaxamp.stepped(optimizer))
+    _assert_same(_host(model), before)  # BatchStat too, not the bad batch's inf / NaN
