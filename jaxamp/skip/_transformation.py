@@ -61,7 +61,9 @@ def step(
     followed by ``optax.apply_updates`` bit for bit, but a non-finite step is
     skipped as a whole (params and inner state pass through a ``lax.cond``), so no
     zero updates and no second copy of the optimizer state are materialised. Any
-    other transformation takes the plain ``update`` + ``apply_updates`` path.
+    other transformation takes the plain ``update`` + ``apply_updates`` path, but
+    an ``optax.chain`` with the guard before other transformations is refused: they
+    would still run on a skipped step.
 
     Args:
       tx: the optimizer, ideally one [`skip_nonfinite`][jaxamp.skip_nonfinite] or
@@ -101,8 +103,27 @@ def step(
             "jaxamp.step: finite= needs a transformation from jaxamp.skip_nonfinite or "
             f"jaxamp.multi_transform, got {type(tx).__name__}."
         )
+    _refuse_guard_mid_chain(opt_state)
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
+
+
+def _refuse_guard_mid_chain(opt_state: Any) -> None:
+    """Raises for ``optax.chain(jaxamp.skip_nonfinite(...), more)``: what follows the
+    guard in the chain still runs on a skipped step (weight decay moves the params)."""
+    if not isinstance(opt_state, tuple) or hasattr(opt_state, "_fields"):
+        return  # optax.chain's state is a plain tuple of its members' states
+    is_guard = lambda x: isinstance(x, LossScaleState)  # noqa: E731
+    holds = [any(map(is_guard, jax.tree.leaves(s, is_leaf=is_guard))) for s in opt_state]
+    if any(holds[:-1]):
+        raise ValueError(
+            "jaxamp.step / TrainState.apply_gradients: the optimizer is an optax.chain "
+            "with jaxamp.skip_nonfinite (or "
+            "jaxamp.multi_transform) before other transformations, which would still "
+            "run on a skipped step (weight decay, for one, would move the params). Put "
+            "them inside: jaxamp.skip_nonfinite(optax.chain(optax.sgd(0.1), "
+            "optax.add_decayed_weights(1e-4)), loss_scale)."
+        )
 
 
 def loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> LossScaleState:

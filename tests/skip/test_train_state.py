@@ -271,3 +271,20 @@ def test_static_fields_and_non_array_values_are_replaced_as_flax_does(finite: bo
     # Under jit the static field is part of the state's structure, as with Flax.
     jitted = jax.jit(lambda s, g: s.apply_gradients(grads=g, phase="c"))(ours, grads)
     assert jitted.phase == "c"
+
+
+def test_a_chain_with_transformations_after_the_guard_is_refused() -> None:
+    # What follows skip_nonfinite in an optax.chain runs on a skipped step too:
+    # weight decay would move the params of a step the state reports as skipped.
+    params = {"w": jnp.ones(3)}
+    guard = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale(4.0))
+    tx = optax.chain(guard, optax.add_decayed_weights(0.5))
+    state = jaxamp.TrainState.create(apply_fn=None, params=params, tx=tx)
+    with pytest.raises(ValueError, match=r"Put them inside: jaxamp.skip_nonfinite\(optax.chain"):
+        state.apply_gradients(grads={"w": jnp.array([jnp.nan, 1.0, 1.0])})
+    with pytest.raises(ValueError, match="still run on a skipped step"):
+        jaxamp.step(tx, {"w": jnp.ones(3)}, tx.init(params), params)
+    # The guard last in a chain (clipping before it) is a guarded step as a whole.
+    before = optax.chain(optax.clip_by_global_norm(1.0), guard)
+    new, _ = jaxamp.step(before, {"w": jnp.array([jnp.nan, 1.0, 1.0])}, before.init(params), params)
+    np.testing.assert_array_equal(np.asarray(new["w"]), np.ones(3))
