@@ -68,8 +68,8 @@ def _explain_failure(read_metadata: Any, target: Any, where: str, error: Excepti
         return  # nothing readable, or a multi-item manager's Composite: orbax's error stands
     try:
         _every_k.explain(tree, target, where)
+        _spike_windows.explain(tree, target, child, where)  # before: it says why leaves lack
         check_restorable(tree, target, where=where)
-        _spike_windows.explain(tree, target, child, where)
     except ValueError as clear:
         raise clear from error
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.tree import path_key, render_path
-from jaxamp.skip import SpikeState
+from jaxamp.skip import SkipNonfiniteState, SpikeState
 
 _FIELDS = ("losses", "grad_norms", "count", "skips", "skipped")
 _RINGS = ("losses", "grad_norms")
@@ -146,8 +146,38 @@ def restore_other_windows(
     return into_target_windows(restored, target, found)
 
 
+def _explain_on_off(saved_tree: Any, target: Any, child: Callable[[Any, Any], Any], where: str):
+    """Raises a ``ValueError`` for a spike rule on one side only (saved or target)."""
+    is_guard = lambda x: isinstance(x, SkipNonfiniteState)  # noqa: E731
+    for path, node in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_guard)[0]:
+        if not is_guard(node):
+            continue
+        saved = saved_tree
+        for entry in (*path, jax.tree_util.GetAttrKey("spikes")):
+            saved = child(saved, entry)
+        had = _is_spike_node(saved)
+        at = render_path((*path, jax.tree_util.GetAttrKey("spikes")))
+        if had and node.spikes is None:
+            losses = jax.tree.leaves(_field(saved, "losses"))
+            window = _shape(losses[0])[-1] if losses and _shape(losses[0]) else "..."
+            raise ValueError(
+                f"{where} was saved with a spike rule (`{at}`, window={window}) and the "
+                "optimizer was built without one: build it with "
+                f"spikes=jaxamp.spike_rule(window={window}, ...) to resume as saved."
+            )
+        if not had and node.spikes is not None:
+            raise ValueError(
+                f"{where} was saved without a spike rule and the optimizer was built with "
+                f"one (`{at}`): restore into the optimizer as saved (no spikes=), then "
+                "give the restored state a fresh history: "
+                "restored._replace(spikes=new_tx.init(params).spikes)."
+            )
+
+
 def explain(saved_tree: Any, target: Any, child: Callable[[Any, Any], Any], where: str) -> None:
-    """Raises a ``ValueError`` naming each spike history saved with another window."""
+    """Raises a ``ValueError`` naming each spike history saved with another window, or a
+    spike rule on one side only."""
+    _explain_on_off(saved_tree, target, child, where)
     found = mismatches(saved_tree, target, child)
     if not found:
         return

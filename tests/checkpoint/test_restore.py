@@ -616,3 +616,33 @@ def test_a_checkpoint_names_no_python_module(tmp_path) -> None:
     assert not named, named
     restored = jaxamp.checkpoint.restore(ckptr, _abstract(state), directory=tmp_path / "all")
     assert jax.tree.structure(restored) == jax.tree.structure(state)
+
+
+@pytest.mark.parametrize("manager", [True, False], ids=["manager", "checkpointer"])
+def test_a_spike_rule_on_one_side_only_is_named_with_the_way_on(tmp_path, manager) -> None:
+    params = {"w": jnp.ones(3)}
+    build = lambda **kw: jaxamp.skip_nonfinite(optax.adam(1e-2), jaxamp.dynamic_scale(), **kw)
+    plain, spiky = build(), build(spikes=jaxamp.spike_rule(window=8))
+
+    def round_trip(saved_tx, target_tx, name):
+        state = {"p": params, "s": saved_tx.init(params)}
+        target = jax.eval_shape(lambda: {"p": params, "s": target_tx.init(params)})
+        if manager:
+            with ocp.CheckpointManager(tmp_path / name) as m:
+                m.save(1, args=ocp.args.StandardSave(state))
+                m.wait_until_finished()
+                return jaxamp.checkpoint.restore(m, target)
+        with ocp.StandardCheckpointer() as c:
+            c.save(tmp_path / name, state)
+            c.wait_until_finished()
+            return jaxamp.checkpoint.restore(c, target, directory=tmp_path / name)
+
+    with pytest.raises(ValueError, match=r"saved with a spike rule .*spike_rule\(window=8"):
+        round_trip(spiky, plain, "on")
+    with pytest.raises(ValueError, match=r"saved without a spike rule.*_replace\(spikes="):
+        round_trip(plain, spiky, "off")
+    # The way the message gives: restore as saved, then a fresh history.
+    restored = round_trip(plain, plain, "as_saved")["s"]
+    state = restored._replace(spikes=spiky.init(params).spikes)
+    new, state = jaxamp.step(spiky, {"w": jnp.ones(3)}, state, params, value=jnp.float32(1.0))
+    assert bool(jaxamp.stepped(state)) and not np.array_equal(np.asarray(new["w"]), np.ones(3))
