@@ -79,6 +79,8 @@ def _taken(opt_state: Any) -> jax.Array:
     window = _window(opt_state)
     if window is None or not ls.mode.checks:
         return taken
+    if jnp.ndim(window.mini_step):  # a state stacked over devices (pmap): per replica
+        return jax.vmap(_taken)(opt_state)
     return lax.cond(window.mini_step == 0, lambda: taken, lambda: all_finite(window.acc))
 
 

@@ -226,3 +226,15 @@ def test_where_stepped_inside_a_window_follows_the_window_so_far() -> None:
         verdicts.append(bool(jaxamp.stepped(state)))
     # window 1 taken; window 2 poisoned at its 2nd call and skipped; window 3 taken
     assert verdicts == [True, True, True, True, False, False, True, True, True]
+
+
+def test_stepped_reads_a_state_stacked_over_replicas_per_replica() -> None:
+    # A pmap-stacked state read on the host, mid-window: one verdict per replica.
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale(), every_k=2)
+    params = {"w": jnp.ones(3)}
+    stacked = jax.tree.map(lambda a: jnp.stack([a] * 4), tx.init(params))
+    grads = {"w": jnp.ones((4, 3)).at[2, 1].set(jnp.nan)}
+    _, stacked = jax.vmap(lambda g, s: jaxamp.step(tx, g, s, params))(grads, stacked)
+    got = np.asarray(jaxamp.stepped(stacked))
+    np.testing.assert_array_equal(got, [True, True, False, True])
+    np.testing.assert_array_equal(got, np.asarray(jax.vmap(jaxamp.stepped)(stacked)))
