@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.tree import path_key, render_path
-from jaxamp.skip import SkipNonfiniteState, SpikeState
+from jaxamp.skip import SpikeState
 
 _FIELDS = ("losses", "grad_norms", "count", "skips", "skipped")
 _RINGS = ("losses", "grad_norms")
@@ -148,7 +148,9 @@ def restore_other_windows(
 
 def _explain_on_off(saved_tree: Any, target: Any, child: Callable[[Any, Any], Any], where: str):
     """Raises a ``ValueError`` for a spike rule on one side only (saved or target)."""
-    is_guard = lambda x: isinstance(x, SkipNonfiniteState)  # noqa: E731
+    # A jaxamp guard's state (skip_nonfinite's, multi_transform's): a loss scale and a
+    # spike history beside it.
+    is_guard = lambda x: hasattr(x, "_fields") and {"loss_scale", "spikes"} <= set(x._fields)  # noqa: E731
     for path, node in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_guard)[0]:
         if not is_guard(node):
             continue
@@ -169,8 +171,9 @@ def _explain_on_off(saved_tree: Any, target: Any, child: Callable[[Any, Any], An
             raise ValueError(
                 f"{where} was saved without a spike rule and the optimizer was built with "
                 f"one (`{at}`): restore into the optimizer as saved (no spikes=), then "
-                "give the restored state a fresh history: "
-                "restored._replace(spikes=new_tx.init(params).spikes)."
+                "give the restored guard state (skip_nonfinite's or multi_transform's; "
+                "in a TrainState, inside its opt_state) a fresh history: "
+                "guard._replace(spikes=new_tx.init(params).spikes)."
             )
 
 

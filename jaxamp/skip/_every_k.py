@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._utils.dtypes import is_inexact
-from jaxamp._utils.finite import all_finite
+from jaxamp._utils.finite import agree, leaf_flags
 from jaxamp._utils.jax_compat import aval_of
 from jaxamp._utils.tree import like, zeros_of
 from jaxamp.skip._guard import cond_traced_once
@@ -63,21 +63,25 @@ def _fresh_zeros(acc: Any, count: jax.Array) -> Any:
 
 
 def _agreed(acc: Any, axis_name: Any) -> Any:
-    """The window's sum, non-finite on every device once it is on one.
+    """The window's sum, non-finite on every device in each leaf non-finite on one.
 
     Mid-window, whether the window is still finite is read off the sum itself
     (``stepped``, and through it every model-state write), and each device holds
-    only its own: so a device whose micro-batch overflowed poisons one element of
-    every device's sum (a scalar write in place; the window ends skipped anyway).
+    only its own: so each leaf that overflowed on some device gets one element of
+    every device's copy poisoned (a scalar write in place; the window ends skipped
+    anyway), and the per-leaf record at the window's end names the leaves that
+    overflowed, as it does with ``every_k=1``.
     """
     leaves, treedef = jax.tree.flatten(acc)
-    i = next((i for i, x in enumerate(leaves) if is_inexact(x) and x.size), None)
-    if i is None:
+    flags, owners = leaf_flags(leaves, None)
+    if not owners:
         return acc
-    ok = all_finite(acc, axis_name=axis_name)
-    x = leaves[i]
-    first = (0,) * x.ndim
-    leaves[i] = x.at[first].set(jnp.where(ok, x[first], jnp.nan))
+    ok = agree(flags, axis_name)
+    for k, i in enumerate(owners):
+        x = leaves[i]
+        if x.size:
+            first = (0,) * x.ndim
+            leaves[i] = x.at[first].set(jnp.where(ok[k], x[first], jnp.nan))
     return jax.tree.unflatten(treedef, leaves)
 
 

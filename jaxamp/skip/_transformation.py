@@ -11,6 +11,7 @@ parameter update fused in.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -108,18 +109,40 @@ def step(
     return optax.apply_updates(params, updates), opt_state
 
 
-def _refuse_guard_mid_chain(opt_state: Any) -> None:
-    """Raises for ``optax.chain(jaxamp.skip_nonfinite(...), more)``: what follows the
-    guard in the chain still runs on a skipped step (weight decay moves the params)."""
-    if not isinstance(opt_state, tuple) or hasattr(opt_state, "_fields"):
-        return  # optax.chain's state is a plain tuple of its members' states
+def _holds_guard(state: Any) -> bool:
     is_guard = lambda x: isinstance(x, LossScaleState)  # noqa: E731
-    holds = [any(map(is_guard, jax.tree.leaves(s, is_leaf=is_guard))) for s in opt_state]
-    if any(holds[:-1]):
+    return any(map(is_guard, jax.tree.leaves(state, is_leaf=is_guard)))
+
+
+def _guard_before_others(state: Any, ordered: bool = True) -> bool:
+    """Whether a jaxamp guard's state sits before other members of a chain in ``state``:
+    ``optax.chain`` (a plain tuple) and ``optax.named_chain`` (a dict) at any depth,
+    also inside wrappers (``MultiSteps``, ``inject_hyperparams``, ``partition``)."""
+    if isinstance(state, tuple) and not hasattr(state, "_fields"):
+        members = list(state)
+    elif isinstance(state, Mapping):
+        members = list(state.values())
+        if not ordered:  # a partition's states, one per label: no order among them
+            return any(_guard_before_others(m) for m in members)
+    elif hasattr(state, "_fields"):  # a wrapper's state, or a jaxamp guard's own
+        if any(isinstance(f, LossScaleState) for f in state):
+            return False  # what it wraps runs inside the guard
+        return any(_guard_before_others(f, not isinstance(f, Mapping)) for f in state)
+    else:
+        return False
+    holds = [_holds_guard(m) for m in members]
+    return any(holds[:-1]) or any(_guard_before_others(m) for m in members)
+
+
+def _refuse_guard_mid_chain(opt_state: Any) -> None:
+    """Raises for ``optax.chain(jaxamp.skip_nonfinite(...), more)``, however wrapped: what
+    follows the guard in a chain still runs on a skipped step (weight decay moves the
+    params). Also for harmless followers (``optax.identity()``): a state cannot tell."""
+    if _guard_before_others(opt_state):
         raise ValueError(
-            "jaxamp.step / TrainState.apply_gradients: the optimizer is an optax.chain "
-            "with jaxamp.skip_nonfinite (or "
-            "jaxamp.multi_transform) before other transformations, which would still "
+            "jaxamp.step / TrainState.apply_gradients: the optimizer chains "
+            "jaxamp.skip_nonfinite (or jaxamp.multi_transform) before other "
+            "transformations (optax.chain or optax.named_chain), which would still "
             "run on a skipped step (weight decay, for one, would move the params). Put "
             "them inside: jaxamp.skip_nonfinite(optax.chain(optax.sgd(0.1), "
             "optax.add_decayed_weights(1e-4)), loss_scale)."

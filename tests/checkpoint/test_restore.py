@@ -639,7 +639,7 @@ def test_a_spike_rule_on_one_side_only_is_named_with_the_way_on(tmp_path, manage
 
     with pytest.raises(ValueError, match=r"saved with a spike rule .*spike_rule\(window=8"):
         round_trip(spiky, plain, "on")
-    with pytest.raises(ValueError, match=r"saved without a spike rule.*_replace\(spikes="):
+    with pytest.raises(ValueError, match=r"saved without a spike rule.*guard._replace\(spikes="):
         round_trip(plain, spiky, "off")
     # The way the message gives: restore as saved, then a fresh history.
     restored = round_trip(plain, plain, "as_saved")["s"]

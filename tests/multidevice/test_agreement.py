@@ -92,3 +92,18 @@ def test_every_k_mid_window_overflow_on_one_device_writes_no_replica(mapping: st
     p, state, stats = run(ok, state, p, stats)  # a finite window: every replica writes
     assert np.asarray(jax.vmap(jaxamp.stepped)(state)).all()
     np.testing.assert_array_equal(np.asarray(stats), np.ones((N, 3)))
+
+
+def test_every_k_names_only_the_leaf_that_overflowed_on_one_device() -> None:
+    # The agreed window marks the leaves that overflowed somewhere, and no other:
+    # explain names the same leaves as with every_k=1.
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale(8.0), every_k=2, axis_name="d")
+    params = {"a": jnp.ones(3), "b": jnp.ones(3)}
+    state, p = _stack(tx.init(params)), _stack(params)
+    run = jax.pmap(lambda g, s, p: jaxamp.step(tx, g, s, p), axis_name="d")
+    ok = {"a": jnp.ones((N, 3)), "b": jnp.ones((N, 3))}
+    p, state = run({"a": ok["a"], "b": ok["b"].at[1, 2].set(jnp.inf)}, state, p)
+    p, state = run(ok, state, p)  # the window ends, skipped everywhere
+    for i in range(N):
+        text = str(jaxamp.explain(jax.tree.map(lambda x: x[i], state), params))
+        assert "1 of 2 gradient leaves held inf or NaN: b." in text, text

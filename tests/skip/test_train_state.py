@@ -284,6 +284,15 @@ def test_a_chain_with_transformations_after_the_guard_is_refused() -> None:
         state.apply_gradients(grads={"w": jnp.array([jnp.nan, 1.0, 1.0])})
     with pytest.raises(ValueError, match="still run on a skipped step"):
         jaxamp.step(tx, {"w": jnp.ones(3)}, tx.init(params), params)
+    wrapped = [
+        optax.named_chain(("guard", guard), ("wd", optax.add_decayed_weights(0.5))),
+        optax.chain(optax.chain(guard), optax.add_decayed_weights(0.5)),
+        optax.MultiSteps(tx, 1),
+        optax.partition({"x": tx}, {"w": "x"}),
+    ]
+    for other in wrapped:
+        with pytest.raises(ValueError, match="still run on a skipped step"):
+            jaxamp.step(other, {"w": jnp.ones(3)}, other.init(params), params)
     # The guard last in a chain (clipping before it) is a guarded step as a whole.
     before = optax.chain(optax.clip_by_global_norm(1.0), guard)
     new, _ = jaxamp.step(before, {"w": jnp.array([jnp.nan, 1.0, 1.0])}, before.init(params), params)
