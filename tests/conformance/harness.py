@@ -493,7 +493,9 @@ def record(row: dict[str, Any], judge: Any = None) -> None:
     if not path:
         return
     calibration = len(_needed_skips(row)) if "train" in row else 0
-    row = {**row, "failures": (judge or failures)(row), "calibration_skips": calibration}
+    # Judged first: the judge may note a documented outcome on the row (fp8.failures).
+    found = (judge or failures)(row)
+    row = {**row, "failures": found, "calibration_skips": calibration}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(row, default=float) + "\n")
