@@ -491,6 +491,7 @@ def _scaled(params, path: tuple[str, ...], factor: float):
     return visit(params, path)
 
 
+@pytest.mark.slow  # CI's budget: CI names an HF model's layer in the BERT test below
 def test_hf_gpt2_activation_overflow():
     built = harness.build("hf-gpt2")
     loss = lm_loss(built)

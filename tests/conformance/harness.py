@@ -63,6 +63,11 @@ FULL_ONLY = {
     "hf-vit": "CI's budget: transformers' models run in CI as GPT-2, BERT and T5",
     # equinox runs in CI as the BatchNorm CNN (its state, its filtered transforms).
     "equinox-transformer": "CI's budget: equinox runs in CI as the BatchNorm CNN",
+    # The nnx LM runs in CI on a mesh (tests/multidevice/test_conformance_mesh.py,
+    # data and tensor parallel, both dtypes); Flax's LSTM in float16 in
+    # tests/casting/test_autocast.py.
+    "flax-nnx-attention": "CI's budget: CI runs it on an 8-device mesh instead",
+    "flax-linen-lstm": "CI's budget: CI runs it in test_autocast.py (float16)",
 }
 # CI runs each model in one dtype, both dtypes over the models (float16 where a
 # model is known to overflow it: T5; bfloat16 for the padded-mask transformer of

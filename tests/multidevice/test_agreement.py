@@ -105,5 +105,5 @@ def test_every_k_names_only_the_leaf_that_overflowed_on_one_device() -> None:
     p, state = run({"a": ok["a"], "b": ok["b"].at[1, 2].set(jnp.inf)}, state, p)
     p, state = run(ok, state, p)  # the window ends, skipped everywhere
     for i in range(N):
-        text = str(jaxamp.explain(jax.tree.map(lambda x: x[i], state), params))
+        text = str(jaxamp.explain(jax.tree.map(lambda x, i=i: x[i], state), params))
         assert "1 of 2 gradient leaves held inf or NaN: b." in text, text
