@@ -54,7 +54,7 @@ def _run(args: list[str], cache: Path, timeout: float = 300) -> subprocess.Compl
     return proc
 
 
-def test_demo_tiny_end_to_end_and_exact_resume(tmp_path: Path, jax_cache: Path) -> None:
+def test_demo_tiny_end_to_end(tmp_path: Path, jax_cache: Path) -> None:
     """All four runs at a tiny size (the resume: the next test)."""
     out = tmp_path / "demo"
     proc = _run([str(EXAMPLES / "train_lm.py"), *TINY, "--out", str(out)], jax_cache)
