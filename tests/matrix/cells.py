@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import itertools
 
+import jax
 import jax.numpy as jnp
 
 from tests.matrix import paths_functional, paths_nnx
@@ -87,8 +88,15 @@ def build(path: str, mode: str, pl: str, kind: str) -> Cell:
     key = (path, mode, pl, kind)
     if key not in _built:
         if _built:  # a jitted function's executables go with it
+            was_pmap = any(c.pl.name == "pmap" for c in _built.values())
             _built.clear()
             gc.collect()
+            # jax.pmap's do not: JAX keeps every pmap executable until clear_caches,
+            # about 1,000 memory mappings a cell here, and a process that reaches the
+            # kernel's vm.max_map_count (65,530) dies in XLA's next compile (SIGSEGV:
+            # three full runs crashed so, 50-60 pmap cells into a worker).
+            if was_pmap:
+                jax.clear_caches()
         m = Mode(mode)
         k = Kind(kind, jnp.bfloat16 if m.low_precision else jnp.float32)
         p = Placement(pl)
