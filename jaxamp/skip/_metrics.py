@@ -31,7 +31,11 @@ def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
       gradients) and ``skipped`` (bool: the last step was skipped). With a
       [`jaxamp.spike_rule`][jaxamp.spike_rule], also ``spike_skipped_steps`` (steps skipped as
       spikes, counted apart) and ``spike_skipped`` (the last step was one);
-      ``skipped`` is then True for either reason.
+      ``skipped`` is then True for either reason. With ``every_k > 1`` a "step"
+      is a window: the loss scale and these counters move at a window's end only,
+      so a call inside a window still reports the last window's verdict, while
+      [`jaxamp.stepped`][jaxamp.stepped] says whether the current window is finite
+      so far (what gates the model state's writes).
 
     Examples:
       >>> import jaxamp
