@@ -44,7 +44,16 @@ def _spawn(n_devices: int, ckpt: Path, out: Path) -> subprocess.Popen:
     out.mkdir()
     env = dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}",
+        # This process's other flags too (make test's LLVM level): "the same program"
+        # below means the same code, bit for bit.
+        XLA_FLAGS=" ".join(
+            [f"--xla_force_host_platform_device_count={n_devices}"]
+            + [
+                f
+                for f in os.environ.get("XLA_FLAGS", "").split()
+                if not f.startswith("--xla_force_host_platform_device_count")
+            ]
+        ),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join(
             [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
