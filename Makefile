@@ -102,7 +102,7 @@ conformance: $(STAMP)
 # Issue 30's differential matrix (tests/matrix): the whole product of training paths,
 # optimizer modes, placements and model states (1512 cells: 1368 run a fixed sequence
 # and 10 hypothesis-drawn ones, checked after every call against plain optax / Flax;
-# 144 must refuse by name); `make test` runs a fixed subset of 17 cells.
+# 144 must refuse by name); `make test` runs a fixed subset of 15 cells.
 matrix: $(STAMP)
 	MATRIX_FULL=1 $(MULTIDEVICE) $(PY) -m pytest -q -n 2 -p no:cacheprovider tests/matrix
 

@@ -549,6 +549,7 @@ def test_hf_bert_loss_scale_too_large():
     assert not jaxamp.find_overflow(loss, built.params, built.batch, loss_scale=suggested).found
 
 
+@pytest.mark.slow  # CI's budget: CI names a transformers model's layer with BERT
 def test_hf_vit_softmax_without_max_subtraction():
     built = harness.build("hf-vit")
 
