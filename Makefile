@@ -14,9 +14,10 @@ FAST_XLA := --xla_backend_optimization_level=0
 .PHONY: test test-slow test-single test-multidevice test-multiprocess demo bench bench-gpu lint clean test-oldest conformance dist wheel-smoke docs matrix \
 	docs-serve docs-check
 
+# --no-compile: imports byte-compile the modules they use; pip would compile all ~10k.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e ".[dev,examples,bench,conformance,docs]"
+	$(PY) -m pip install --quiet --no-compile -e ".[dev,examples,bench,conformance,docs]"
 	touch $(STAMP)
 
 # Two phases, each running its parts side by side so that neither core idles while one
@@ -51,7 +52,7 @@ dist: $(STAMP)
 SMOKE := build/wheel-smoke
 wheel-smoke: dist
 	rm -rf $(SMOKE) && $(PYTHON) -m venv $(SMOKE)
-	$(SMOKE)/bin/python -m pip install --quiet dist/*.whl
+	$(SMOKE)/bin/python -m pip install --quiet --no-compile dist/*.whl
 	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/.ci/wheel_smoke.py $(CURDIR)
 
 # The documentation site (docs/ and every public docstring) into site/; warnings are errors.
