@@ -104,7 +104,8 @@ def mesh_jit_training(fsdp: bool):
 
     @jax.jit
     def step(params, opt_state, x, y, bad):
-        x = x.at[BAD_DEVICE * (BATCH // N), 0].set(jnp.where(bad, jnp.inf, x[0, 0]))
+        row = BAD_DEVICE * (BATCH // N)  # the first row of the last device's shard
+        x = x.at[row, 0].set(jnp.where(bad, jnp.inf, x[row, 0]))
         _, grads = jaxamp.value_and_grad(loss_fn)(opt_state, params, x, y)
         return jaxamp.step(tx, grads, opt_state, params)
 

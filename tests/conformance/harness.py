@@ -73,9 +73,9 @@ FULL_ONLY = {
     "flax-nnx-attention": "CI's budget: CI runs it on an 8-device mesh instead",
     "flax-linen-lstm": "CI's budget: CI runs it in test_autocast.py (float16)",
 }
-# CI runs each model in one dtype, both dtypes over the models (float16 where a
-# model is known to overflow it: T5; bfloat16 for the padded-mask transformer of
-# the lm1b report), `make conformance` the full cross product.
+# The dtype of each model's CI row (the models FULL_ONLY leaves out have none in CI):
+# both dtypes over CI's rows, bfloat16 for the padded-mask transformer of the lm1b
+# report; `make conformance` runs the full cross product.
 CI_DTYPE = {
     "flax-linen-transformer": "bfloat16",
     "flax-linen-lstm": "float16",

@@ -1,7 +1,8 @@
 """jaxamp.autocast and dynamic loss scaling on model code other people wrote.
 
-One test per model x dtype (see harness.py for what each checks). CI runs each
-model in one dtype (``harness.CI_DTYPE``; both dtypes over the models) for
+One test per model x dtype (see harness.py for what each checks). CI runs the
+models ``harness.FULL_ONLY`` does not list, each in one dtype (``harness.CI_DTYPE``;
+both dtypes over them), for
 ``STEPS = 10`` training steps; ``make conformance`` runs every model in both, for
 30, measures residual bytes and compile time, and writes the table in
 benchmarks/RESULTS.md.

@@ -770,8 +770,12 @@ def test_data_parallel_matches_single_device_plain_optax(jax_cache: Path) -> Non
     equal single-device plain Adam on the whole batch without step 3, to float32 rounding
     (rtol 1e-5: the per-device means are reduced in another order than the global mean)."""
     script = """
+import os
+# _run passes this process's XLA_FLAGS, so data_parallel.py's own default is not used.
+os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 import numpy as np, jax, optax
 import data_parallel as dp
+assert jax.device_count() == 8, jax.device_count()
 xs, ys = dp.data()
 p, opt = dp.init_params(), optax.adam(1e-2)
 s = opt.init(p)
