@@ -31,9 +31,11 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-multiprocess wheel-smoke docs-check \
 		test-xla-default
 
+# tests/repo/test_docs_site.py runs in docs-check, once.
 test-single: $(STAMP)
 	XLA_FLAGS=$(FAST_XLA) $(PY) -m pytest -q -n 2 -m "not slow and not xla_default" jaxamp tests \
-		--ignore=tests/multidevice --ignore=tests/multiprocess --ignore=tests/matrix
+		--ignore=tests/multidevice --ignore=tests/multiprocess --ignore=tests/matrix \
+		--ignore=tests/repo/test_docs_site.py
 
 test-xla-default: $(STAMP)
 	XLA_FLAGS= $(PY) -m pytest -q -p no:cacheprovider -m "xla_default and not slow" tests \

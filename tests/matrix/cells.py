@@ -94,8 +94,8 @@ def build(path: str, mode: str, pl: str, kind: str) -> Cell:
             gc.collect()
             # jax.pmap's do not: JAX keeps every pmap executable until clear_caches,
             # about 1,000 memory mappings a cell here, and a process that reaches the
-            # kernel's vm.max_map_count (65,530) dies in XLA's next compile (SIGSEGV:
-            # three full runs crashed so, 50-60 pmap cells into a worker).
+            # kernel's vm.max_map_count (65,530) dies in XLA's next compile (SIGSEGV),
+            # which 50-60 pmap cells in one worker reach.
             if was_pmap:
                 jax.clear_caches()
         m = Mode(mode)
