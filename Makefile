@@ -3,7 +3,6 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EIGHT_DEVICES := --xla_force_host_platform_device_count=8
-MULTIDEVICE := XLA_FLAGS=$(EIGHT_DEVICES)
 # `make test`'s programs are compiled at LLVM's lowest level: its tests compile far more
 # than they run, and LLVM's optimisation is a fifth to a third of their CPU time. The
 # optimized HLO, and so every kernel and byte count, is the same at every level; the
@@ -104,7 +103,7 @@ conformance: $(STAMP)
 	st=0; \
 	CONFORMANCE_FULL=1 CONFORMANCE_OUT=$(CONFORMANCE_ROWS) $(PY) -m pytest -q -n 2 \
 		tests/conformance || st=$$?; \
-	CONFORMANCE_FULL=1 CONFORMANCE_OUT=$(CONFORMANCE_ROWS) $(MULTIDEVICE) $(PY) -m pytest -q \
+	CONFORMANCE_FULL=1 CONFORMANCE_OUT=$(CONFORMANCE_ROWS) XLA_FLAGS=$(EIGHT_DEVICES) $(PY) -m pytest -q \
 		tests/multidevice/test_conformance_mesh.py || st=$$?; \
 	$(PY) tests/conformance/report.py $(CONFORMANCE_ROWS) benchmarks/RESULTS.md; \
 	exit $$st
@@ -114,7 +113,7 @@ conformance: $(STAMP)
 # and 10 hypothesis-drawn ones, checked after every call against plain optax / Flax;
 # 144 must refuse by name); `make test` runs a fixed subset of 15 cells.
 matrix: $(STAMP)
-	MATRIX_FULL=1 $(MULTIDEVICE) $(PY) -m pytest -q -n 2 -p no:cacheprovider tests/matrix
+	MATRIX_FULL=1 XLA_FLAGS=$(EIGHT_DEVICES) $(PY) -m pytest -q -n 2 -p no:cacheprovider tests/matrix
 
 # The demo needs jaxamp, matplotlib and tqdm only: its own stamp installs the
 # `examples` extra into the same venv (`make test` adds the rest later).
