@@ -30,7 +30,7 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory -j3 --output-sync=target test-multiprocess wheel-smoke docs-check \
 		test-xla-default
 
-# tests/repo/test_docs_site.py runs in docs-check, once.
+# tests/repo/test_docs_site.py runs in docs-check, once, after `mkdocs build --strict`.
 test-single: $(STAMP)
 	XLA_FLAGS=$(FAST_XLA) $(PY) -m pytest -q -n 2 -m "not slow and not xla_default" jaxamp tests \
 		--ignore=tests/multidevice --ignore=tests/multiprocess --ignore=tests/matrix \

@@ -99,6 +99,15 @@ INIT_SCALE = 2.0**15
 HAND_COS_SLACK = 1e-4
 
 
+def ci_skip_reason(name: str, dtype: str) -> str | None:
+    """Why CI (``make test``) leaves out this conformance row; None where it runs it."""
+    if name in FULL_ONLY:
+        return f"{name}: full suite only (make conformance): {FULL_ONLY[name]}"
+    if CI_DTYPE[name] != dtype:
+        return f"{name} in {dtype}: full suite only (make conformance)"
+    return None
+
+
 def build(name: str) -> models.Built:
     """The model, or ``pytest.skip`` naming why its package is unusable.
 

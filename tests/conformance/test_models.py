@@ -25,10 +25,8 @@ from . import harness, models
 @pytest.mark.parametrize("dtype", sorted(harness.DTYPES))
 @pytest.mark.parametrize("name", list(models.MODELS))
 def test_conformance(name: str, dtype: str) -> None:
-    if not harness.FULL and harness.CI_DTYPE[name] != dtype:
-        pytest.skip(f"{name} in {dtype}: full suite only (make conformance)")
-    if not harness.FULL and name in harness.FULL_ONLY:
-        pytest.skip(f"{name}: full suite only (make conformance): {harness.FULL_ONLY[name]}")
+    if not harness.FULL and (why := harness.ci_skip_reason(name, dtype)):
+        pytest.skip(why)
     harness.check(harness.evaluate(name, dtype))
 
 
@@ -37,7 +35,9 @@ def test_ci_rows_cover_both_dtypes() -> None:
     (the models FULL_ONLY leaves, each in its CI dtype) hold both dtypes."""
     assert set(harness.CI_DTYPE) == set(models.MODELS)
     assert set(harness.FULL_ONLY) <= set(models.MODELS), set(harness.FULL_ONLY) - set(models.MODELS)
-    ci_rows = {(n, d) for n, d in harness.CI_DTYPE.items() if n not in harness.FULL_ONLY}
+    ci_rows = {
+        (n, d) for n in models.MODELS for d in harness.DTYPES if not harness.ci_skip_reason(n, d)
+    }
     assert {d for _, d in ci_rows} == set(harness.DTYPES), sorted(ci_rows)
 
 
