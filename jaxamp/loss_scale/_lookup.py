@@ -12,6 +12,7 @@ from jaxamp._utils.conversion_checks import mark_scale_read
 from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.errors import named, with_article
 from jaxamp._utils.tree import find_one
+from jaxamp.loss_scale._placement import check_state
 from jaxamp.loss_scale._state import (
     DEFAULT_PINNED_STREAK,
     DEFAULT_RULE,
@@ -77,6 +78,7 @@ def _find(x: Any) -> LossScaleState:
             f"{with_article(type(x).__name__)}). Build the optimizer with "
             "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale()) and pass its state."
         )
+    check_state(x, "jaxamp.get_loss_scale")
     return found
 
 

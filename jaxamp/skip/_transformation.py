@@ -11,7 +11,6 @@ parameter update fused in.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -21,6 +20,7 @@ import optax
 from jaxamp._utils.conversion_checks import check_flax_train_state
 from jaxamp._utils.tree import render_path
 from jaxamp.loss_scale import LossScaleState, Mode, no_scale
+from jaxamp.loss_scale._placement import check_callers, check_state
 from jaxamp.skip import _spikes
 from jaxamp.skip._guard import Call, Outcome
 from jaxamp.skip._nnx_state import refuse_flax_optimizer
@@ -38,6 +38,7 @@ class GuardedUpdate:
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, Any]:
+        check_callers(sys._getframe(1), state, "skip_nonfinite.update")
         refuse_flax_optimizer(sys._getframe(1))
         check_flax_train_state(sys._getframe(1))
         return self.run(updates, state, params, Call(extra_args, None, to_params=False))
@@ -63,8 +64,9 @@ def step(
     skipped as a whole (params and inner state pass through a ``lax.cond``), so no
     zero updates and no second copy of the optimizer state are materialised. Any
     other transformation takes the plain ``update`` + ``apply_updates`` path, but
-    an ``optax.chain`` with the guard before other transformations is refused: they
-    would still run on a skipped step.
+    one that puts the guard inside a structure unsafe around it (an ``optax.chain``
+    with other members, ``optax.MultiSteps``, ...: the guard must be the outermost
+    transformation) is refused, naming what to write instead.
 
     Args:
       tx: the optimizer, ideally one [`skip_nonfinite`][jaxamp.skip_nonfinite] or
@@ -104,49 +106,9 @@ def step(
             "jaxamp.step: finite= needs a transformation from jaxamp.skip_nonfinite or "
             f"jaxamp.multi_transform, got {type(tx).__name__}."
         )
-    _refuse_guard_mid_chain(opt_state)
+    check_state(opt_state, "jaxamp.step / TrainState.apply_gradients")
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
-
-
-def _holds_guard(state: Any) -> bool:
-    is_guard = lambda x: isinstance(x, LossScaleState)  # noqa: E731
-    return any(map(is_guard, jax.tree.leaves(state, is_leaf=is_guard)))
-
-
-def _guard_before_others(state: Any, ordered: bool = True) -> bool:
-    """Whether a jaxamp guard's state sits before other members of a chain in ``state``:
-    ``optax.chain`` (a plain tuple) and ``optax.named_chain`` (a dict) at any depth,
-    also inside wrappers (``MultiSteps``, ``inject_hyperparams``, ``partition``)."""
-    if isinstance(state, tuple) and not hasattr(state, "_fields"):
-        members = list(state)
-    elif isinstance(state, Mapping):
-        members = list(state.values())
-        if not ordered:  # a partition's states, one per label: no order among them
-            return any(_guard_before_others(m) for m in members)
-    elif hasattr(state, "_fields"):  # a wrapper's state, or a jaxamp guard's own
-        if any(isinstance(f, LossScaleState) for f in state):
-            return False  # what it wraps runs inside the guard
-        return any(_guard_before_others(f, not isinstance(f, Mapping)) for f in state)
-    else:
-        return False
-    holds = [_holds_guard(m) for m in members]
-    return any(holds[:-1]) or any(_guard_before_others(m) for m in members)
-
-
-def _refuse_guard_mid_chain(opt_state: Any) -> None:
-    """Raises for ``optax.chain(jaxamp.skip_nonfinite(...), more)``, however wrapped: what
-    follows the guard in a chain still runs on a skipped step (weight decay moves the
-    params). Also for harmless followers (``optax.identity()``): a state cannot tell."""
-    if _guard_before_others(opt_state):
-        raise ValueError(
-            "jaxamp.step / TrainState.apply_gradients: the optimizer chains "
-            "jaxamp.skip_nonfinite (or jaxamp.multi_transform) before other "
-            "transformations (optax.chain or optax.named_chain), which would still "
-            "run on a skipped step (weight decay, for one, would move the params). Put "
-            "them inside: jaxamp.skip_nonfinite(optax.chain(optax.sgd(0.1), "
-            "optax.add_decayed_weights(1e-4)), loss_scale)."
-        )
 
 
 def loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> LossScaleState:
