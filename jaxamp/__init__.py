@@ -26,6 +26,7 @@ from jaxamp.casting import (
 from jaxamp.loss_scale import (
     LossScaleState,
     Mode,
+    Unscaled,
     all_finite,
     check_health,
     check_in_sync,
@@ -84,6 +85,7 @@ __all__ = [
     "SpikeState",
     "StochasticRoundingState",
     "TrainState",
+    "Unscaled",
     "all_finite",
     "apply_with_kahan_summation",
     "apply_with_stochastic_rounding",

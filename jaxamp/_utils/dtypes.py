@@ -29,6 +29,13 @@ def is_float_dtype(dtype: Any) -> bool:
         return False
 
 
+@functools.cache
+def is_narrow_range(dtype: Any) -> bool:
+    """True for a real floating dtype whose range is narrower than float32's (float16,
+    the float8 family): finite float32 values overflow it. bfloat16 has float32's range."""
+    return is_float_dtype(dtype) and bool(jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp)
+
+
 def is_float(x: Any) -> bool:
     """True for a value (an array, a NumPy or Python scalar) of a real floating dtype."""
     dtype = getattr(x, "dtype", None)

@@ -7,10 +7,12 @@ from jaxamp.loss_scale._lookup import check_health, get_loss_scale
 from jaxamp.loss_scale._rule import scale, unscale_and_check, update
 from jaxamp.loss_scale._state import LossScaleState, Mode
 from jaxamp.loss_scale._sync import check_in_sync
+from jaxamp.loss_scale._unscaled import Unscaled
 
 __all__ = [
     "LossScaleState",
     "Mode",
+    "Unscaled",
     "all_finite",
     "check_health",
     "check_in_sync",

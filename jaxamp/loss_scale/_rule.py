@@ -52,6 +52,7 @@ from jaxamp.loss_scale._state import (
     Mode,
     check_state,
 )
+from jaxamp.loss_scale._unscaled import Unscaled
 
 __all__ = ["scale", "unscale_and_check", "update"]
 
@@ -100,22 +101,32 @@ def unscale_and_check(
         answer is agreed: one non-finite value on any device gives ``False`` on all.
 
     Returns:
-      ``(grads, finite)``: the unscaled gradients and a ``bool[]`` that is False if
-      any unscaled floating leaf holds an inf or NaN. A state that checks nothing
-      (``static_scale(..., skip_nonfinite=False)``, [`no_scale`][jaxamp.no_scale]) returns True.
+      ``(grads, finite)``: the unscaled gradients, marked as such (an
+      [`Unscaled`][jaxamp.Unscaled]: edit them with ``jax.tree.map`` or optax, hand them
+      to [`jaxamp.step`][jaxamp.step], read the plain tree as ``grads.tree``), and a
+      ``bool[]`` that is False if any unscaled floating leaf holds an inf or NaN. A
+      state that checks nothing (``static_scale(..., skip_nonfinite=False)``,
+      [`no_scale`][jaxamp.no_scale]) returns True.
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp
       >>> g, finite = jaxamp.unscale_and_check(jaxamp.static_scale(4.0), jnp.array([2.0, 8.0]))
-      >>> g, bool(finite)
+      >>> g.tree, bool(finite)
       (Array([0.5, 2. ], dtype=float32), True)
     """
     state = check_state(loss_scale_state, "unscale_and_check")
+    if isinstance(grads, Unscaled):
+        raise TypeError(
+            "jaxamp.unscale_and_check: these gradients were already unscaled (they are "
+            "what unscale_and_check returned; PyTorch raises likewise on a second "
+            "unscale_()): dividing them again makes them `scale` times too small. Pass "
+            "them on as they are: jaxamp.step(tx, grads, opt_state, params, finite=finite)."
+        )
     scale = state.scale if state.mode.scales else None
     if not state.mode.checks:
-        return unscaled(grads, scale), jnp.array(True)
+        return Unscaled(unscaled(grads, scale)), jnp.array(True)
     flags, _ = leaf_flags(grads, scale)
-    return unscaled(grads, scale), agree(jnp.all(flags), axis_name)
+    return Unscaled(unscaled(grads, scale)), agree(jnp.all(flags), axis_name)
 
 
 @renamed_parameter("state", "loss_scale_state", removed_in="0.5")

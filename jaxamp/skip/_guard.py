@@ -45,11 +45,14 @@ class Call(NamedTuple):
       verdict: ``None``: the gradients are scaled, unscale and check them here;
         a bool scalar: the user's ``finite=`` (already unscaled and checked).
       to_params: ``jaxamp.step``: return the new params instead of updates.
+      unscaled: the gradients came as a ``jaxamp.Unscaled`` (already divided by the
+        scale): check them, never unscale them again.
     """
 
     extra_args: dict[str, Any]
     verdict: Any
     to_params: bool
+    unscaled: bool = False
 
 
 class Part(NamedTuple):
@@ -161,7 +164,7 @@ def _check(ls: LossScaleState, parts: list[Part], call: Call, axis_name: Any) ->
         # skip branch's collective would wait for devices that never reach it).
         verdict = agree(as_finite(call.verdict, "jaxamp.step"), axis_name)
         return Checked(lambda g: g, [verdict] * n, None, [[]] * n)
-    scale = ls.scale if ls.enabled else None
+    scale = ls.scale if ls.enabled and not call.unscaled else None
     unscale = lambda g: unscaled(g, scale)
     if not ls.skip_nonfinite:
         return Checked(unscale, [None] * n, None, [[]] * n)
@@ -290,7 +293,8 @@ def guarded(
     Returns:
       An ``Outcome``; the scale advances with "every part finite".
     """
-    check_scale_read(ls)  # trace time: gradients never scaled by this dynamic scale
+    if not call.unscaled:  # trace time: gradients never scaled by this dynamic scale
+        check_scale_read(ls)
     check = _check(ls, parts, call, axis_name)
     checked = [t for t in check.takes if t is not None]
     every = jnp.all(jnp.stack(checked)) if checked else jnp.array(True)

@@ -27,6 +27,7 @@ from jaxamp.skip._transformation import (
     check_state_type,
     loss_scale_arg,
     record_of,
+    refuse_narrow,
     with_outcome,
 )
 
@@ -122,6 +123,7 @@ class _MultiTransformUpdate(GuardedUpdate):
         check_state_type(state, MultiTransformState, fn)
         check_spike_state(self.spikes, state, fn)
         check_grads(grads, params, fn)
+        refuse_narrow(params, state.inner_states, fn)
         labels = _full_labels(self.param_labels, grads, self.transforms, fn)
         parts = []
         for label, tx in self.transforms.items():
@@ -207,6 +209,7 @@ def multi_transform(
     def init_fn(params: optax.Params) -> MultiTransformState:
         labels = _full_labels(param_labels, params, checked, fn)
         states = {k: tx.init(_mask(params, labels, k)) for k, tx in checked.items()}
+        refuse_narrow(params, states, f"jaxamp.{fn}")
         ls = jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale)
         spike_state = None if spikes is None else _spikes.init(spikes)
         return MultiTransformState(states, ls, _record.init(params), spike_state)

@@ -24,6 +24,7 @@ from jaxamp.skip._transformation import (
     check_state_type,
     loss_scale_arg,
     record_of,
+    refuse_narrow,
     with_outcome,
 )
 
@@ -79,6 +80,7 @@ class _SkipNonfiniteUpdate(GuardedUpdate):
         check_state_type(state, SkipNonfiniteState, fn)
         check_spike_state(self.spikes, state, fn)
         check_grads(grads, params, fn)
+        refuse_narrow(params, state.inner_state, fn)
         check_inner_state(
             self.inner,
             state.inner_state,
@@ -101,10 +103,12 @@ class _SkipNonfiniteUpdate(GuardedUpdate):
 
         if self.every_k == 1:
             return window_step(grads, state)
-        if call.verdict is not None:
+        if call.verdict is not None or call.unscaled:
             raise ValueError(
-                "jaxamp.step: finite= cannot be combined with every_k > 1: the window's "
-                "gradients are accumulated inside the optimizer state and checked at its end."
+                f"{fn}: unscaled gradients (finite=, or what jaxamp.unscale_and_check "
+                "returned) cannot be combined with every_k > 1: the window accumulates the "
+                "scaled gradients inside the optimizer state and unscales and checks them at "
+                "its end. Pass the scaled gradients."
             )
         return accumulate(
             self.every_k, grads, state, params, window_step, call.to_params, loss, self.axis_name
@@ -189,7 +193,9 @@ def skip_nonfinite(
             mini_step = jnp.zeros((), jnp.int32)
         spike_state = None if spikes is None else _spikes.init(spikes, every_k)
         leaves = _record.init(params)
-        return SkipNonfiniteState(inner.init(params), ls, acc, mini_step, leaves, spike_state)
+        inner_state = inner.init(params)
+        refuse_narrow(params, inner_state, f"jaxamp.{fn}")
+        return SkipNonfiniteState(inner_state, ls, acc, mini_step, leaves, spike_state)
 
     return optax.GradientTransformationExtraArgs(
         init_fn, _SkipNonfiniteUpdate(inner, axis_name, every_k, spikes)

@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._utils.conversion_checks import check_flax_train_state
+from jaxamp._utils.dtypes import is_narrow_range
 from jaxamp._utils.tree import render_path
 from jaxamp.loss_scale import LossScaleState, Mode, no_scale
 from jaxamp.loss_scale._placement import check_callers, check_state
+from jaxamp.loss_scale._unscaled import unwrap
 from jaxamp.skip import _spikes
 from jaxamp.skip._guard import Call, Outcome
 from jaxamp.skip._nnx_state import refuse_flax_optimizer
@@ -41,7 +43,8 @@ class GuardedUpdate:
         check_callers(sys._getframe(1), state, "skip_nonfinite.update")
         refuse_flax_optimizer(sys._getframe(1))
         check_flax_train_state(sys._getframe(1))
-        return self.run(updates, state, params, Call(extra_args, None, to_params=False))
+        grads, marked = unwrap(updates)
+        return self.run(grads, state, params, Call(extra_args, None, False, marked))
 
     def run(self, grads: Any, state: Any, params: Any, call: Call) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -71,14 +74,17 @@ def step(
     Args:
       tx: the optimizer, ideally one [`skip_nonfinite`][jaxamp.skip_nonfinite] or
         [`multi_transform`][jaxamp.multi_transform] returned.
-      grads: the (scaled) gradients; with ``finite=``, already unscaled.
+      grads: the (scaled) gradients, or the [`jaxamp.Unscaled`][jaxamp.Unscaled] ones
+        [`jaxamp.unscale_and_check`][jaxamp.unscale_and_check] returned (checked, not
+        unscaled again).
       opt_state: ``tx``'s state.
       params: the parameters.
       finite: PyTorch's ``unscale_`` then ``step``: a bool scalar saying that
         ``grads`` were already unscaled and checked (by
         [`jaxamp.unscale_and_check`][jaxamp.unscale_and_check], then clipped or edited). They are
         not unscaled or checked again; the step is skipped where ``finite`` is False, and the scale
-        updates with it.
+        updates with it. Without it, ``Unscaled`` gradients are checked here (an edit that
+        made one non-finite is caught too).
       **extra_args: forwarded to the inner optimizer (e.g. ``value=`` for
         ``optax.contrib.reduce_on_plateau``).
 
@@ -98,9 +104,10 @@ def step(
             "jaxamp.step needs the params (it returns the new params); to get updates "
             "instead, call tx.update(grads, opt_state, params)."
         )
+    grads, marked = unwrap(grads)
     update = getattr(tx, "update", None)
     if isinstance(update, GuardedUpdate):
-        return update.run(grads, opt_state, params, Call(extra_args, finite, to_params=True))
+        return update.run(grads, opt_state, params, Call(extra_args, finite, True, marked))
     if finite is not None:
         raise TypeError(
             "jaxamp.step: finite= needs a transformation from jaxamp.skip_nonfinite or "
@@ -186,6 +193,38 @@ def check_grads(grads: Any, params: Any, fn: str) -> None:
                 f"{fn}: the gradient at `{render_path(path)}` has shape {g_shape} but the "
                 f"param has shape {p_shape}; gradients must have their params' shapes exactly."
             )
+
+
+def refuse_narrow(params: Any, inner_state: Any, fn: str) -> None:
+    """Raises for float16 (or float8) params or inner optimizer state: finite, checked
+    gradients overflow an optimizer step computed or kept there (AdamW's update, a
+    squared gradient), which the finite check on the gradients cannot see. PyTorch's
+    GradScaler refuses float16 params likewise ("Attempting to unscale FP16 gradients")."""
+    for tree, where in ((params, "params"), (inner_state, "opt_state.inner_state")):
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        narrow = [
+            f"`{render_path(p)}` ({jnp.result_type(x)})"
+            for p, x in flat
+            if hasattr(x, "dtype") and is_narrow_range(x.dtype)
+        ]
+        if not narrow:
+            continue
+        shown = ", ".join(narrow[:3]) + (f" and {len(narrow) - 3} more" if len(narrow) > 3 else "")
+        fix = (
+            "Keep float32 master params and compute in float16 with jaxamp.autocast(fn, "
+            "dtype=jnp.float16); for low-precision params, bfloat16 ones (float32's range) "
+            "with jaxamp.apply_with_stochastic_rounding or jaxamp.apply_with_kahan_summation "
+            "last in the inner chain."
+            if where == "params"
+            else "Keep the optimizer's state in float32 or bfloat16 (e.g. "
+            "optax.adam(..., mu_dtype=jnp.bfloat16) instead of jnp.float16)."
+        )
+        raise TypeError(
+            f"{fn}: the {where} hold float16-range leaves ({shown}). The guard checks the "
+            "gradients, but an optimizer step computed or kept in float16 overflows from "
+            "finite gradients (AdamW's update, a squared gradient) and would write inf or "
+            f"NaN (PyTorch's GradScaler refuses float16 params too). {fix}"
+        )
 
 
 def check_inner_state(inner: Any, state: Any, like_params: Any, fn: str, where: str) -> None:
