@@ -10,6 +10,16 @@ call is valid on its own:
   a jaxamp ``tx``: Flax replaces those fields after ``tx.update`` returns, so a step
   jaxamp skips keeps the non-finite batch's statistics.
 
+Three more PyTorch reflexes that run silently in a functional API:
+
+* float16 autocast with an optimizer that holds no loss scale (``skip_nonfinite(inner)``
+  alone): float16 gradients underflow, unscaled;
+* ``jaxamp.update`` of the loss-scale state read out of an optimizer state: the guard
+  updates its own on every step, and the new state is never seen by the optimizer;
+* an optimizer state given to a second step (the new one dropped): its loss scale
+  and the optimizer's moments never move. Seen on eager calls only (under ``jit`` each
+  trace has its own state objects).
+
 Each warns once per process (a ``ConversionWarning``, which users can filter) and
 never touches a device value: the checks read Python state at trace time only.
 """
@@ -18,6 +28,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from types import FrameType
 from typing import Any
 
@@ -85,11 +96,77 @@ def mark_scale_read() -> None:
         _scale_read = True
 
 
+# Whether a float16 autocast has been traced in this process (one flag, as above).
+_float16_autocast = False
+# Loss-scale states get_loss_scale handed out of a guard's state, and those a guarded
+# step was given outside any trace: by identity, never keeping one alive.
+# (Keyed by id: a LossScaleState holds arrays, so it is not hashable.)
+_owned: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_consumed: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _holds(seen: weakref.WeakValueDictionary[int, Any], x: Any) -> bool:
+    return seen.get(id(x)) is x
+
+
 def reset() -> None:
     """Forgets what was read and warned (for tests)."""
-    global _scale_read
-    _scale_read = False
+    global _scale_read, _float16_autocast
+    _scale_read = _float16_autocast = False
     _warned.clear()
+    _owned.clear()
+    _consumed.clear()
+
+
+def mark_float16_autocast() -> None:
+    """Records that a float16 autocast was traced (its gradients need a loss scale)."""
+    global _float16_autocast
+    _float16_autocast = True
+
+
+def mark_owned(ls: Any) -> None:
+    """Records a loss-scale state read out of a guard's state (``get_loss_scale``)."""
+    _owned[id(ls)] = ls
+
+
+def check_update_owned(ls: Any) -> None:
+    """Warns if ``jaxamp.update`` is given a loss-scale state an optimizer owns."""
+    if _holds(_owned, ls):
+        _warn_once(
+            "update_owned",
+            "jaxamp.update: this loss-scale state was read out of an optimizer state "
+            "(jaxamp.get_loss_scale(opt_state)), whose guard updates it on every step "
+            "itself; the state jaxamp.update returns is never seen by the optimizer. Drop "
+            "the call: jaxamp.step / tx.update already advanced the scale. (For a loop of "
+            "your own, keep a jaxamp.dynamic_scale() beside a plain optax optimizer.)",
+        )
+
+
+def check_step_input(ls: Any) -> None:
+    """Warns if a guarded step is given, outside any trace, a state a step was given
+    before (the new ``opt_state`` dropped), and if float16 autocast gradients reach a
+    guard that holds no loss scale. ``ls`` is the step's loss-scale state."""
+    mode = getattr(ls, "mode", None)
+    if _float16_autocast and mode is not None and not mode.scales:
+        _warn_once(
+            "float16_no_scale",
+            "jaxamp: a float16 autocast was traced, but this optimizer holds no loss scale "
+            "(jaxamp.skip_nonfinite(inner) alone, or no_scale()): small float16 gradients "
+            "underflow to 0, and nothing scales them up (PyTorch pairs float16 "
+            "autocast with a GradScaler). Pass one: jaxamp.skip_nonfinite(inner, "
+            "jaxamp.dynamic_scale()). bfloat16 needs none.",
+        )
+    if _tracing() or mode is None:
+        return
+    if _holds(_consumed, ls):
+        _warn_once(
+            "state_reused",
+            "jaxamp: this optimizer state was already given to a step. Each step returns "
+            "the next state: params, opt_state = jaxamp.step(tx, grads, opt_state, params) "
+            "(or updates, opt_state = tx.update(...)); stepping the old one again leaves the "
+            "loss scale, its counters and the optimizer's moments where they were.",
+        )
+    _consumed[id(ls)] = ls
 
 
 def _stacklevel() -> int:

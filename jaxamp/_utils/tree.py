@@ -32,6 +32,24 @@ def check_axis_name(axis_name: Any, fn: str) -> Any:
     return tuple(axis_name) if isinstance(axis_name, list) else axis_name
 
 
+def static_int(value: Any, name: str, fn: str, minimum: int) -> int:
+    """A count fixed at construction (``every_k``) as a Python int: an int, a NumPy
+    integer or a concrete integer scalar array; bools, floats and tracers are refused."""
+    kind = getattr(getattr(value, "dtype", None), "kind", "i" if isinstance(value, int) else "")
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{fn}: {name} must be known when the transformation is built (it fixes the "
+            f"program's shape), got a traced value. Pass a Python int; under "
+            f"optax.inject_hyperparams, list {name!r} in static_args."
+        )
+    if isinstance(value, bool) or kind not in ("i", "u") or jnp.ndim(value) != 0:
+        raise TypeError(f"{fn}: {name} must be an int >= {minimum}, got {value!r}.")
+    count = int(value)
+    if count < minimum:
+        raise ValueError(f"{fn}: {name} must be >= {minimum}, got {count}.")
+    return count
+
+
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     """Leafwise ``pred ? on_true : on_false`` over two pytrees of one structure.
 

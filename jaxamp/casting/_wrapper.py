@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._utils.conversion_checks import mark_float16_autocast
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting import _decisions, _flax, _fp8
 from jaxamp.casting._config import Config
@@ -69,6 +70,8 @@ def _run(
     dyn: Sequence[Any],
 ) -> Any:
     """Traces `f` on the dynamic leaves and evaluates it with autocast rules."""
+    if cfg.compute_dtype == jnp.float16:
+        mark_float16_autocast()  # its gradients need a loss scale: warned at the step
 
     def flat_f(*vals: Any) -> Any:
         full = list(leaves)

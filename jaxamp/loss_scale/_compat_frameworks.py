@@ -23,7 +23,14 @@ __all__ = [
 ]
 
 
-@checked_args("PyTorch")
+@checked_args(
+    "PyTorch",
+    strings={
+        "init_scale": "torch.amp.GradScaler's first argument is the device, which JAX "
+        "chooses itself. Drop it and name the rest: "
+        "jaxamp.compat.torch_grad_scaler(init_scale=2.0**16, growth_interval=2000)."
+    },
+)
 def torch_grad_scaler(
     init_scale: float = 2.0**16,
     growth_factor: float = 2.0,

@@ -114,10 +114,12 @@ def system_state(system: str, mode: Mode = Mode.DYNAMIC, **values: Any) -> LossS
     return fresh_state(mode, names, **config)
 
 
-def checked_args(system: str) -> Callable[[Any], Any]:
+def checked_args(system: str, strings: dict[str, str] | None = None) -> Callable[[Any], Any]:
     """Checks every argument against its annotation before the body runs: a
     ``float`` / ``int`` must be a real number, a ``bool`` a bool (``X | None``: or
-    None), each named in ``system``'s words; a bad value never gets further."""
+    None), each named in ``system``'s words; a bad value never gets further.
+    ``strings``: per argument, what a string there means in the original (PyTorch's
+    device, where jaxamp's first argument is ``init_scale``) and what to write."""
 
     def wrap(f: Any) -> Any:
         signature = inspect.signature(f)
@@ -130,6 +132,10 @@ def checked_args(system: str) -> Callable[[Any], Any]:
                 kind = str(signature.parameters[name].annotation)
                 if value is None and kind.endswith("| None"):
                     continue
+                if isinstance(value, str) and name in (strings or {}):
+                    raise TypeError(
+                        f"jaxamp.compat.{f.__name__}: got {value!r} as {name}: {strings[name]}"
+                    )
                 if kind.startswith(("float", "int")) and "str" not in kind:
                     check_numbers(system, **{name: value})
                 elif kind.startswith("bool"):

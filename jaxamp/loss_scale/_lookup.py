@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp._utils.conversion_checks import mark_scale_read
+from jaxamp._utils.conversion_checks import mark_owned, mark_scale_read
 from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.errors import named, with_article
 from jaxamp._utils.tree import find_one
@@ -59,10 +59,15 @@ def get_loss_scale(opt_state_or_loss_scale_state: Any) -> LossScaleState:
     """
     mark_scale_read()  # the scale handed out: a loss may be multiplied by it by hand
     with named("get_loss_scale"):
-        return _plain(_find(opt_state_or_loss_scale_state))
+        found, owned = _find(opt_state_or_loss_scale_state)
+    plain = _plain(found)
+    if owned:
+        mark_owned(plain)  # jaxamp.update of it would be lost: warned there
+    return plain
 
 
-def _find(x: Any) -> LossScaleState:
+def _find(x: Any) -> tuple[LossScaleState, bool]:
+    """The one loss-scale state in ``x``, and whether a guard's state owns it."""
     found = find_one(
         x,
         LossScaleState,
@@ -78,8 +83,7 @@ def _find(x: Any) -> LossScaleState:
             f"{with_article(type(x).__name__)}). Build the optimizer with "
             "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale()) and pass its state."
         )
-    check_state(x, "jaxamp.get_loss_scale")
-    return found
+    return found, check_state(x, "jaxamp.get_loss_scale")
 
 
 def _plain(state: LossScaleState) -> LossScaleState:
@@ -141,6 +145,13 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
     """
     with named("check_health"):
         s = get_loss_scale(opt_state_or_loss_scale_state)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(s)):
+        raise TypeError(
+            "jaxamp.check_health reads the loss-scale counters on the host, so it cannot run "
+            "inside jax.jit (or another transformation): call it where you log, outside the "
+            "jitted step, on the opt_state the step returned. Inside the step, return "
+            "jaxamp.metrics(opt_state) and check it outside."
+        )
     host = jax.device_get(
         (
             s.max_consecutive_nonfinite,

@@ -200,19 +200,21 @@ def _around_of(node: Any, inner: Any) -> Around | None:
     return None
 
 
-def check_state(tree: Any, fn: str) -> None:
+def check_state(tree: Any, fn: str) -> bool:
     """Raises if the guard in ``tree`` (an optimizer state, or what holds one) sits in a
-    structure that is unsafe around it. A ``LossScaleState`` that no guard owns (one kept
-    beside a plain optimizer, or passed alone) is not judged."""
+    structure that is unsafe around it; returns whether a guard owns the
+    ``LossScaleState`` in ``tree``. One that no guard owns (kept beside a plain
+    optimizer, or passed alone) is not judged."""
     trail = _trail(tree)
     if not trail or not _is_namedtuple(trail[-1]):
-        return  # no guard state: a loss-scale state on its own
+        return False  # no guard state: a loss-scale state on its own
     arounds = []
     for node, inner in zip(trail[:-1], trail[1:], strict=True):
         a = _around_of(node, inner)
         if a is not None:
             arounds.append(a)
     _judge(arounds[::-1], fn, container_hint=True)
+    return True
 
 
 def _holds(tree: Any, node: Any) -> bool:

@@ -38,8 +38,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxamp._utils.conversion_checks import mark_loss_scaled
-from jaxamp._utils.deprecation import renamed_parameter
+from jaxamp._utils.conversion_checks import check_update_owned, mark_loss_scaled
+from jaxamp._utils.deprecation import REQUIRED, renamed_parameter
 from jaxamp._utils.dtypes import is_inexact, times_wide
 from jaxamp._utils.finite import agree, as_finite, leaf_flags, unscaled
 from jaxamp._utils.tree import saturating_inc
@@ -58,7 +58,7 @@ __all__ = ["scale", "unscale_and_check", "update"]
 
 
 @renamed_parameter("state", "loss_scale_state", removed_in="0.5")
-def scale(loss_scale_state: LossScaleState, tree: Any) -> Any:
+def scale(loss_scale_state: LossScaleState, tree: Any = REQUIRED) -> Any:
     """Multiplies every floating leaf of ``tree`` by the loss scale.
 
     Each leaf keeps its dtype; the product is computed in float32 (or wider), so a
@@ -78,6 +78,12 @@ def scale(loss_scale_state: LossScaleState, tree: Any) -> Any:
       >>> jaxamp.scale(jaxamp.static_scale(8.0), jnp.array(0.5, jnp.float16))
       Array(4., dtype=float16)
     """
+    if tree is REQUIRED:  # PyTorch's one-argument scaler.scale(loss)
+        raise TypeError(
+            "jaxamp.scale takes the loss-scale state first, then the loss (PyTorch's "
+            "scaler.scale(loss) keeps the state in the scaler): jaxamp.scale("
+            "jaxamp.get_loss_scale(opt_state), loss)."
+        )
     state = check_state(loss_scale_state, "scale")
     mark_loss_scaled()
     if not state.mode.scales:
@@ -161,6 +167,13 @@ def update(loss_scale_state: LossScaleState, finite: Any) -> LossScaleState:
       >>> float(jaxamp.update(s, True).scale), float(jaxamp.update(s, False).scale)
       (8.0, 2.0)
     """
+    check_update_owned(loss_scale_state)
+    return advance(loss_scale_state, finite)
+
+
+def advance(loss_scale_state: LossScaleState, finite: Any) -> LossScaleState:
+    """[`update`][jaxamp.update] without its check that no guard owns the state: the
+    guard's own update of the state it owns."""
     s = check_state(loss_scale_state, "update")
     finite = as_finite(finite, "update")
     growth_tracker = jnp.where(finite, saturating_inc(s.growth_tracker), 0)

@@ -192,6 +192,13 @@ class LossScaleState:
         """Whether gradients are checked and non-finite steps skipped."""
         return self.mode.checks
 
+    def __float__(self) -> float:
+        # PyTorch's scaler.get_scale() is a float; here the scale is one field of the state.
+        raise TypeError(
+            "float() of a LossScaleState: the state holds the scale and its counters. The "
+            "scale is its .scale field: float(jaxamp.get_loss_scale(opt_state).scale)."
+        )
+
     def replace(self, **updates: Any) -> LossScaleState:
         """A validated copy with some fields replaced, e.g. ``state.replace(growth_factor=4.0)``.
 

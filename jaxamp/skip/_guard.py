@@ -26,12 +26,13 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxamp._utils.conversion_checks import check_scale_read
+from jaxamp._utils.conversion_checks import check_scale_read, check_step_input
 from jaxamp._utils.dtypes import is_inexact
 from jaxamp._utils.finite import agree, as_finite, floating_leaves, leaf_flags, unscaled
 from jaxamp._utils.jax_compat import aval_of
 from jaxamp._utils.tree import like, zeros_of
-from jaxamp.loss_scale import LossScaleState, update
+from jaxamp.loss_scale import LossScaleState
+from jaxamp.loss_scale._rule import advance
 from jaxamp.skip import _record, _spikes
 
 _BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
@@ -295,6 +296,7 @@ def guarded(
     """
     if not call.unscaled:  # trace time: gradients never scaled by this dynamic scale
         check_scale_read(ls)
+    check_step_input(ls)
     check = _check(ls, parts, call, axis_name)
     checked = [t for t in check.takes if t is not None]
     every = jnp.all(jnp.stack(checked)) if checked else jnp.array(True)
@@ -317,4 +319,4 @@ def guarded(
             owners = [floating_leaves(_prepared(p)) for p in parts]
         ok = _leaf_ok(record[0], record[1], parts, flags, owners)
         stats = _record.after_step(record[0], ok, every)
-    return Outcome(outs, states, update(ls, every), stats, every, new_spikes)
+    return Outcome(outs, states, advance(ls, every), stats, every, new_spikes)

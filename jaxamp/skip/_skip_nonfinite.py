@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp._utils.tree import check_axis_name
+from jaxamp._utils.tree import check_axis_name, static_int
 from jaxamp.loss_scale import LossScaleState
 from jaxamp.skip import _record, _spikes
 from jaxamp.skip._every_k import accumulate
@@ -177,10 +177,7 @@ def skip_nonfinite(
     fn = "skip_nonfinite"
     inner = check_inner(inner, fn)
     loss_scale = loss_scale_arg(loss_scale, max_consecutive_nonfinite, fn)
-    if isinstance(every_k, bool) or not isinstance(every_k, int):
-        raise TypeError(f"{fn}: every_k must be an int >= 1, got {every_k!r}.")
-    if every_k < 1:
-        raise ValueError(f"{fn}: every_k must be >= 1, got {every_k}.")
+    every_k = static_int(every_k, "every_k", fn, 1)
     axis_name = check_axis_name(axis_name, fn)
     spikes = _spikes.check_rule(spikes, fn)
 

@@ -19,6 +19,7 @@ import optax
 
 from jaxamp._utils.conversion_checks import check_flax_train_state
 from jaxamp._utils.dtypes import is_narrow_range
+from jaxamp._utils.errors import unnamed
 from jaxamp._utils.tree import render_path
 from jaxamp.loss_scale import LossScaleState, Mode, no_scale
 from jaxamp.loss_scale._placement import check_callers, check_state
@@ -150,18 +151,12 @@ def loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> 
             f"{type(loss_scale).__name__}.{hint}"
         )
     if max_consecutive_nonfinite is not None:
-        # An int N, or math.inf to never raise (the loss-scale state's own spellings).
-        limit = max_consecutive_nonfinite
-        if isinstance(limit, bool) or not (isinstance(limit, int) or limit == float("inf")):
-            raise TypeError(
-                f"jaxamp.{fn}: max_consecutive_nonfinite must be None (check_health's default "
-                "rule), an integer >= 0, or math.inf (never raise), got "
-                f"{max_consecutive_nonfinite!r}."
-            )
+        # The loss-scale state's own rule reads it (an integer N, NumPy's and JAX's
+        # included, or math.inf): one rule for every constructor that takes it.
         try:
             loss_scale = loss_scale.replace(max_consecutive_nonfinite=max_consecutive_nonfinite)
-        except ValueError as e:
-            raise ValueError(f"jaxamp.{fn}: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"jaxamp.{fn}: {unnamed(e)}") from None
     return loss_scale
 
 

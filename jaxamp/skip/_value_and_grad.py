@@ -85,6 +85,14 @@ def value_and_grad(
     """
     if not callable(fun):
         raise TypeError(f"value_and_grad: `fun` must be callable, got {type(fun).__name__}.")
+    nums = argnums if isinstance(argnums, tuple | list) else (argnums,)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in nums):
+        # The usual slip: the state passed to value_and_grad instead of the function it returns.
+        raise TypeError(
+            "jaxamp.value_and_grad: `argnums` must be an int or a sequence of ints, got "
+            f"{type(argnums).__name__}. The optimizer state goes to the function it returns, "
+            "not to value_and_grad: jaxamp.value_and_grad(loss_fn)(opt_state, params, x, y)."
+        )
 
     def scaled_fun(*args: Any, **kwargs: Any) -> Any:
         return scaled_loss(fun, has_aux, kwargs.pop(_LOSS_SCALE_KWARG))(*args, **kwargs)
