@@ -87,17 +87,23 @@ def _tanh_proj_bwd(res, g):
 tanh_proj.defvjp(_tanh_proj_fwd, _tanh_proj_bwd)
 
 
-def dot_input_dtypes(jaxpr, primitive: str = "dot_general") -> list[tuple[np.dtype, ...]]:
-    """Input dtypes of every `primitive` in `jaxpr` (closed or not), sub-jaxprs included."""
+def equations(jaxpr, primitive: str = "dot_general") -> list:
+    """Every `primitive` equation of `jaxpr` (closed or not), in order, sub-jaxprs
+    included (an inner jaxpr once per equation that holds it)."""
     from jax.extend.core import ClosedJaxpr, Jaxpr
 
     jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == primitive:
-            found.append(tuple(np.dtype(v.aval.dtype) for v in eqn.invars))
+            found.append(eqn)
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(sub, (ClosedJaxpr, Jaxpr)):
-                    found.extend(dot_input_dtypes(sub, primitive))
+                    found.extend(equations(sub, primitive))
     return found
+
+
+def dot_input_dtypes(jaxpr, primitive: str = "dot_general") -> list[tuple[np.dtype, ...]]:
+    """Input dtypes of every `primitive` in `jaxpr` (closed or not), sub-jaxprs included."""
+    return [tuple(np.dtype(v.aval.dtype) for v in e.invars) for e in equations(jaxpr, primitive)]

@@ -19,19 +19,30 @@ equation is evaluated (``plan``):
   ``CreateF8CustomCall``, ``xla/service/gpu/transforms/gemm_rewriter.cc``:
   "as required by cuBLASLt FP8 gemms"), then slices the result: two copies
   and a padded GEMM where bfloat16 needs none. Such products stay bfloat16;
-* it is not the model's first or last matrix-product layer (``first_last_bf16``),
-  unless a ``modules=`` rule of ``jaxamp.fp8`` says otherwise. These are the
-  first and the last ``"lower"`` ``dot_general`` of `f`'s forward program in
-  program order, among the products that run once per call: loop bodies
-  (``scan``, ``while_loop``: the repeated blocks) are not searched, calls,
-  ``remat``, custom derivatives, ``shard_map`` and ``cond`` branches are. The
-  product is identified by its call site (the equations that enclose it, from
-  the outer jaxpr), its equation and its module path (the name stack: a Flax
-  module's path, nnx paths included), so the same layer code, or the same
-  ``jax.jit`` / ``jax.checkpoint`` layer function, called at another place is
-  not excluded. On a transformer whose embedding is a lookup
-  this keeps the LM head (or the tied ``attend``) and the first projection in
-  bfloat16; on a classifier, its first and last ``Dense``.
+* it is not a product of the model's first or last matrix-product layer
+  (``first_last_bf16``), unless a ``modules=`` rule of ``jaxamp.fp8`` says
+  otherwise. The layers are the model's, not the program's: a layer is
+  known by the arrays its product reads. The first and the last ``"lower"`` ``dot_general``
+  of `f`'s forward program that run once per call (loop bodies, the repeated
+  blocks of ``scan`` and ``while_loop``, are not searched; calls, ``remat``,
+  custom derivatives, ``shard_map`` and ``cond`` branches are) name them;
+  then every product that reads an array of `f` (an input leaf or a constant
+  it closes over) that one of those two reads is excluded too: its weight, or
+  the input it multiplies, read directly or through casts, transposes and
+  reshapes, wherever the product runs (a second call of the model, a loop
+  body that reads the weight as a constant). So a model applied to two
+  batches keeps both calls' first and last layers in bfloat16, a tied
+  embedding read by the first and the last product is one weight, and a
+  weight shared by the first layer and a middle one keeps both in bfloat16.
+  The two products themselves are known by their site (the equations that
+  enclose them, their equation and their name stack), so one reading only
+  computed values (a weight normalised inside `f`) is excluded there alone,
+  and the same layer code, or the same ``jax.jit`` / ``jax.checkpoint`` layer
+  function, called on other weights is another layer. A scanned body's
+  product reads a slice of stacked weights, no array of `f`: it runs FP8. On
+  a transformer whose embedding is a lookup this keeps the LM head (or the
+  tied ``attend``) and the first projection in bfloat16; on a classifier, its
+  first and last ``Dense``.
 
 A ``modules=`` rule of ``jaxamp.fp8`` is matched like autocast's: a pattern
 against each module's name and class, or, with a ``/``, its path; the last
@@ -44,14 +55,15 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting import _fp8_gemm, _rules
+from jaxamp.casting._layouts import RELAYOUT
 from jaxamp.casting._scopes import join, module_match, scope_parts
 
 __all__ = ["Fp8Config", "fp8"]
@@ -123,8 +135,13 @@ def fp8(
         first or last layer) or False (stay in the autocast dtype). Patterns
         are matched as autocast's ``modules=`` (name, class, or a path with
         ``/``); the last matching pattern wins.
-      first_last_bf16: keep the first and last matrix-product layers of the
-        forward program out of FP8 (default True).
+      first_last_bf16: keep the model's first and last matrix-product layers
+        out of FP8 (default True). They are named by the first and the last
+        product of the forward program outside loop bodies, and are the arrays
+        those read: every product reading the same weight (or the same input
+        of `f`), directly or cast, transposed or reshaped, stays out too, in
+        every call of the model (a model applied to two batches, or again in a
+        loop) and for a weight tied to another layer.
       batched: also run products with batch dimensions (attention's score and
         value products, a ``vmap``'d matmul inside `f`) in FP8 (default False).
 
@@ -182,14 +199,45 @@ def resolve(value: Any) -> Fp8Config | None:
     )
 
 
-def _subjaxprs(params: Mapping[str, Any]) -> list[Jaxpr]:
+#: A value's roots: the ids of the arrays of `f` (its inputs, the constants it
+#: closes over) whose values it holds unchanged, only laid out again: a weight
+#: as a product reads it (cast to bfloat16, transposed, reshaped).
+Roots = frozenset[int]
+_NONE: Roots = frozenset()
+#: Ops whose results hold their operands' values (``Roots``).
+_SAME_VALUES = RELAYOUT | {
+    "reduce_precision", "sharding_constraint", "mesh_cast", "reshard", "pvary", "device_put",
+}  # fmt: skip
+
+
+def _as_jaxpr(value: Any) -> Jaxpr | None:
+    if isinstance(value, ClosedJaxpr):
+        return value.jaxpr
+    return value if isinstance(value, Jaxpr) else None
+
+
+def _subjaxprs(eqn: Any, ins: list[Roots]) -> list[tuple[Jaxpr, list[Roots]]]:
+    """Each inner jaxpr of `eqn`, with the roots of its inputs given `ins`, those
+    of `eqn`'s inputs. A loop body's carry and scanned slices change from one
+    iteration to the next: only its constants hand on the caller's arrays."""
+    name, params = eqn.primitive.name, eqn.params
     found = []
-    for value in params.values():
+    for key, value in params.items():
         for sub in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(sub, ClosedJaxpr):
-                found.append(sub.jaxpr)
-            elif isinstance(sub, Jaxpr):
-                found.append(sub)
+            inner = _as_jaxpr(sub)
+            if inner is None:
+                continue
+            n = len(inner.invars)
+            if name == "cond":
+                given = ins[1:]  # after the branch index
+            elif name == "scan":
+                given = ins[: jax_compat.scan_counts(params)[0]]
+            elif name == "while":
+                first = 0 if key == "cond_jaxpr" else params["cond_nconsts"]
+                given = ins[first : first + params[f"{key.partition('_')[0]}_nconsts"]]
+            else:
+                given = ins if len(ins) == n else []
+            found.append((inner, (list(given) + [_NONE] * n)[:n]))
     return found
 
 
@@ -199,14 +247,28 @@ def _subjaxprs(params: Mapping[str, Any]) -> list[Jaxpr]:
 Site = tuple[tuple[int, ...], int, str]
 
 
+class _Product(NamedTuple):
+    """A product the plan may exclude: where it is, and what it reads."""
+
+    site: tuple[Any, ...]  # the equations enclosing it, from the outer jaxpr
+    eqn: Any
+    stack: str
+    reads: Roots  # its two operands' roots
+    once: bool  # it runs once per call of `f` (not in a loop body)
+
+    @property
+    def key(self) -> Site:
+        return (tuple(map(id, self.site)), id(self.eqn), self.stack)
+
+
 @dataclasses.dataclass
 class Plan:
     """The FP8 decisions of one autocast trace (``Context.fp8``)."""
 
     config: Fp8Config
     compute: np.dtype
-    # The first and last layer's product -> (the equations of its site, kept
-    # alive so that their ids stay theirs; "first" or "last").
+    # Each product of the first and last layers -> (the equations of its site,
+    # kept alive so that their ids stay theirs; "first" or "last").
     excluded: dict[Site, tuple[Any, str]] = dataclasses.field(default_factory=dict)
 
     def exclusions_under(self, site: tuple[int, ...]) -> tuple[Site, ...]:
@@ -302,34 +364,51 @@ def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
         return None
     # A throwaway cache: the trace's own scopes get the FP8 marks once planned.
     probe = dataclasses.replace(ctx, scoped={}, origins={}, fp8=None)
-    found: list[tuple[tuple[Any, ...], Any, str]] = []
-
+    found: list[_Product] = []  # every product that may run FP8
     stacks: set[str] = set()
 
-    def walk(jaxpr: Jaxpr, outer: str, site: tuple[Any, ...], once: bool = True) -> None:
+    def walk(
+        jaxpr: Jaxpr, outer: str, site: tuple[Any, ...], once: bool, ins: list[Roots]
+    ) -> list[Roots]:
+        """Walks `jaxpr`, its inputs' roots `ins`; returns its outputs' roots."""
+        roots: dict[Any, Roots] = dict(zip(jaxpr.invars, ins, strict=True))
+        roots.update((v, frozenset({id(v)})) for v in jaxpr.constvars)
+
+        def of(v: Any) -> Roots:
+            return _NONE if isinstance(v, Literal) else roots.get(v, _NONE)
+
         for eqn in jaxpr.eqns:
             stack = join(outer, jax_compat.name_stack(eqn))
             stacks.add(stack)
             full, rules = probe.rules_at(stack)
-            rule = _rules.AS_WRITTEN if full else rules.get(eqn.primitive.name, _rules.FOLLOW)
-            if eqn.primitive.name == "dot_general":
+            name = eqn.primitive.name
+            rule = _rules.AS_WRITTEN if full else rules.get(name, _rules.FOLLOW)
+            if name in _SAME_VALUES:
+                pairs = zip(eqn.outvars, eqn.invars, strict=False)
+                roots.update((o, of(i)) for o, i in pairs)
+            elif name == "dot_general":
                 dtypes = [np.dtype(v.aval.dtype) for v in eqn.invars]
                 # A batched product is no layer unless it may run FP8 itself.
                 kind = config.batched or not _dims(eqn.params)[1][0]
                 if (
-                    once
-                    and kind
+                    kind
                     and rule == _rules.LOWER
                     and all(is_float_dtype(d) and d.itemsize <= 4 for d in dtypes)
                 ):
-                    found.append((site, eqn, stack))
+                    reads = of(eqn.invars[0]) | of(eqn.invars[1])
+                    found.append(_Product(site, eqn, stack, reads, once))
             elif rule != _rules.AS_WRITTEN:
                 # Loop bodies run more than once per call: no first or last layer
-                # there, but their module names count for the patterns.
-                for sub in _subjaxprs(eqn.params):
-                    walk(sub, stack, (*site, eqn), once and eqn.primitive.name not in _LOOPS)
+                # there (a product of theirs may still read one's weight), but
+                # their module names count for the patterns.
+                inner = once and name not in _LOOPS
+                subs = _subjaxprs(eqn, [of(v) for v in eqn.invars])
+                outs = [walk(sub, stack, (*site, eqn), inner, given) for sub, given in subs]
+                if len(subs) == 1 and name not in _LOOPS:  # a call: its results
+                    roots.update(zip(eqn.outvars, outs[0], strict=False))
+        return [of(v) for v in jaxpr.outvars]
 
-    walk(jaxpr, "", ())
+    walk(jaxpr, "", (), True, [frozenset({id(v)}) for v in jaxpr.invars])
     parts = [scope_parts(s) for s in stacks]
     for pattern, _ in config.modules:
         if not any(module_match(pattern, p) for p in parts):
@@ -342,8 +421,14 @@ def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
                 stacklevel=2,
             )
     result = Plan(config, np.dtype(ctx.dtype))
-    if config.first_last_bf16 and found:
-        for (site, eqn, stack), which in ((found[-1], "last"), (found[0], "first")):
-            key = (tuple(map(id, site)), id(eqn), stack)
-            result.excluded[key] = ((*site, eqn), which)
+    layers = [p for p in found if p.once]
+    if config.first_last_bf16 and layers:
+        # The first and last layers are the model's, not the program's: every
+        # product that reads an array the first (last) product of the program
+        # reads, its weight or the input it multiplies, is that layer called
+        # again (the model applied to a second batch, or in a loop).
+        for layer, which in ((layers[-1], "last"), (layers[0], "first")):
+            for p in found:
+                if p is layer or p.reads & layer.reads:
+                    result.excluded[p.key] = ((*p.site, p.eqn), which)
     return result

@@ -31,6 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxamp
+from tests.helpers import dot_input_dtypes, equations
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -436,6 +437,107 @@ def test_models_train_in_fp8_with_first_and_last_layers_in_bfloat16(framework):
     text = jax.jit(jax.grad(loss)).lower(params, x, y).as_text(dialect="hlo")
     assert _forward_fp8_shapes(text) == {"f32[32,64]", "f32[32,80]"}, framework
     _close_to_float32(loss, ref, params, x, y)
+
+
+def _layer_dtypes(fn, *args, batch: int) -> list[tuple[int, str]]:
+    """Each ``dot_general`` of `fn`'s forward program, in order: the layer it
+    belongs to (by its output width in ``SIZES``) and its operands' dtype."""
+    found = []
+    for eqn in equations(jax.make_jaxpr(fn)(*args)):
+        (width,) = set(eqn.outvars[0].aval.shape) - {batch}
+        lhs, rhs = (str(v.aval.dtype) for v in eqn.invars)
+        found.append((SIZES[1:].index(width), lhs if lhs == rhs else "mixed"))
+    return found
+
+
+def _apply_twice(framework):
+    """``(params, apply)`` of one MLP in `framework`: ``apply(params, x)`` runs it on a
+    batch (of any size: 96 here, no width of ``SIZES``)."""
+    if framework == "plain":
+        return mlp_params(), mlp
+    if framework == "linen":
+        model = LinenMLP()
+        return model.init(jax.random.key(0), _data()[0]), model.apply
+    if framework == "nnx":
+        graphdef, state = nnx.split(NnxMLP(nnx.Rngs(0)))
+        return state, lambda state, x: nnx.merge(graphdef, state)(x)
+    return EqxMLP(jax.random.key(0)), lambda model, x: jax.vmap(model)(x)
+
+
+@pytest.mark.parametrize("framework", ["plain", "linen", "nnx", "equinox"])
+def test_a_model_called_twice_keeps_its_own_first_and_last_layers_in_bfloat16(framework):
+    # The first and last layers are the model's, not the program's: with the
+    # model applied to two batches, both calls' first and last layers stay
+    # bfloat16, and each call computes what the model alone computes on its
+    # batch (the same products on the same operands: bit for bit).
+    params, apply = _apply_twice(framework)
+    rng = np.random.default_rng(4)
+    x1, x2 = (jnp.asarray(rng.standard_normal((96, SIZES[0])), F32) for _ in range(2))
+    cfg = jaxamp.fp8()
+    twice = jaxamp.autocast(lambda p, a, b: (apply(p, a), apply(p, b)), dtype=BF16, fp8=cfg)
+    once = jaxamp.autocast(apply, dtype=BF16, fp8=cfg)
+    per_call = [(0, "bfloat16"), (1, "float8_e4m3fn"), (2, "float8_e4m3fn"), (3, "bfloat16")]
+    assert _layer_dtypes(once, params, x1, batch=96) == per_call
+    assert _layer_dtypes(twice, params, x1, x2, batch=96) == per_call * 2
+    y1, y2 = jax.jit(twice)(params, x1, x2)
+    np.testing.assert_array_equal(y1, jax.jit(once)(params, x1))
+    np.testing.assert_array_equal(y2, jax.jit(once)(params, x2))
+
+
+def _dot_dtypes(fn, *args) -> list[str]:
+    """Each ``dot_general`` of `fn`'s forward program, in order, nested jaxprs
+    included (a loop body once): its operands' dtype."""
+    return [str(a) if a == b else "mixed" for a, b in dot_input_dtypes(jax.make_jaxpr(fn)(*args))]
+
+
+BF, F8 = "bfloat16", "float8_e4m3fn"
+
+
+def test_a_tied_embedding_and_a_loop_calling_the_model_keep_its_layers_in_bfloat16():
+    # The embedding is read by the first product and, transposed, by the head:
+    # both stay bfloat16, and so do they in a loop that runs the model again
+    # (their weights reach its body as constants); the layers between run FP8.
+    rng = np.random.default_rng(5)
+    p = {
+        "embed": jnp.asarray(rng.standard_normal((64, 32)) / 8, F32),
+        "layers": [jnp.asarray(rng.standard_normal((32, 32)) / 6, F32) for _ in range(2)],
+    }
+
+    def lm(p, h):
+        h = h @ p["embed"]
+        for w in p["layers"]:
+            h = jnp.tanh(h @ w)
+        return h @ p["embed"].T
+
+    def generate(p, x):
+        def step(h, _):
+            return jax.nn.softmax(lm(p, h)), None
+
+        return jax.lax.scan(step, lm(p, x), None, length=2)[0]
+
+    x = jax.nn.one_hot(jnp.arange(16) % 64, 64)
+    f = jaxamp.autocast(generate, dtype=BF16, fp8=jaxamp.fp8())
+    assert _dot_dtypes(f, p, x) == [BF, F8, F8, BF] * 2
+
+
+def test_scanned_layers_run_fp8_between_the_first_and_last_of_a_model_called_twice():
+    # Scan over layers: the one product of the body is every middle layer
+    # (FP8); the first and last layers around it stay bfloat16 in both calls.
+    rng = np.random.default_rng(6)
+    p = {
+        "first": jnp.asarray(rng.standard_normal((32, 64)) / 6, F32),
+        "stack": jnp.asarray(rng.standard_normal((3, 64, 64)) / 8, F32),
+        "last": jnp.asarray(rng.standard_normal((64, 16)) / 8, F32),
+    }
+
+    def net(p, x):
+        h = x @ p["first"]
+        h = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, p["stack"])[0]
+        return h @ p["last"]
+
+    x1, x2 = (jnp.asarray(rng.standard_normal((32, 32)), F32) for _ in range(2))
+    f = jaxamp.autocast(lambda p, a, b: (net(p, a), net(p, b)), dtype=BF16, fp8=jaxamp.fp8())
+    assert _dot_dtypes(f, p, x1, x2) == [BF, F8, BF] * 2
 
 
 def test_module_rules_override_the_first_last_default():

@@ -173,3 +173,23 @@ def test_shard_map_scales_with_the_global_amax(scaling, autocast_outside):
         bound = fp8_bound("mk,mn->kn", a, b, E4M3, E5M2, 128)
         bound += 2.0**-8 * np.einsum("mk,mn->kn", np.abs(a), np.abs(b))
         assert np.all(np.abs(np.asarray(got[2], np.float64) - exact) <= bound)
+
+
+def test_shard_map_keeps_a_model_called_twice_its_first_and_last_layers():
+    # In the shard_map body JAX marks each replicated weight varying (pvary)
+    # before the product that meets the sharded batch: still the same weight,
+    # so both calls' first and last layers stay bfloat16, the middle ones FP8.
+    from tests.casting.test_fp8 import _dot_dtypes, mlp, mlp_params
+
+    mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Auto,))
+    spec = P("data")
+    body = jax.shard_map(
+        lambda p, a, b: (mlp(p, a), mlp(p, b)),
+        mesh=mesh,
+        in_specs=(P(), spec, spec),
+        out_specs=(spec, spec),
+    )
+    f = jaxamp.autocast(body, dtype=BF16, fp8=jaxamp.fp8())
+    x = jnp.ones((N_DEV * 32, 32), F32)
+    bf, f8 = "bfloat16", "float8_e4m3fn"
+    assert _dot_dtypes(f, mlp_params(), x, x) == [bf, f8, f8, bf] * 2
