@@ -188,8 +188,13 @@ def _trail(tree: Any) -> list[Any]:
     return trail
 
 
-def _around_of(node: Any, inner: Any) -> Around | None:
-    """The structure ``node`` stands for around its child ``inner`` (None: a container)."""
+def _around_of(node: Any, inner: Any, parent: Any) -> Around | None:
+    """The structure ``node`` stands for around its child ``inner`` (None: a container).
+    A tuple or dict that is a field of an optax wrapper's state (``partition``'s states
+    by label) is part of that wrapper, not a chain."""
+    if _is_namedtuple(parent) and type(parent).__module__.split(".")[0] == "optax":
+        if not _is_namedtuple(node):
+            return None
     if node and (type(node) is tuple or isinstance(node, Mapping)) and _state_like(node):
         members = list(node.values()) if isinstance(node, Mapping) else list(node)
         at = next(i for i, m in enumerate(members) if m is inner)
@@ -209,8 +214,9 @@ def check_state(tree: Any, fn: str) -> bool:
     if not trail or not _is_namedtuple(trail[-1]):
         return False  # no guard state: a loss-scale state on its own
     arounds = []
-    for node, inner in zip(trail[:-1], trail[1:], strict=True):
-        a = _around_of(node, inner)
+    parents = [None, *trail][: len(trail) - 1]
+    for parent, node, inner in zip(parents, trail[:-1], trail[1:], strict=True):
+        a = _around_of(node, inner, parent)
         if a is not None:
             arounds.append(a)
     _judge(arounds[::-1], fn, container_hint=True)
