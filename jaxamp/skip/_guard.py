@@ -31,8 +31,7 @@ from jaxamp._utils.dtypes import is_inexact
 from jaxamp._utils.finite import agree, as_finite, floating_leaves, leaf_flags, unscaled
 from jaxamp._utils.jax_compat import aval_of
 from jaxamp._utils.tree import like, zeros_of
-from jaxamp.loss_scale import LossScaleState
-from jaxamp.loss_scale._rule import advance
+from jaxamp.loss_scale import LossScaleState, advance
 from jaxamp.skip import _record, _spikes
 
 _BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}

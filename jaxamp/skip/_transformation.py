@@ -21,9 +21,14 @@ from jaxamp._utils.conversion_checks import check_flax_train_state
 from jaxamp._utils.dtypes import is_narrow_range
 from jaxamp._utils.errors import unnamed
 from jaxamp._utils.tree import render_path
-from jaxamp.loss_scale import LossScaleState, Mode, no_scale
-from jaxamp.loss_scale._placement import check_callers, check_state
-from jaxamp.loss_scale._unscaled import unwrap
+from jaxamp.loss_scale import (
+    LossScaleState,
+    Mode,
+    check_callers,
+    check_state,
+    no_scale,
+    unwrap,
+)
 from jaxamp.skip import _spikes
 from jaxamp.skip._guard import Call, Outcome
 from jaxamp.skip._nnx_state import refuse_flax_optimizer
