@@ -1,7 +1,7 @@
 """The arrays a plain Python object that ``autocast`` wraps holds, read at each call.
 
 ``autocast(model)`` or ``autocast(model.forward)``, with ``model`` an instance of a
-plain Python class holding its weights as attributes: ``model.w = new`` must change
+plain Python class holding its weights (arrays) as attributes: ``model.w = new`` must change
 the next call's answer. The arrays among the object's attributes (directly, in
 lists, tuples, dicts, or in plain objects it holds: its layers) cross the trace as
 inputs, like `f`'s own array arguments, and the other attributes are part of the
@@ -80,12 +80,16 @@ def _hold(obj: Any, seen: set[int]) -> _Held:
     return _Held(obj, attrs)
 
 
-def holder(f: Callable[..., Any]) -> tuple[Any, Callable[..., Any]] | None:
+def holder(
+    f: Callable[..., Any], is_array: Callable[[Any], bool]
+) -> tuple[Any, Callable[..., Any]] | None:
     """``(held, call)`` when `f` is a plain object's ``__call__`` or one of its
-    methods: `held` is the object as a pytree (its attributes, and those of the
-    plain objects it holds), and ``call(held, *args, **kwargs)`` is ``f`` run on a
-    copy of the object rebuilt from `held` (its arrays then traced values). Else
-    None: `f` is traced as it is."""
+    methods and the object holds arrays (``is_array``): `held` is the object as a
+    pytree (its attributes, and those of the plain objects it holds), and
+    ``call(held, *args, **kwargs)`` is ``f`` run on a copy of the object rebuilt
+    from `held` (its arrays then traced values). Else None: `f` is traced as it
+    is (a ``jax.custom_vjp`` or a ``functools.partial`` is a callable object too,
+    holding functions, not arrays)."""
     if isinstance(f, types.MethodType):
         obj, func = f.__self__, f.__func__
     elif _plain(f) and callable(f):
@@ -95,7 +99,11 @@ def holder(f: Callable[..., Any]) -> tuple[Any, Callable[..., Any]] | None:
     if not _plain(obj):
         return None
 
+    held = _hold(obj, set())
+    if not any(is_array(x) for x in jax.tree_util.tree_leaves(held)):
+        return None
+
     def call(held: _Held, *args: Any, **kwargs: Any) -> Any:
         return func(held.rebuilt(), *args, **kwargs)
 
-    return _hold(obj, set()), call
+    return held, call

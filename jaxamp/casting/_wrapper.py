@@ -165,7 +165,7 @@ class _Call:
             # The decorator form on a linen method: lift through flax so that
             # parameters, collections and RNGs cross the trace (init and apply).
             return self._linen_call(*args, **kwargs)
-        fn, held = self.f, holder(self.f)
+        fn, held = self.f, holder(self.f, _is_dynamic)
         if held is not None:
             # A plain object's attributes are read at each call, its arrays traced
             # like arguments (``_objects``).
