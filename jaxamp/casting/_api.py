@@ -60,6 +60,13 @@ def autocast(
 
     Arrays among the arguments are traced; every other argument (Python
     scalars, strings, modules) is fixed at trace time, like a static argument.
+    With `f` a plain Python object (or one of its methods), its attributes are
+    read at each call the same way: ``model.w = new`` is seen by the next call.
+    What `f` reads from a closure or a global is fixed when `f` is traced, as
+    for ``jax.jit``: an array rebound there later is not seen by an eager call
+    already cached; pass it as an argument instead. ``autocast(nnx_module)``
+    is the module's forward, bound to it (attribute reads go to the module);
+    give the module itself to ``jaxamp.nnx.Optimizer`` and the nnx transforms.
 
     Args:
       f: the function to transform, e.g. a Flax ``model.apply``, an nnx module

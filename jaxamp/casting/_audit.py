@@ -15,13 +15,14 @@ each equation it evaluated and why (``ops``, from ``_decisions``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
 
-from jaxamp.casting import _hlo_text
+from jaxamp.casting import _flax, _hlo_text
 from jaxamp.casting._decisions import OpRow, fresh_trace, recording, user_frame
 from jaxamp.casting._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
 
@@ -271,7 +272,7 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
       >>> report.ops[0].primitive, report.ops[0].dtype, report.ops[0].op_class
       ('dot_general', 'bfloat16', 'lower')
     """
-    lower = getattr(fn, "lower", None) or jax.jit(fn).lower
+    lower = getattr(fn, "lower", None) or _nnx_lower(fn) or jax.jit(fn).lower
     with recording() as ops, fresh_trace():
         lowered = lower(*args, **kwargs)
     try:
@@ -317,6 +318,27 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
                 f"({user_frame(post.frames_of(ins))})"
             ))  # fmt: skip
     return AuditReport(platform, tuple(rows), tuple(converts), tuple(ops))
+
+
+def _nnx_lower(fn: Callable[..., Any]) -> Callable[..., Any] | None:
+    """``lower`` of `fn` when it is an nnx module or a method bound to one
+    (``jaxamp.autocast(model)``): a pure function of the module's state, as
+    ``nnx.jit`` traces it, so a forward that writes state (BatchNorm statistics)
+    writes it to a copy inside the trace, not to the module outside it."""
+    nnx = _flax.nnx_module()
+    if nnx is None:
+        return None
+    whole = nnx.graph.is_graph_node(fn)
+    module = fn if whole else getattr(fn, "__self__", None)
+    if module is None or not nnx.graph.is_graph_node(module):
+        return None
+    method = type(fn).__call__ if whole else fn.__func__
+    graphdef, state = nnx.split(module)
+
+    def pure(state: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(nnx.merge(graphdef, state), *args, **kwargs)
+
+    return functools.partial(jax.jit(pure).lower, state)
 
 
 def _size(dims: tuple[int, ...]) -> int:

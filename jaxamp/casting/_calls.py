@@ -21,6 +21,7 @@ from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting import _primitives
 from jaxamp.casting._casts import bind, cast_all, to_original
+from jaxamp.casting._constants import call_values, record
 from jaxamp.casting._context import Context
 from jaxamp.casting._decisions import note
 from jaxamp.casting._interpret import Ins, Outs, eval_jaxpr
@@ -106,13 +107,17 @@ def eval_call(eqn: Any, ins: Ins, ctx: Context) -> Outs:
     return bind(eqn, args, dict(params, jaxpr=new)), [NONE] * len(eqn.outvars)
 
 
-def _marked_body(closed: ClosedJaxpr, inmarks: list[int], ctx: Context) -> tuple[Any, list[int]]:
+def _marked_body(
+    closed: ClosedJaxpr, inmarks: list[int], ctx: Context, values: list[np.ndarray | None]
+) -> tuple[Any, list[int]]:
     """``(body, out_marks)``: `closed` as a function of its inputs under autocast;
-    `out_marks` is filled in each time ``body`` is traced."""
+    `out_marks` is filled in each time ``body`` is traced. `values`: what each
+    input can hold, where known (``_constants.call_values``)."""
     out_marks: list[int] = []
     sub_ctx = ctx.sub()
 
     def body(*xs: Any) -> list[Any]:
+        record(list(xs), values, sub_ctx.known)
         outs, marks = eval_jaxpr(closed.jaxpr, closed.consts, xs, sub_ctx, inmarks)
         out_marks[:] = marks
         return outs
@@ -166,10 +171,12 @@ def _eval_nested_jit(
             ctx.rules_at(join(ctx.stack, s)) for s in _inner_stacks(closed.jaxpr, ctx)
         )
     )
-    key = ("jit", id(closed), tuple(avals), tuple(inmarks), scopes)
+    values = call_values(eqn.invars, invals, ctx.known)
+    known = tuple(None if v is None else (v.dtype.str, v.tobytes()) for v in values)
+    key = ("jit", id(closed), tuple(avals), tuple(inmarks), known, scopes)
 
     def make() -> tuple[ClosedJaxpr, list[int]] | None:
-        body, out_marks = _marked_body(closed, inmarks, ctx)
+        body, out_marks = _marked_body(closed, inmarks, ctx, values)
         try:
             new = traced(body, avals, ctx)
         except Exception:  # e.g. an axis name bound outside: inline instead
@@ -190,7 +197,8 @@ def eval_remat(eqn: Any, ins: Ins, ctx: Context) -> Outs:
     # Re-issued through the public jax.checkpoint so the rematerialised region
     # takes and returns activations in their autocast dtypes.
     params = eqn.params
-    body, out_marks = _marked_body(_closed(params["jaxpr"]), inmarks, ctx)
+    values = call_values(eqn.invars, invals, ctx.known)
+    body, out_marks = _marked_body(_closed(params["jaxpr"]), inmarks, ctx, values)
     outs = jax.checkpoint(
         body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
     )(*invals)

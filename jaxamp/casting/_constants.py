@@ -9,7 +9,15 @@ A value is ``CONST`` when its cast down loses nothing but rounding or saturates 
 sentinel (``cast_safe``): a literal, a concrete constant `f` closes over that
 passes that check, what layout ops and ``select_n`` make of constants, and a value
 computed element by element whose possible values are known at trace time (the
-values of literals and of boolean masks, ``(1 - mask) * -1e9``) and pass it.
+values of literals and of boolean masks, ``(1 - mask) * -1e9``) and pass it. The
+check is on the values, never on the op that built them: ``jnp.full((n,), 1e-8)``,
+``jnp.ones(n) * 1e-8`` and a closed-over ``np.full`` are the same data.
+
+A constant array whose known values fail the check is ``F32``: float32 data that
+promotes what it meets, as a float32 tensor does in torch. One that holds only
+sentinels (``jnp.full(shape, -1e9)``, ``finfo.min``) saturates where an op picks it
+instead of the data (``fill_marks``: the cases of a ``where``, a bound of
+``maximum`` / ``minimum`` / ``clip``), as a scalar fill does.
 """
 
 from __future__ import annotations
@@ -55,6 +63,18 @@ def cast_safe(values: np.ndarray, low: np.dtype) -> bool:
     return within.size > 0 and not within.any()
 
 
+def sentinels_only(values: np.ndarray, low: np.dtype) -> bool:
+    """Whether every value of `values` is 0, infinite or beyond `low`'s range, and
+    one is beyond it: ``{-1e9}``, ``{finfo(float32).min}``, a fill that ``where``
+    picks instead of the data (``fill_marks``)."""
+    if low.itemsize >= 4 or not is_float_dtype(values.dtype):
+        return False
+    a = np.asarray(values, np.float64)
+    a = np.abs(a[np.isfinite(a)])
+    beyond = a > float(jax.numpy.finfo(low).max)
+    return bool(beyond.any()) and not a[~beyond].any()
+
+
 def distinct(a: Any) -> np.ndarray | None:
     """The distinct values of a concrete array, or None for more than a few."""
     a = np.asarray(a).reshape(-1)
@@ -71,7 +91,9 @@ def const_facts(x: Any, low: np.dtype) -> tuple[int, np.ndarray | None]:
     A tracer (a value of an outer ``jit``, ``grad``, ``vmap`` or ``scan`` that `f`
     closes over) is run-time data: clipped, it would be a wrong finite number no
     overflow check sees. A concrete 0-d value is a constant either way (an op
-    runs in float32 where the low dtype cannot hold it: ``_opmath``).
+    runs in float32 where the low dtype cannot hold it: ``_opmath``). A constant
+    that fails the check still has its values known (a fill of ``-1e9`` alone is
+    a sentinel where ``where`` picks it: ``fill_marks``).
     """
     if isinstance(x, jax.core.Tracer):
         return NONE, None
@@ -86,9 +108,7 @@ def const_facts(x: Any, low: np.dtype) -> tuple[int, np.ndarray | None]:
     ):  # nothing a cast down could clip or flush
         return CONST, distinct(_read(x)) if np.size(x) <= 64 * _MAX_VALUES else None
     a = _read(x)
-    if not cast_safe(a, low):
-        return NONE, None
-    return CONST, distinct(a)
+    return CONST if cast_safe(a, low) else NONE, distinct(a)
 
 
 def _read(x: Any) -> np.ndarray:
@@ -137,12 +157,54 @@ def known_values(v: Any, x: Any, known: dict[int, tuple[Any, np.ndarray]]) -> np
     dtype = getattr(v.aval, "dtype", None)
     if dtype == np.dtype(bool):
         return np.array([False, True])
-    hit = known.get(id(x))
-    if hit is not None and hit[0] is x:
-        return hit[1]
+    recorded = _recorded(x, known)
+    if recorded is not None:
+        return recorded
     if not isinstance(x, jax.core.Tracer) and np.size(x) <= _MAX_VALUES:
         return distinct(x)
     return None
+
+
+def call_values(
+    invars: list[Any], invals: list[Any], known: dict[int, tuple[Any, np.ndarray]]
+) -> list[np.ndarray | None]:
+    """The values each floating input of a call can hold, where known, for its
+    body to record for its own inputs (``record``): a fill built outside a nested
+    ``jit`` (``jnp.where`` is one) is still known to be a fill inside it."""
+    return [
+        known_values(v, x, known) if is_float_dtype(v.aval.dtype) else None
+        for v, x in zip(invars, invals, strict=True)
+    ]
+
+
+def record(
+    xs: list[Any], values: list[np.ndarray | None], known: dict[int, tuple[Any, np.ndarray]]
+) -> None:
+    """Records in `known` the values ``call_values`` found for `xs`, a body's inputs."""
+    for x, vals in zip(xs, values, strict=True):
+        if vals is not None:
+            known[id(x)] = (x, vals)
+
+
+def _recorded(x: Any, known: dict[int, tuple[Any, np.ndarray]]) -> np.ndarray | None:
+    hit = known.get(id(x))
+    return hit[1] if hit is not None and hit[0] is x else None
+
+
+def fill_marks(
+    ins: list[tuple[Any, Any, int]], low: np.dtype, known: dict[int, tuple[Any, np.ndarray]]
+) -> list[int]:
+    """The marks of an op's inputs (``(var, value, mark)`` each) where the op picks
+    one of its operands (``_opmath.FILL_POSITIONS``): ``CONST`` for a constant that
+    holds only sentinels (``sentinels_only``), so its cast down saturates as a
+    scalar fill's does (``jnp.where(mask, s, jnp.full(shape, -1e9))``)."""
+    marks = []
+    for v, x, m in ins:
+        if m in (NONE, F32) and is_float_dtype(v.aval.dtype):
+            vals = known_values(v, x, known)
+            m = CONST if vals is not None and sentinels_only(vals, low) else m
+        marks.append(m)
+    return marks
 
 
 def constant_marks(
@@ -161,9 +223,12 @@ def constant_marks(
     ``pad`` of constants hold the union of their values; element-by-element
     arithmetic (``_ARITHMETIC``, ``convert_element_type``) of operands whose values
     are known (literals, booleans, such results) is evaluated on those values at
-    trace time. Each new set of values must pass ``cast_safe``, or the result is
-    data. Anything else is data: an ``iota``, a sum, a product of an ``arange``
-    (``jnp.arange(16) * 1e-9``, ``jnp.linspace``), a count of a mask.
+    trace time. A value counts as a constant here when its mark is ``CONST`` or its
+    values are known (a fill of sentinels alone, data until ``fill_marks`` sees it
+    picked). Each new set of values must pass ``cast_safe``, or the result is data
+    (however the set was made: a layout op of a literal too). Anything else is
+    data: an ``iota``, a sum, a product of an ``arange`` (``jnp.arange(16) *
+    1e-9``, ``jnp.linspace``), a count of a mask.
     """
     if eqn.effects or PIN in outmarks or len(outs) != 1:
         return outmarks
@@ -176,10 +241,21 @@ def constant_marks(
     def settle(vals: np.ndarray | None, const: bool) -> list[int]:
         if vals is not None and vals.size <= _MAX_VALUES:
             known[id(y)] = (y, vals)
-        return [CONST] if const else outmarks
+        if const:
+            return [CONST]
+        if vals is not None and np.ndim(y) > 0:
+            # An array of values the low dtype cannot hold is float32 data and
+            # promotes what it meets, as a float32 tensor does in torch; laid out
+            # from one scalar (``jnp.full``), it would otherwise be rounded as a
+            # scalar is (``_opmath``).
+            return [F32]
+        # Data, also where the op hands on its input's mark (a weak -> strong
+        # retyping of a constant).
+        return [NONE if m == CONST else m for m in outmarks]
 
     def is_const(k: int) -> bool:
-        return ins[k][2] == CONST or isinstance(ins[k][0], Literal)
+        v, x, m = ins[k]
+        return m == CONST or isinstance(v, Literal) or _recorded(x, known) is not None
 
     floats = [k for k, (v, _, _) in enumerate(ins) if is_float_dtype(v.aval.dtype)]
     convert_float = name == "convert_element_type" and floats == [0]
@@ -187,7 +263,10 @@ def constant_marks(
         if not ins or not is_const(0):
             return outmarks
         vals = values(0)
-        return settle(None if vals is None else vals.astype(y.dtype), True)
+        if vals is None:  # a constant with many values, each checked
+            return settle(None, True)
+        vals = vals.astype(y.dtype)
+        return settle(vals, cast_safe(vals, low))
     if name in _UNION:
         picks = list(_UNION[name](len(ins)))
         if not all(is_const(k) for k in picks):

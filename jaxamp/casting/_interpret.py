@@ -26,10 +26,10 @@ from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._analysis import analyse, pointwise_region, starts_region
 from jaxamp.casting._casts import bind, bind_opmath, bind_region, host_cast, to_original
-from jaxamp.casting._constants import const_facts, constant_marks
+from jaxamp.casting._constants import const_facts, constant_marks, fill_marks
 from jaxamp.casting._context import Context
 from jaxamp.casting._decisions import note, note_outs, note_region
-from jaxamp.casting._opmath import eval_opmath, opmath_reason
+from jaxamp.casting._opmath import FILL_POSITIONS, eval_opmath, opmath_reason
 from jaxamp.casting._primitives import kind_of
 from jaxamp.casting._rules import (
     ACT,
@@ -119,6 +119,9 @@ def eval_jaxpr(
             # auto_axes body runs under another mesh than its caller).
             with jax_compat.eqn_context(eqn), _source_info(eqn, ctx):
                 invals = [read(v) for v in eqn.invars]
+                if eqn.primitive.name in FILL_POSITIONS:
+                    ins = list(zip(eqn.invars, invals, inmarks, strict=True))
+                    inmarks = fill_marks(ins, ctx.dtype, ctx.known)
                 demanded, layouts = i in facts.demanded, facts.layouts[i]
                 outs, outmarks = eval_eqn(eqn, invals, inmarks, ctx, demanded, layouts)
             ins = list(zip(eqn.invars, invals, inmarks, strict=True))

@@ -27,6 +27,7 @@ from jaxamp.casting._config import Config
 from jaxamp.casting._context import Context
 from jaxamp.casting._handlers import HANDLERS
 from jaxamp.casting._interpret import eval_jaxpr
+from jaxamp.casting._objects import holder
 from jaxamp.casting._scopes import AUTOCAST_SCOPE
 
 
@@ -125,12 +126,32 @@ def make_wrapper(f: Callable[..., Any], cfg: Config) -> Callable[..., Any]:
     if node is not None and nnx is not None and nnx.graph.is_graph_node(node):
         # autocast(module) or autocast(module.method) is a method bound to the
         # module, so nnx.capture / nnx.view find the module behind it.
-        @functools.wraps(getattr(f, "__func__", type(f).__call__))
-        def method(_module: Any, *args: Any, **kwargs: Any) -> Any:
-            return wrapper(*args, **kwargs)
-
-        return types.MethodType(method, node)
+        return types.MethodType(_ModuleMethod(call, node, f is node), node)
     return wrapper
+
+
+class _ModuleMethod:
+    """The function of ``autocast(module)``, bound to the module: attribute reads go
+    to the module (``amp.lin``, ``amp.eval()``), and bound to another module (the
+    copy ``nnx.merge`` makes in a pure function) it runs on that one."""
+
+    def __init__(self, call: _Call, module: Any, whole: bool) -> None:
+        self._call, self._module, self._whole = call, module, whole
+        self._method = type(module).__call__ if whole else call.f.__func__
+        functools.update_wrapper(self, self._method)
+
+    def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        if module is self._module:
+            return self._call(*args, **kwargs)
+        f = module if self._whole else types.MethodType(self._method, module)
+        return _Call(f, self._call.cfg)(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the function itself lacks.
+        module = self.__dict__.get("_module")
+        if module is None:
+            raise AttributeError(name)
+        return getattr(module, name)
 
 
 class _Call:
@@ -147,6 +168,12 @@ class _Call:
             # The decorator form on a linen method: lift through flax so that
             # parameters, collections and RNGs cross the trace (init and apply).
             return self._linen_call(*args, **kwargs)
+        fn, held = self.f, holder(self.f, _is_dynamic)
+        if held is not None:
+            # A plain object's attributes are read at each call, its arrays traced
+            # like arguments (``_objects``).
+            state, fn = held
+            args = (state, *args)
         nnx = _flax.nnx_module()
         is_node = nnx.graph.is_graph_node if nnx is not None else (lambda x: False)
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
@@ -157,9 +184,9 @@ class _Call:
         elif getattr(self.f, "__self__", None) is not None and is_node(self.f.__self__):
             self_node = self.f.__self__
         if node_idx or self_node is not None:
-            return self._call_nnx(nnx, leaves, treedef, node_idx, self_node)
+            return self._call_nnx(nnx, fn, leaves, treedef, node_idx, self_node)
         dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
-        return self._dispatch(self.f, leaves, treedef, dynamic, (), *(leaves[i] for i in dynamic))
+        return self._dispatch(fn, leaves, treedef, dynamic, (), *(leaves[i] for i in dynamic))
 
     def _dispatch(
         self,
@@ -200,7 +227,13 @@ class _Call:
         return jitted(*dyn)
 
     def _call_nnx(
-        self, nnx: Any, leaves: list[Any], treedef: Any, node_idx: list[int], self_node: Any
+        self,
+        nnx: Any,
+        fn: Callable[..., Any],
+        leaves: list[Any],
+        treedef: Any,
+        node_idx: list[int],
+        self_node: Any,
     ) -> Any:
         """A call with nnx modules: split into a graph and a state, the state traced like
         any other input and the updated state (BatchStat, RNG counts, ...) written back
@@ -213,7 +246,9 @@ class _Call:
         for i in node_idx:
             static_leaves[i] = None
         method = self.f.__func__ if self_node is not None and self_node is not self.f else None
-        call = _NnxCall(self, nnx, graphdef, state_def, len(state_leaves), treedef, node_idx, rest)
+        call = _NnxCall(
+            self, fn, nnx, graphdef, state_def, len(state_leaves), treedef, node_idx, rest
+        )
         pure = functools.partial(call, static_leaves, self_node, method)
         flat_args = [*state_leaves, *(leaves[i] for i in rest)]
         p_leaves, p_def = jax.tree_util.tree_flatten((tuple(flat_args), {}))
@@ -241,6 +276,7 @@ class _NnxCall:
     from the traced state, ``f`` called, and the state it changed returned."""
 
     owner: _Call
+    fn: Callable[..., Any]  # what the call runs: `f`, or its plain object's method
     nnx: Any
     graphdef: Any  # the modules' graph, from nnx.split
     state_def: Any  # the treedef of their state
@@ -259,7 +295,7 @@ class _NnxCall:
         for i, x in zip(self.rest, vals[self.nstate :], strict=True):
             full[i] = x
         a, k = jax.tree_util.tree_unflatten(self.treedef, full)
-        target = self.owner.f
+        target = self.fn
         if self_node is not None:
             target = merged[-1] if method is None else functools.partial(method, merged[-1])
         # FP8 names nnx modules too: its first / last layers and modules= rules.

@@ -100,6 +100,20 @@ class Optimizer(nnx.Optimizer):
                 f"and update(model, grads)); this is flax {flax.__version__}. The rest of "
                 "jaxamp works with it: use jaxamp.step on nnx.split states."
             )
+        if not nnx.graph.is_graph_node(model):
+            behind = getattr(model, "__self__", None)
+            if behind is not None and nnx.graph.is_graph_node(behind):
+                raise TypeError(
+                    "jaxamp.nnx.Optimizer: `model` must be the nnx module, got a function "
+                    "bound to it (jaxamp.autocast(model) or model.method): autocast wraps "
+                    "the forward, the optimizer holds the module's parameters. Write "
+                    "jaxamp.nnx.Optimizer(model, tx, wrt=nnx.Param) and "
+                    "optimizer.update(model, grads), and call jaxamp.autocast(model)(x) "
+                    "inside the loss."
+                )
+            raise TypeError(
+                f"jaxamp.nnx.Optimizer: `model` must be an nnx module, got {type(model).__name__}"
+            )
         if not isinstance(getattr(tx, "update", None), GuardedUpdate):
             raise TypeError(
                 "jaxamp.nnx.Optimizer: `tx` must come from jaxamp.skip_nonfinite(...) or "

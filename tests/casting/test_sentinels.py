@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxamp
 
@@ -125,3 +127,95 @@ def test_fills_built_from_a_run_time_mask_still_saturate(kept):
     for r, g in zip(f(q, mask), jaxamp.autocast(f, dtype=F16)(q, mask), strict=True):
         assert np.isfinite(np.asarray(g)).all()
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=8 * EPS32, atol=8 * EPS32)
+
+
+# One constant vector, spelled ten ways (issue 43, item 4): its value in f must not
+# depend on the jnp function that built it. `c` is a Python float; `row` is a traced
+# (16,) float32 value, `arg` the constant passed as an argument.
+_SPELLINGS = {
+    "jnp.full": lambda c, row, arg: jnp.full((16,), c),
+    "jnp.ones_times_c": lambda c, row, arg: jnp.ones(16) * c,
+    "jnp.tile": lambda c, row, arg: jnp.tile(jnp.array([c], F32), 16),
+    "jnp.broadcast_to": lambda c, row, arg: jnp.broadcast_to(jnp.float32(c), (16,)),
+    "jnp.array_literal": lambda c, row, arg: jnp.array([c] * 16, F32),
+    "np_closed_over": lambda c, row, arg: np.full((16,), c, np.float32),
+    "argument": lambda c, row, arg: arg,
+    "jnp.full_like": lambda c, row, arg: jnp.full_like(row, c),
+    "jnp.zeros_plus_c": lambda c, row, arg: jnp.zeros(16) + c,
+    "lax.full": lambda c, row, arg: jax.lax.full((16,), c, F32),
+}
+
+# Magnitudes float16 flushes to 0 or keeps few digits of, cannot hold, and holds.
+_MAGNITUDES = {"tiny": (-30, -5), "huge": (5, 30), "normal": (-3, 3)}
+
+
+@pytest.mark.parametrize("spelling", sorted(_SPELLINGS))
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    kind=st.sampled_from(sorted(_MAGNITUDES)),
+    unit=st.floats(0.0, 1.0),
+    mantissa=st.floats(1.0, 9.99),
+    negative=st.booleans(),
+)
+def test_a_constant_vector_has_its_float32_value_however_it_is_built(
+    spelling, kind, unit, mantissa, negative
+):
+    lo, hi = _MAGNITUDES[kind]
+    c = float(np.float32((-1) ** negative * mantissa * 10.0 ** round(lo + unit * (hi - lo))))
+    k = 0.25 / c  # a Python scalar: brings the product back to about 1
+    build = _SPELLINGS[spelling]
+    x, w = _dyadic(5, (4, 8), 4.0), _dyadic(6, (8, 16), 4.0)  # x @ w exact in float16
+
+    def f(x, w, arg):
+        h = x @ w
+        return jnp.tanh(h * build(c, h[0], arg) * k)
+
+    arg = jnp.full((16,), c, F32)
+    arg_ref = np.abs(np.asarray(x @ w, np.float64)) * 0.25  # |h * c * k|, at most 2
+    ref = np.asarray(f(x, w, arg), np.float64)
+    got = np.asarray(jaxamp.autocast(f, dtype=F16)(x, w, arg), np.float64)
+    # float32 and torch.autocast keep the constant: at most the constant and the
+    # two products rounded to float16 (the activation is exact), and tanh's
+    # result rounded once.
+    tol = 3 * U16 * arg_ref + U16 * np.abs(ref) + 4 * EPS32
+    assert (np.abs(got - ref) <= tol).all(), (c, np.max(np.abs(got - ref)))
+
+
+_FILLS = {
+    "jnp.full": lambda v: jnp.full((8,), v),
+    "jnp.ones_times_c": lambda v: jnp.ones(8) * v,
+    "np_closed_over": lambda v: np.full((8,), v, np.float32),
+    "lax.full": lambda v: jax.lax.full((8,), v, F32),
+    "scalar": lambda v: v,
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(_FILLS))
+@pytest.mark.parametrize("fill", [-1e9, float(np.finfo(np.float32).min), -np.inf])
+def test_a_mask_fill_picked_by_where_saturates_however_it_is_built(spelling, fill):
+    mask = jnp.tril(jnp.ones((8, 8), bool))
+    q = _dyadic(7, (8, 4), 4.0)
+
+    def attend(q):
+        s = q @ q.T
+        return jax.nn.softmax(jnp.where(mask, s, _FILLS[spelling](fill)), axis=-1)
+
+    ref = np.asarray(attend(q), np.float64)
+    amp = jaxamp.autocast(attend, dtype=F16)
+    got = np.asarray(amp(q), np.float64)
+    assert np.isfinite(got).all()
+    # Exact float16 scores, the softmax in float32: masked keys get 0 either way.
+    np.testing.assert_allclose(got, ref, rtol=8 * EPS32, atol=8 * EPS32)
+    # The fill saturates into the float16 scores: the where stays in float16.
+    selects = [e for e in _eqns(jax.make_jaxpr(amp)(q).jaxpr) if e.primitive.name == "select_n"]
+    assert selects and all(e.outvars[0].aval.dtype == F16 for e in selects), selects
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in it, but for those of
+    custom_jvp functions (autocast's saturating casts are ones)."""
+    for e in jaxpr.eqns:
+        yield e
+        if e.primitive.name != "custom_jvp_call":
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                yield from _eqns(sub)

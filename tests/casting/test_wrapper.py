@@ -287,3 +287,47 @@ def test_linen_lifted_transform_inside_apply(kind):
     g_ref = jax.grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
     g = jax.grad(lambda p: jnp.mean(fast(p, x) ** 2))(params)
     _close(g, g_ref, tol=3e-2)
+
+
+class _BnNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.lin = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.bn(self.lin(x))
+
+
+def test_autocast_of_an_nnx_module_reads_the_modules_attributes():
+    # Issue 43, item 9: autocast(model) is a method bound to the model, and reads
+    # of it go to the model (they raised AttributeError).
+    model = _BnNet(nnx.Rngs(0))
+    amp = jaxamp.autocast(model, dtype=F16)
+    assert amp.lin is model.lin and amp.bn.num_features == 8
+    amp.eval()
+    assert model.bn.use_running_average
+    with pytest.raises(AttributeError):
+        amp.no_such_attribute  # noqa: B018
+
+
+def test_an_optimizer_of_autocast_of_a_module_says_to_pass_the_module():
+    import optax
+
+    model = _BnNet(nnx.Rngs(0))
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+    with pytest.raises(TypeError, match=r"jaxamp\.nnx\.Optimizer\(model, tx, wrt=nnx\.Param\)"):
+        jaxamp.nnx.Optimizer(jaxamp.autocast(model, dtype=F16), tx, wrt=nnx.Param)
+
+
+def test_audit_of_autocast_of_a_module_that_writes_state_compiles_it_purely():
+    # A train-mode BatchNorm writes its statistics: audit traces the forward as a
+    # function of the module's state (it raised Flax's TraceContextError), and
+    # the module outside is not written.
+    model = _BnNet(nnx.Rngs(0))
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    before = jax.tree.map(np.asarray, nnx.state(model, nnx.BatchStat))
+    report = jaxamp.audit(jaxamp.autocast(model, dtype=F16), x)
+    assert [r.requested for r in report.matmuls] == ["f16 x f16 -> f16"]
+    after = nnx.state(model, nnx.BatchStat)
+    for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)

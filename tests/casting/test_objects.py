@@ -1,0 +1,71 @@
+"""autocast of a plain Python object reads its attributes at each call (issue 43, item 5)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+import jaxamp
+
+F16 = jnp.float16
+X = jnp.ones((2, 4), jnp.float32)
+TRACES = [0]  # how many times a _Model's __call__ ran: once per trace, not per call
+
+
+class _Model:
+    """A model as a plain class: weights as attributes."""
+
+    def __init__(self, w: jnp.ndarray, scale: float = 1.0) -> None:
+        self.w, self.scale = w, scale
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        TRACES[0] += 1
+        return (x @ self.w) * self.scale
+
+    def forward(self, x: jnp.ndarray) -> jnp.ndarray:
+        return self(x)
+
+
+class _Mlp:
+    def __init__(self, layers: list[_Model]) -> None:
+        self.layers = layers
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_weight_assigned_after_autocast_is_the_one_the_next_call_uses():
+    # x @ w of small integers: exact in float16, so the results compare exactly.
+    model = _Model(jnp.full((4, 3), 2.0))
+    for fwd in (jaxamp.autocast(model, dtype=F16), jaxamp.autocast(model.forward, dtype=F16)):
+        model.w = jnp.full((4, 3), 2.0)
+        np.testing.assert_array_equal(np.asarray(fwd(X)), 8.0)
+        model.w = jnp.full((4, 3), 4.0)
+        np.testing.assert_array_equal(np.asarray(fwd(X)), 16.0)
+        model.scale = 0.5  # a Python attribute is part of the cache's key
+        np.testing.assert_array_equal(np.asarray(fwd(X)), 8.0)
+        model.scale = 1.0
+
+
+def test_a_weight_of_a_layer_the_model_holds_is_read_at_each_call():
+    mlp = _Mlp([_Model(jnp.eye(4) * 2.0), _Model(jnp.eye(4))])
+    fwd = jaxamp.autocast(mlp, dtype=F16)
+    np.testing.assert_array_equal(np.asarray(fwd(X)), 2.0)
+    mlp.layers[1].w = jnp.eye(4) * 3.0
+    np.testing.assert_array_equal(np.asarray(fwd(X)), 6.0)
+
+
+def test_a_new_weight_of_the_same_shape_reuses_the_compiled_program():
+    model = _Model(jnp.full((4, 3), 2.0))
+    fwd = jaxamp.autocast(model, dtype=F16)
+    TRACES[0] = 0
+    fwd(X)
+    fwd(X)
+    model.w = jnp.full((4, 3), 4.0)
+    np.testing.assert_array_equal(np.asarray(fwd(X)), 16.0)
+    assert TRACES[0] == 1  # one trace: the cache is hit, not bypassed
+    model.w = jnp.full((4, 5), 1.0)  # a new shape: a new trace
+    np.testing.assert_array_equal(np.asarray(fwd(X)), 4.0)
+    assert TRACES[0] == 2
