@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -134,6 +135,18 @@ def _unpack(opt_state: Any, params: Any) -> tuple[Any, Any]:
     return opt_state, params
 
 
+def _equinox_params(tree: Any) -> list[Any]:
+    """What an equinox user gives ``tx.init`` of a whole model ``tree``:
+    ``eqx.filter(model, eqx.is_array)``, or ``eqx.is_inexact_array`` (an integer array
+    has no gradient); other leaves (activation functions, flags, names, Python numbers)
+    are fields, not params."""
+    is_array = lambda x: isinstance(x, jax.Array | np.ndarray | np.generic)  # noqa: E731
+    return [
+        jax.tree.map(lambda x, keep=keep: x if keep(x) else None, tree)
+        for keep in (is_array, lambda x: is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact))
+    ]
+
+
 def _check_layout(record: NonfiniteLeaves, lead: tuple[int, ...], params: Any) -> list[str]:
     """The key paths of ``params``' leaves, if they are the leaves the record tracks.
 
@@ -142,6 +155,10 @@ def _check_layout(record: NonfiniteLeaves, lead: tuple[int, ...], params: Any) -
     """
     got = _record.leaf_layout(params)
     n = record.signed_counts.shape[-1]
+    for filtered in _equinox_params(params) if len(got) != n else []:
+        if len(_record.leaf_layout(filtered)) == n:  # an equinox model passed whole
+            got = _record.leaf_layout(filtered)
+            break
     if len(got) != n:
         raise ValueError(
             f"jaxamp.explain: `params` has {len(got)} leaves but the optimizer state tracks "

@@ -24,6 +24,7 @@ from jaxamp.skip._transformation import (
     check_state_type,
     loss_scale_arg,
     record_of,
+    restore_fields,
     with_outcome,
 )
 
@@ -78,7 +79,8 @@ class _SkipNonfiniteUpdate(GuardedUpdate):
         fn = "jaxamp.step" if call.to_params else "skip_nonfinite.update"
         check_state_type(state, SkipNonfiniteState, fn)
         check_spike_state(self.spikes, state, fn)
-        check_grads(grads, params, fn)
+        # An equinox model passed whole: its non-array fields set aside, put back at the end.
+        given, params = params, check_grads(grads, params, fn)
         check_inner_state(
             self.inner,
             state.inner_state,
@@ -100,15 +102,26 @@ class _SkipNonfiniteUpdate(GuardedUpdate):
             return got.outs[0], new._replace(inner_state=got.inner_states[0])
 
         if self.every_k == 1:
-            return window_step(grads, state)
-        if call.verdict is not None:
+            out, state = window_step(grads, state)
+        elif call.verdict is not None:
             raise ValueError(
                 "jaxamp.step: finite= cannot be combined with every_k > 1: the window's "
                 "gradients are accumulated inside the optimizer state and checked at its end."
             )
-        return accumulate(
-            self.every_k, grads, state, params, window_step, call.to_params, loss, self.axis_name
-        )
+        else:
+            out, state = accumulate(
+                self.every_k,
+                grads,
+                state,
+                params,
+                window_step,
+                call.to_params,
+                loss,
+                self.axis_name,
+            )
+        if call.to_params and params is not given:
+            out = restore_fields(out, given)
+        return out, state
 
 
 def skip_nonfinite(
