@@ -12,12 +12,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxamp._utils.errors import named
-from jaxamp._utils.tree import find_one
+from jaxamp._utils.tree import find_one, is_array, is_float_array
 from jaxamp.loss_scale import LossScaleState, get_loss_scale
 from jaxamp.skip import _record
 from jaxamp.skip._multi_transform import MultiTransformState
@@ -140,10 +139,9 @@ def _equinox_params(tree: Any) -> list[Any]:
     ``eqx.filter(model, eqx.is_array)``, or ``eqx.is_inexact_array`` (an integer array
     has no gradient); other leaves (activation functions, flags, names, Python numbers)
     are fields, not params."""
-    is_array = lambda x: isinstance(x, jax.Array | np.ndarray | np.generic)  # noqa: E731
     return [
         jax.tree.map(lambda x, keep=keep: x if keep(x) else None, tree)
-        for keep in (is_array, lambda x: is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact))
+        for keep in (is_array, is_float_array)
     ]
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._utils.conversion_checks import check_flax_train_state
-from jaxamp._utils.tree import render_path
+from jaxamp._utils.tree import is_none, render_path
 from jaxamp.loss_scale import LossScaleState, Mode, no_scale
 from jaxamp.skip import _spikes
 from jaxamp.skip._guard import Call, Outcome
@@ -205,10 +205,6 @@ def check_inner(inner: Any, fn: str, what: str = "inner") -> optax.GradientTrans
     return optax.with_extra_args_support(inner)
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 def _array_like(x: Any) -> bool:
     """A leaf a gradient can update: anything with a shape and a dtype, or a number."""
     return (hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(x, int | float | complex)
@@ -242,7 +238,7 @@ def check_grads(grads: Any, params: Any, fn: str) -> Any:
     """
     if params is None:
         return None
-    g_def = jax.tree.structure(grads, is_leaf=_is_none)
+    g_def = jax.tree.structure(grads, is_leaf=is_none)
     try:
         under = g_def.flatten_up_to(params)  # per gradient (or None), its param subtree
     except (ValueError, TypeError):
@@ -253,7 +249,7 @@ def check_grads(grads: Any, params: Any, fn: str) -> Any:
             "Pass the gradients of the loss with respect to these params."
             + _equinox_hint(grads, params)
         ) from None
-    flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=_is_none)[0]
+    flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
     trained, fields = [], False
     for (path, g), p in zip(flat, under, strict=True):
         if g is None:
@@ -280,7 +276,7 @@ def check_grads(grads: Any, params: Any, fn: str) -> Any:
 def restore_fields(new_params: Any, params: Any) -> Any:
     """``jaxamp.step``'s result for ``params``: ``new_params`` (the update of what
     ``check_grads`` returned) with ``params``' leaves back where it holds ``None``."""
-    return jax.tree.map(lambda n, p: p if n is None else n, new_params, params, is_leaf=_is_none)
+    return jax.tree.map(lambda n, p: p if n is None else n, new_params, params, is_leaf=is_none)
 
 
 def check_inner_state(inner: Any, state: Any, like_params: Any, fn: str, where: str) -> None:
