@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxamp._utils import jax_compat
@@ -117,6 +118,23 @@ def like(old: Any, new_types: Any) -> Any:
 def zeros_of(new_types: Any) -> Any:
     """Zeros of each abstract value's shape, dtype and (Explicit mesh) sharding."""
     return like(jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), new_types), new_types)
+
+
+def is_none(x: Any) -> bool:
+    """``is_leaf=`` for reading ``None`` as a leaf, as optax and equinox read updates."""
+    return x is None
+
+
+def is_array(x: Any) -> bool:
+    """A JAX or NumPy array, what ``eqx.is_array`` keeps of a model: its other leaves
+    (activation functions, flags, names, Python numbers) are fields, not params."""
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def is_float_array(x: Any) -> bool:
+    """An array of a floating or complex dtype: what ``eqx.is_inexact_array`` keeps, and
+    ``eqx.filter_grad`` differentiates (a Python float is a field)."""
+    return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def path_key(entry: Any) -> Any:

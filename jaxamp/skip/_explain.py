@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxamp._utils.errors import named
-from jaxamp._utils.tree import find_one
+from jaxamp._utils.tree import find_one, is_array, is_float_array
 from jaxamp.loss_scale import LossScaleState, get_loss_scale
 from jaxamp.skip import _record
 from jaxamp.skip._multi_transform import MultiTransformState
@@ -134,6 +134,17 @@ def _unpack(opt_state: Any, params: Any) -> tuple[Any, Any]:
     return opt_state, params
 
 
+def _equinox_params(tree: Any) -> list[Any]:
+    """What an equinox user gives ``tx.init`` of a whole model ``tree``:
+    ``eqx.filter(model, eqx.is_array)``, or ``eqx.is_inexact_array`` (an integer array
+    has no gradient); other leaves (activation functions, flags, names, Python numbers)
+    are fields, not params."""
+    return [
+        jax.tree.map(lambda x, keep=keep: x if keep(x) else None, tree)
+        for keep in (is_array, is_float_array)
+    ]
+
+
 def _check_layout(record: NonfiniteLeaves, lead: tuple[int, ...], params: Any) -> list[str]:
     """The key paths of ``params``' leaves, if they are the leaves the record tracks.
 
@@ -142,6 +153,10 @@ def _check_layout(record: NonfiniteLeaves, lead: tuple[int, ...], params: Any) -
     """
     got = _record.leaf_layout(params)
     n = record.signed_counts.shape[-1]
+    for filtered in _equinox_params(params) if len(got) != n else []:
+        if len(_record.leaf_layout(filtered)) == n:  # an equinox model passed whole
+            got = _record.leaf_layout(filtered)
+            break
     if len(got) != n:
         raise ValueError(
             f"jaxamp.explain: `params` has {len(got)} leaves but the optimizer state tracks "

@@ -28,6 +28,7 @@ from jaxamp.skip._transformation import (
     loss_scale_arg,
     record_of,
     refuse_narrow,
+    restore_fields,
     with_outcome,
 )
 
@@ -122,7 +123,8 @@ class _MultiTransformUpdate(GuardedUpdate):
         fn = "jaxamp.step" if call.to_params else "multi_transform.update"
         check_state_type(state, MultiTransformState, fn)
         check_spike_state(self.spikes, state, fn)
-        check_grads(grads, params, fn)
+        # An equinox model passed whole: its non-array fields set aside, put back at the end.
+        given, params = params, check_grads(grads, params, fn)
         refuse_narrow(params, state.inner_states, fn)
         labels = _full_labels(self.param_labels, grads, self.transforms, fn)
         parts = []
@@ -145,6 +147,8 @@ class _MultiTransformUpdate(GuardedUpdate):
         record = record_of(state, _positions(flat_labels, self.transforms))
         got = guarded(state.loss_scale, parts, call, self.axis_name, spikes, record)
         out = _merge(dict(zip(self.transforms, got.outs, strict=True)), labels, grads)
+        if call.to_params and params is not given:
+            out = restore_fields(out, given)
         new = with_outcome(state, got)
         return out, new._replace(
             inner_states=dict(zip(self.transforms, got.inner_states, strict=True))

@@ -25,6 +25,7 @@ from jaxamp.skip._transformation import (
     loss_scale_arg,
     record_of,
     refuse_narrow,
+    restore_fields,
     with_outcome,
 )
 
@@ -79,7 +80,8 @@ class _SkipNonfiniteUpdate(GuardedUpdate):
         fn = "jaxamp.step" if call.to_params else "skip_nonfinite.update"
         check_state_type(state, SkipNonfiniteState, fn)
         check_spike_state(self.spikes, state, fn)
-        check_grads(grads, params, fn)
+        # An equinox model passed whole: its non-array fields set aside, put back at the end.
+        given, params = params, check_grads(grads, params, fn)
         refuse_narrow(params, state.inner_state, fn)
         check_inner_state(
             self.inner,
@@ -102,17 +104,28 @@ class _SkipNonfiniteUpdate(GuardedUpdate):
             return got.outs[0], new._replace(inner_state=got.inner_states[0])
 
         if self.every_k == 1:
-            return window_step(grads, state)
-        if call.verdict is not None or call.unscaled:
+            out, state = window_step(grads, state)
+        elif call.verdict is not None or call.unscaled:
             raise ValueError(
                 f"{fn}: unscaled gradients (finite=, or what jaxamp.unscale_and_check "
                 "returned) cannot be combined with every_k > 1: the window accumulates the "
                 "scaled gradients inside the optimizer state and unscales and checks them at "
                 "its end. Pass the scaled gradients."
             )
-        return accumulate(
-            self.every_k, grads, state, params, window_step, call.to_params, loss, self.axis_name
-        )
+        else:
+            out, state = accumulate(
+                self.every_k,
+                grads,
+                state,
+                params,
+                window_step,
+                call.to_params,
+                loss,
+                self.axis_name,
+            )
+        if call.to_params and params is not given:
+            out = restore_fields(out, given)
+        return out, state
 
 
 def skip_nonfinite(

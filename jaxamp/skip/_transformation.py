@@ -20,7 +20,7 @@ import optax
 from jaxamp._utils.conversion_checks import check_flax_train_state
 from jaxamp._utils.dtypes import is_narrow_range
 from jaxamp._utils.errors import unnamed
-from jaxamp._utils.tree import render_path
+from jaxamp._utils.tree import is_none, render_path
 from jaxamp.loss_scale import (
     LossScaleState,
     Mode,
@@ -174,25 +174,78 @@ def check_inner(inner: Any, fn: str, what: str = "inner") -> optax.GradientTrans
     return optax.with_extra_args_support(inner)
 
 
-def check_grads(grads: Any, params: Any, fn: str) -> None:
-    """Gradients must match the params leaf for leaf, shapes included (no broadcasting)."""
+def _array_like(x: Any) -> bool:
+    """A leaf a gradient can update: anything with a shape and a dtype, or a number."""
+    return (hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(x, int | float | complex)
+
+
+def _equinox_hint(grads: Any, params: Any) -> str:
+    """Advice for an equinox model's trees, if either tree is one (or the params hold
+    non-array leaves, as a whole model does)."""
+    eqx = sys.modules.get("equinox")
+    module = eqx is not None and (isinstance(grads, eqx.Module) or isinstance(params, eqx.Module))
+    if not (module or any(not _array_like(x) for x in jax.tree.leaves(params))):
+        return ""
+    return (
+        "\nFor an equinox model: take the gradients with eqx.filter_value_and_grad (or "
+        "jaxamp.value_and_grad(loss_fn, inexact_only=True)), give tx.init "
+        "eqx.filter(model, eqx.is_array), and pass here eqx.filter(model, eqx.is_array) or "
+        "the whole model (a None gradient leaves its field as it is)."
+    )
+
+
+def check_grads(grads: Any, params: Any, fn: str) -> Any:
+    """Gradients must match the params leaf for leaf, shapes included (no broadcasting).
+
+    As optax reads the two trees: a ``None`` gradient (what ``eqx.filter_grad`` gives
+    every field it does not differentiate) stands for the whole param subtree at its
+    place, which is not updated. Returns the params the inner optimizer is given:
+    ``params``, or, where a ``None`` gradient stands for a param (an equinox model
+    passed whole: its activation functions, flags, names), ``params`` with ``None``
+    there, the tree ``tx.init`` was given (``eqx.filter(model, eqx.is_array)``).
+    ``restore_fields`` puts those params back into the new params ``jaxamp.step`` returns.
+    """
     if params is None:
-        return
-    g_def, p_def = jax.tree.structure(grads), jax.tree.structure(params)
-    if g_def != p_def:
+        return None
+    g_def = jax.tree.structure(grads, is_leaf=is_none)
+    try:
+        under = g_def.flatten_up_to(params)  # per gradient (or None), its param subtree
+    except (ValueError, TypeError):
+        p_def = jax.tree.structure(params)
         raise ValueError(
-            f"{fn}: the gradients' tree does not match the params' tree.\n  grads:  {g_def}\n"
-            f"  params: {p_def}\nPass the gradients of the loss with respect to these params."
-        )
-    for (path, g), p in zip(
-        jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(params), strict=True
-    ):
+            f"{fn}: the gradients' tree does not match the params' tree.\n"
+            f"  grads:  {jax.tree.structure(grads)}\n  params: {p_def}\n"
+            "Pass the gradients of the loss with respect to these params."
+            + _equinox_hint(grads, params)
+        ) from None
+    flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
+    trained, fields = [], False
+    for (path, g), p in zip(flat, under, strict=True):
+        if g is None:
+            fields = fields or p is not None
+            trained.append(None)
+            continue
+        if not _array_like(p):  # a subtree, None, or a field such as a function
+            what = "nothing" if p is None else f"a {type(p).__name__}"
+            raise ValueError(
+                f"{fn}: the gradient at `{render_path(path)}` is a "
+                f"{type(g).__name__} but the params hold {what} there: pass the gradients "
+                "of the loss with respect to these params." + _equinox_hint(grads, params)
+            )
         g_shape, p_shape = jnp.shape(g), jnp.shape(p)
         if g_shape != p_shape:
             raise ValueError(
                 f"{fn}: the gradient at `{render_path(path)}` has shape {g_shape} but the "
                 f"param has shape {p_shape}; gradients must have their params' shapes exactly."
             )
+        trained.append(p)
+    return g_def.unflatten(trained) if fields else params
+
+
+def restore_fields(new_params: Any, params: Any) -> Any:
+    """``jaxamp.step``'s result for ``params``: ``new_params`` (the update of what
+    ``check_grads`` returned) with ``params``' leaves back where it holds ``None``."""
+    return jax.tree.map(lambda n, p: p if n is None else n, new_params, params, is_leaf=is_none)
 
 
 def refuse_narrow(params: Any, inner_state: Any, fn: str) -> None:

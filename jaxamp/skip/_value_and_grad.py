@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxamp._utils.dtypes import is_inexact
 from jaxamp._utils.errors import unnamed
+from jaxamp._utils.tree import is_float_array, is_none, render_path
 from jaxamp.loss_scale import LossScaleState, get_loss_scale, scale
 
 __all__ = ["scaled_loss", "value_and_grad"]
@@ -44,6 +45,35 @@ def scaled_loss(
 
 
 _LOSS_SCALE_KWARG = "__jaxamp_loss_scale_state__"
+_FIELDS_KWARG = "__jaxamp_fields__"
+
+
+def _split(tree: Any) -> tuple[Any, Any]:
+    """``tree``'s floating arrays (other leaves None), and its other leaves (arrays None)."""
+    arrays = jax.tree.map(lambda x: x if is_float_array(x) else None, tree)
+    fields = jax.tree.map(lambda x: None if is_float_array(x) else x, tree)
+    return arrays, fields
+
+
+def _join(arrays: Any, fields: Any) -> Any:
+    return jax.tree.map(lambda a, f: f if a is None else a, arrays, fields, is_leaf=is_none)
+
+
+def _positions(argnums: int | Sequence[int], n_args: int) -> list[int]:
+    """The in-range indices ``argnums`` names (JAX itself refuses the others)."""
+    nums = [argnums] if isinstance(argnums, int) else list(argnums)
+    return sorted({n % n_args for n in nums if isinstance(n, int) and -n_args <= n < n_args})
+
+
+def _not_differentiable(args: tuple[Any, ...], positions: list[int]) -> str | None:
+    """``argument i's `path` (a T)`` for the first leaf ``jax.grad`` refuses, if any."""
+    for i in positions:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+            if not is_inexact(leaf):
+                what = f"{leaf.dtype} array" if hasattr(leaf, "dtype") else type(leaf).__name__
+                where = f"argument {i}" + ("" if not path else f"'s leaf `{render_path(path)}`")
+                return f"{where} (a {what})"
+    return None
 
 
 def _looks_like_opt_state(state: Any) -> bool:
@@ -56,6 +86,8 @@ def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
+    *,
+    inexact_only: bool = False,
 ) -> Callable[..., Any]:
     """``jax.value_and_grad`` of the *scaled* loss, returning the *unscaled* loss.
 
@@ -70,6 +102,14 @@ def value_and_grad(
         or a sequence of ints, negative ones counted from the end, exactly as
         ``jax.value_and_grad`` reads them (the leading state is not counted).
       has_aux: whether ``fun`` returns ``(loss, aux)``.
+      inexact_only: differentiate only the array leaves of a floating (or complex) dtype
+        of the ``argnums`` arguments, and give every other leaf a ``None`` gradient, as
+        ``eqx.filter_value_and_grad`` does: for an equinox model, whose activation
+        functions, flags (``eqx.nn.Dropout``'s ``inference``), integers and Python
+        numbers are fields, not params. ``skip_nonfinite`` / ``jaxamp.step`` take these
+        gradients with ``eqx.filter(model, eqx.is_array)`` or the whole model as params.
+        ``False`` (the default): every leaf is differentiated, as ``jax.value_and_grad``
+        does (it refuses a leaf that is not floating).
 
     Returns:
       A function ``(opt_state_or_loss_scale_state, *args, **kwargs) -> (value, grads)``
@@ -82,6 +122,14 @@ def value_and_grad(
       >>> value, grads = jaxamp.value_and_grad(loss_fn)(jaxamp.static_scale(8.0), jnp.ones(2), 3.0)
       >>> value, grads
       (Array(6., dtype=float32), Array([24., 24.], dtype=float32))
+
+      A model holding a non-float field, as an equinox module does:
+
+      >>> model = {"w": jnp.ones(2), "double": True}
+      >>> loss_fn = lambda m, x: jnp.sum(m["w"] * x) * (2.0 if m["double"] else 1.0)
+      >>> grad_fn = jaxamp.value_and_grad(loss_fn, inexact_only=True)
+      >>> grad_fn(jaxamp.static_scale(8.0), model, 3.0)[1]
+      {'double': None, 'w': Array([48., 48.], dtype=float32)}
     """
     if not callable(fun):
         raise TypeError(f"value_and_grad: `fun` must be callable, got {type(fun).__name__}.")
@@ -95,6 +143,10 @@ def value_and_grad(
         )
 
     def scaled_fun(*args: Any, **kwargs: Any) -> Any:
+        # inexact_only: the differentiated arguments come as their floating arrays only,
+        # their other leaves (functions, flags) as a keyword: never traced, never differentiated.
+        fields = kwargs.pop(_FIELDS_KWARG, {})
+        args = tuple(_join(a, fields[i]) if i in fields else a for i, a in enumerate(args))
         return scaled_loss(fun, has_aux, kwargs.pop(_LOSS_SCALE_KWARG))(*args, **kwargs)
 
     # jax.value_and_grad itself reads argnums (negative, tuple, list) against
@@ -124,7 +176,26 @@ def value_and_grad(
                     else "."
                 )
             ) from None
-        (_, (loss, aux)), grads = grad_fn(*args, **kwargs, **{_LOSS_SCALE_KWARG: ls})
+        positions = _positions(argnums, len(args)) if args else []
+        if inexact_only:
+            split = {i: _split(args[i]) for i in positions}
+            args = tuple(split[i][0] if i in split else a for i, a in enumerate(args))
+            kwargs = {**kwargs, _FIELDS_KWARG: {i: fields for i, (_, fields) in split.items()}}
+        try:
+            (_, (loss, aux)), grads = grad_fn(*args, **kwargs, **{_LOSS_SCALE_KWARG: ls})
+        except TypeError as e:
+            # jax.grad refuses a leaf that is not floating before it calls `fun`.
+            where = None if inexact_only else _not_differentiable(args, positions)
+            if where is None:
+                raise
+            raise TypeError(
+                f"jaxamp.value_and_grad: {where} cannot be differentiated: jax.grad takes "
+                "floating leaves only. For a model "
+                "holding fields that are not floating arrays (an equinox module: activation "
+                "functions, eqx.nn.Dropout's `inference` flag), pass inexact_only=True: its "
+                "floating arrays are differentiated and the other leaves get None gradients, "
+                "as with eqx.filter_value_and_grad."
+            ) from e
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped

@@ -269,10 +269,11 @@ def test_migration_before_and_after_train_alike(name: str) -> None:
 
 def _route_blocks() -> dict[str, str]:
     """docs/routes.md's blocks by section: the pmap block (run in tests/multidevice) and
-    the three that run on one device."""
+    the four that run on one device."""
     codes = blocks("routes.md")
-    assert len(codes) == 4 and codes[0].startswith("# under pmap")
-    return dict(zip(["pmap", "nnx_split", "flax_checkpoints", "model_dtype"], codes, strict=True))
+    assert len(codes) == 5 and codes[0].startswith("# under pmap")
+    names = ["pmap", "nnx_split", "flax_checkpoints", "model_dtype", "equinox"]
+    return dict(zip(names, codes, strict=True))
 
 
 def test_routes_nnx_split_train_state_keeps_batch_stats_and_explain_names_modules(capsys):
@@ -374,3 +375,26 @@ def test_no_page_tells_find_overflow_to_test_the_state_after_the_step():
         for m in re.finditer(r"loss_scale=(opt_state|optimizer|state)\b", page.read_text())
     ]
     assert told == []
+
+
+def test_routes_equinox_both_loops_take_the_same_steps_and_keep_the_fields(capsys):
+    """What docs/routes.md says of equinox's loop: eqx.filter_value_and_grad with the scale
+    by hand + tx.update + eqx.apply_updates, and value_and_grad(inexact_only=True) +
+    jaxamp.step on the whole model, take the same steps, skip the same one, and keep the
+    model's fields; explain names the leaves by their paths in the whole model."""
+    import equinox as eqx
+
+    ns = run_blocks("routes.md", [_route_blocks()["equinox"]])
+    models, states = ns["models"], ns["states"]
+    by_hand, fused = (eqx.filter(models[n], eqx.is_array) for n in ("by_hand", "fused"))
+    moved = jax.tree.map(
+        lambda a, b: float(abs(a - b).max()), by_hand, eqx.filter(ns["model"], eqx.is_array)
+    )
+    assert max(jax.tree.leaves(moved)) > 0  # the finite steps were taken
+    jax.tree.map(np.testing.assert_array_equal, by_hand, fused)
+    for name in ("by_hand", "fused"):
+        assert int(jaxamp.metrics(states[name])["skipped_steps"]) == 1
+        got = models[name]
+        assert got.act is jax.nn.gelu and got.drop.inference is False and got.drop.p == 0.1
+    out = capsys.readouterr().out
+    assert "by_hand ('lin.weight'" in out and "fused ('lin.weight'" in out
