@@ -32,8 +32,9 @@ def get_loss_scale(opt_state_or_loss_scale_state: Any) -> LossScaleState:
     ``jaxamp.get_loss_scale(opt_state).scale`` is the loss scale the next step
     multiplies the loss by (PyTorch's ``scaler.get_scale()``); the state's other
     fields are its counters. It takes whatever holds the optimizer state: the
-    state of any nesting (``optax.chain``, ``MultiSteps``, ``multi_transform``,
-    ``inject_hyperparams``), a [`jaxamp.TrainState`][jaxamp.TrainState], a
+    state itself, inside the structures safe around the guard (an ``optax.chain``
+    or ``named_chain`` of it alone, ``optax.flatten``, ``inject_hyperparams``), a
+    [`jaxamp.TrainState`][jaxamp.TrainState], a
     [`jaxamp.nnx.Optimizer`][jaxamp.nnx.Optimizer], or a ``LossScaleState`` itself
     (returned as it is). [`jaxamp.metrics`][jaxamp.metrics] puts the same scale in
     the dict it returns for logging, as ``"loss_scale"``.
@@ -49,11 +50,13 @@ def get_loss_scale(opt_state_or_loss_scale_state: Any) -> LossScaleState:
       The loss-scale state, with plain array fields; ``.scale`` is the scale.
 
     Raises:
-      ValueError: if there is none, or more than one (naming where each is).
+      ValueError: if there is none, or more than one (naming where each is), or the
+        guard sits inside a structure unsafe around it (``optax.MultiSteps``, a chain
+        with other members, ...: naming what to write instead).
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
-      >>> tx = optax.MultiSteps(jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale()), 4)
+      >>> tx = optax.chain(jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale()))
       >>> float(jaxamp.get_loss_scale(tx.init({"w": jnp.ones(2)})).scale)
       32768.0
     """

@@ -27,8 +27,8 @@ class Unscaled:
     [`jaxamp.step`][jaxamp.step], ``tx.update`` of a jaxamp transformation and
     [`jaxamp.TrainState`][jaxamp.TrainState] take it as it is (checked, never unscaled
     twice; with or without ``finite=``); ``unscale_and_check`` refuses it, as PyTorch's
-    second ``unscale_()`` does. ``grads["w"]`` reads the tree; ``grads.tree`` is the plain
-    tree, for code outside jaxamp (a plain optax optimizer).
+    second ``unscale_()`` does. ``grads["w"]`` and ``grads.dtype`` read the tree;
+    ``grads.tree`` is the plain tree, for code outside jaxamp (a plain optax optimizer).
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -56,6 +56,12 @@ class Unscaled:
 
     def __getitem__(self, key: Any) -> Any:
         return self.tree[key]
+
+    def __getattr__(self, name: str) -> Any:
+        # What the tree has (a dict's keys(), an array's dtype): read through the mark.
+        if name == "tree":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.tree, name)
 
     def __repr__(self) -> str:
         return f"Unscaled({self.tree!r})"

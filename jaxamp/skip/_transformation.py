@@ -273,7 +273,8 @@ def refuse_narrow(params: Any, inner_state: Any, fn: str) -> None:
             "optax.adam(..., mu_dtype=jnp.bfloat16) instead of jnp.float16)."
         )
         raise TypeError(
-            f"{fn}: the {where} hold float16-range leaves ({shown}). The guard checks the "
+            f"{fn}: the {where} hold leaves of float16's range or narrower ({shown}). The "
+            "guard checks the "
             "gradients, but an optimizer step computed or kept in float16 overflows from "
             "finite gradients (AdamW's update, a squared gradient) and would write inf or "
             f"NaN (PyTorch's GradScaler refuses float16 params too). {fix}"

@@ -81,7 +81,8 @@ def test_step_with_finite_neither_unscales_nor_checks_again():
     # An edit the user made (clipping) is what the optimizer sees.
     clipped = jax.tree.map(lambda g: g * jnp.minimum(1.0, 0.1 / norm), unscaled)
     p, s = jaxamp.step(tx, clipped, state, PARAMS, finite=finite)
-    u, _ = optax.adam(0.1).update(clipped, optax.adam(0.1).init(PARAMS), PARAMS)
+    # Plain optax takes the plain tree (the Unscaled mark is jaxamp's).
+    u, _ = optax.adam(0.1).update(clipped.tree, optax.adam(0.1).init(PARAMS), PARAMS)
     jax.tree.map(
         lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), p, optax.apply_updates(PARAMS, u)
     )

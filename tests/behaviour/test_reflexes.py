@@ -73,26 +73,26 @@ ERRORS: dict[str, tuple[Callable[[], object], type, str]] = {
     "float16 params": (
         lambda: _guard(optax.adamw(1e-3)).init({"w": jnp.ones(3, jnp.float16)}),
         TypeError,
-        r"params hold float16-range leaves \(`w` \(float16\)\).*float32 master params",
+        r"params hold leaves of float16's range \(`w` \(float16\)\).*float32 master params",
     ),
     "float16 params through jaxamp.step": (
         lambda: jaxamp.step(
             _guard(), G, _guard().init(P), {"w": jnp.ones(4, jnp.float16)}
         ),  # a state built for float32 params, stepped with float16 ones
         TypeError,
-        r"params hold float16-range leaves",
+        r"params hold leaves of float16's range",
     ),
     "float16 optimizer state": (
         lambda: _guard(optax.adam(1e-3, mu_dtype=jnp.float16)).init(P),
         TypeError,
-        r"inner_state hold float16-range leaves \(`0.mu.w`.*mu_dtype=jnp.bfloat16",
+        r"inner_state hold leaves of float16's range \(`0.mu.w`.*mu_dtype=jnp.bfloat16",
     ),
     "float16 params in multi_transform": (
         lambda: jaxamp.multi_transform({"a": optax.sgd(1.0)}, {"w": "a"}).init(
             {"w": jnp.ones(2, jnp.float16)}
         ),
         TypeError,
-        r"jaxamp.multi_transform: the params hold float16-range leaves",
+        r"jaxamp.multi_transform: the params hold leaves of float16's range",
     ),
     # item 7: PyTorch raises on a second unscale_()
     "unscale twice": (_double_unscale, TypeError, r"already unscaled.*finite=finite"),

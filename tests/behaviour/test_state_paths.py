@@ -435,7 +435,7 @@ def test_replace_max_scale_cannot_leave_a_stale_check() -> None:
     # The consistent way there: the bounds move with it, and the check reads the scale
     # at run time, so gradients that overflow on unscaling are skipped.
     state = state.replace(min_scale=0.25, max_scale=0.5, scale=0.5)
-    params = {"w": jnp.zeros(2, jnp.float16)}
+    params = {"w": jnp.zeros(2)}  # float32 master params, float16 gradients (compressed)
     tx = jaxamp.skip_nonfinite(optax.sgd(1.0), state)
     new_params, opt_state = jaxamp.step(
         tx, {"w": jnp.array([40000.0, 1.0], jnp.float16)}, tx.init(params), params

@@ -33,7 +33,7 @@ def test_every_form_the_step_holds_tests_that_scale():
     ls = jaxamp.dynamic_scale(init_scale=2.0**11)
     tx = jaxamp.skip_nonfinite(optax.sgd(0.1), ls)
     opt_state = tx.init({"w": W})
-    nested = optax.MultiSteps(tx, 2).init({"w": W})
+    nested = optax.chain(tx).init({"w": W})
     train_state = jaxamp.TrainState.create(apply_fn=None, params={"w": W}, tx=tx)
     model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
     optimizer = jaxamp.nnx.Optimizer(model, tx, wrt=nnx.Param)

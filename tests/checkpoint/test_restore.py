@@ -478,7 +478,7 @@ def test_restore_into_another_configuration_takes_the_checkpoints_numbers(tmp_pa
     # The case. 0.1.0 restored the numbers but kept the target's static flag
     # "the scale cannot drop below 1": it checked the *scaled* gradients, [20000, 1]
     # in float16 unscaled by 1/0.25 to -inf, and jaxamp.step applied it. Fails on 0.1.0.
-    params = {"w": jnp.zeros(2, jnp.float16)}
+    params = {"w": jnp.zeros(2)}  # float32 master params, float16 gradients (compressed)
     saved_tx = jaxamp.skip_nonfinite(optax.sgd(1.0), jaxamp.compat.torch_grad_scaler(0.25))
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(tmp_path / "torch", {"params": params, "opt_state": saved_tx.init(params)})

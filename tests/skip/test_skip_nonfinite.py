@@ -132,27 +132,6 @@ def test_multisteps_inside_skip_nonfinite():
     _allclose(state.inner_state, ref_state)
 
 
-def test_multisteps_outside_skip_nonfinite():
-    """MultiSteps(skip_nonfinite(...)): the loss scale moves once per accumulated window.
-
-    Only finite micro-batches here: optax's MultiSteps resets its accumulator by
-    multiplying it with 0, so one inf micro-batch would leave NaN in it for good.
-    With non-finite micro-batches, put skip_nonfinite outside (test above).
-    """
-    p0 = mlp_init(jax.random.PRNGKey(4))
-    ls = jaxamp.dynamic_scale(init_scale=2.0**10, growth_interval=2)
-    tx = optax.MultiSteps(jaxamp.skip_nonfinite(optax.adam(1e-2), ls), 2)
-    params, state = _train_scaled(tx, p0, [mlp_loss], bad_step=-1)
-    ref_params, ref_state = _train_reference(
-        optax.MultiSteps(optax.adam(1e-2), 2), p0, [mlp_loss], skip=()
-    )
-    _allclose(params, ref_params)
-    _allclose(state.inner_opt_state.inner_state, ref_state.inner_opt_state)
-    ls = jaxamp.get_loss_scale(state)
-    # 8 micro-steps = 4 windows = 4 finite updates: two growths.
-    assert int(ls.skipped_steps) == 0 and float(ls.scale) == 2.0**12
-
-
 def test_skipped_step_leaves_params_and_inner_state_bit_identical():
     params = mlp_init(jax.random.PRNGKey(5))
     tx = jaxamp.skip_nonfinite(optax.adamw(1e-2), jaxamp.dynamic_scale())
@@ -352,10 +331,12 @@ def test_extra_args_are_forwarded():
 def test_get_loss_scale_through_nesting():
     params = {"w": jnp.ones(2)}
     ls = jaxamp.dynamic_scale(init_scale=64.0)
+    # The structures safe around the guard (tests/loss_scale/test_placement.py refuses
+    # the others: MultiSteps, a chain with other members, partition, ...).
     nested = [
-        optax.chain(optax.identity(), jaxamp.skip_nonfinite(optax.sgd(0.1), ls)),
-        optax.MultiSteps(jaxamp.skip_nonfinite(optax.sgd(0.1), ls), 2),
-        optax.multi_transform({"a": jaxamp.skip_nonfinite(optax.sgd(0.1), ls)}, {"w": "a"}),
+        optax.chain(jaxamp.skip_nonfinite(optax.sgd(0.1), ls)),
+        optax.named_chain(("guard", jaxamp.skip_nonfinite(optax.sgd(0.1), ls))),
+        optax.flatten(jaxamp.skip_nonfinite(optax.sgd(0.1), ls)),
         optax.inject_hyperparams(
             lambda learning_rate: jaxamp.skip_nonfinite(optax.sgd(learning_rate), ls)
         )(learning_rate=0.1),
@@ -365,7 +346,7 @@ def test_get_loss_scale_through_nesting():
         state = tx.init(params)
         assert float(jaxamp.get_loss_scale(state).scale) == 64.0
         updates, state = tx.update({"w": jnp.array([jnp.inf, 0.0])}, state, params)
-        assert float(jaxamp.get_loss_scale(state).scale) in (32.0, 64.0)  # MultiSteps: not yet
+        assert float(jaxamp.get_loss_scale(state).scale) == 32.0
     ts = flax_train_state.TrainState.create(apply_fn=None, params=params, tx=nested[0])
     assert float(jaxamp.get_loss_scale(ts.opt_state).scale) == 64.0
     with pytest.raises(ValueError, match="no LossScaleState"):
@@ -548,5 +529,5 @@ def test_max_consecutive_nonfinite_takes_the_loss_scale_states_spellings() -> No
     for _ in range(300):  # never raises with math.inf, however long the streak
         params, state = step(params, state)
     jaxamp.check_health(state)
-    with pytest.raises(TypeError, match=r"math\.inf \(never raise\)"):
+    with pytest.raises(ValueError, match=r"math\.inf \(never raise\)"):
         jaxamp.skip_nonfinite(optax.sgd(1.0), max_consecutive_nonfinite=2.5)
