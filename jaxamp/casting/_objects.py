@@ -23,17 +23,42 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxamp.casting import _flax
 
 
+def _slots(kind: type) -> list[str]:
+    """The slot attributes a class and its bases declare."""
+    names = []
+    for k in kind.__mro__:
+        declared = k.__dict__.get("__slots__", ())
+        names += [declared] if isinstance(declared, str) else list(declared)
+    return [n for n in names if n not in ("__dict__", "__weakref__")]
+
+
+def _attrs(obj: Any) -> dict[str, Any]:
+    """An object's attributes: its ``__dict__`` and its slots (those that are set)."""
+    found = dict(getattr(obj, "__dict__", {}))
+    for name in _slots(type(obj)):
+        if hasattr(obj, name):
+            found[name] = getattr(obj, name)
+    return found
+
+
 def _plain(x: Any) -> bool:
     """Whether `x` is an instance of a plain Python class: attributes in a
-    ``__dict__``, hashed by identity (so mutable), no pytree and no nnx module."""
+    ``__dict__`` or slots, mutable (hashed by identity, or not hashable: a dataclass
+    with ``eq``), no pytree and no nnx module. An object hashed by value (a linen
+    module, a frozen dataclass) is immutable by contract."""
     kind = type(x)
     if isinstance(x, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)):
         return False
-    if not hasattr(x, "__dict__") or kind.__hash__ is not object.__hash__:
+    if isinstance(x, jax.Array | np.ndarray | np.generic):
+        return False
+    if not (hasattr(x, "__dict__") or _slots(kind)):
+        return False
+    if kind.__hash__ not in (object.__hash__, None):
         return False
     nnx = _flax.nnx_module()
     if nnx is not None and nnx.graph.is_graph_node(x):
@@ -64,8 +89,13 @@ class _Held:
         held = copy.copy(self.obj)
         is_held = lambda x: isinstance(x, _Held)  # noqa: E731
         for k, v in self.attrs.items():
-            vars(held)[k] = jax.tree_util.tree_map(
-                lambda x: x.rebuilt() if is_held(x) else x, v, is_leaf=is_held
+            # object.__setattr__: past a class's own __setattr__ (and for slots).
+            object.__setattr__(
+                held,
+                k,
+                jax.tree_util.tree_map(
+                    lambda x: x.rebuilt() if is_held(x) else x, v, is_leaf=is_held
+                ),
             )
         return held
 
@@ -76,7 +106,7 @@ def _hold(obj: Any, seen: set[int]) -> _Held:
     def inner(x: Any) -> Any:
         return _hold(x, seen) if _plain(x) and id(x) not in seen else x
 
-    attrs = {k: jax.tree_util.tree_map(inner, v, is_leaf=_plain) for k, v in vars(obj).items()}
+    attrs = {k: jax.tree_util.tree_map(inner, v, is_leaf=_plain) for k, v in _attrs(obj).items()}
     return _Held(obj, attrs)
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxamp
 
@@ -69,3 +73,50 @@ def test_a_new_weight_of_the_same_shape_reuses_the_compiled_program():
     model.w = jnp.full((4, 5), 1.0)  # a new shape: a new trace
     np.testing.assert_array_equal(np.asarray(fwd(X)), 4.0)
     assert TRACES[0] == 2
+
+
+@dataclasses.dataclass
+class _Dataclass:  # eq=True: __hash__ is None, mutable
+    w: jax.Array
+
+    def __call__(self, x):
+        return x @ self.w
+
+
+@dataclasses.dataclass(slots=True)
+class _SlotsDataclass:
+    w: jax.Array
+
+    def __call__(self, x):
+        return x @ self.w
+
+
+class _Slots:
+    __slots__ = ("w",)
+
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, x):
+        return x @ self.w
+
+
+class _ComparedByIdentity:
+    def __init__(self, w):
+        self.w = w
+
+    def __eq__(self, other):  # __hash__ becomes None
+        return self is other
+
+    def __call__(self, x):
+        return x @ self.w
+
+
+@pytest.mark.parametrize("cls", [_Dataclass, _SlotsDataclass, _Slots, _ComparedByIdentity])
+def test_unhashable_and_slotted_objects_are_read_at_each_call_too(cls) -> None:
+    model = cls(jnp.ones((2, 2)))
+    fwd = jaxamp.autocast(model, dtype=jnp.float16)
+    x = jnp.ones((1, 2))
+    before = np.asarray(fwd(x), np.float32)
+    model.w = model.w * 3
+    np.testing.assert_array_equal(np.asarray(fwd(x), np.float32), 3 * before)
