@@ -82,7 +82,9 @@ _FIX = {
         "optax.masked",
         "the leaves outside the mask get the scaled, unchecked gradients as updates, on "
         "skipped steps too",
-        "jaxamp.skip_nonfinite(optax.masked(inner, mask), loss_scale)",
+        "jaxamp.multi_transform({'train': inner, 'frozen': optax.set_to_zero()}, labels, "
+        "loss_scale) (optax.masked inside the guard would still pass the masked-out leaves' "
+        "gradients through as their updates)",
     ),
     "partition": (
         "optax.partition / optax.multi_transform",
@@ -136,13 +138,19 @@ def _judge(arounds: list[Around], fn: str, container_hint: bool) -> None:
                 f"{side} other transformations in an {where}: {why}. Put them inside: "
                 f"{fix}.{mine}"
             )
+        maker = (
+            f"the optax transformation whose state is {a.kind}"
+            if a.kind.endswith("State")
+            else f"optax's {a.kind}"
+        )
         name, why, fix = _FIX.get(
             a.kind,
             (
-                f"optax's {a.kind}",
+                maker,
                 "jaxamp does not know it to be safe around the guard (it may read the "
                 "scaled gradients or write on a skipped step)",
-                f"the guard around it: jaxamp.skip_nonfinite({a.kind}(...), loss_scale)",
+                "the guard around it: jaxamp.skip_nonfinite(<that transformation>(inner), "
+                "loss_scale)",
             ),
         )
         raise ValueError(

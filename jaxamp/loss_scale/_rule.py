@@ -121,7 +121,8 @@ def unscale_and_check(
       (Array([0.5, 2. ], dtype=float32), True)
     """
     state = check_state(loss_scale_state, "unscale_and_check")
-    if isinstance(grads, Unscaled):
+    is_mark = lambda x: isinstance(x, Unscaled)  # noqa: E731
+    if any(map(is_mark, jax.tree.leaves(grads, is_leaf=is_mark))):
         raise TypeError(
             "jaxamp.unscale_and_check: these gradients were already unscaled (they are "
             "what unscale_and_check returned; PyTorch raises likewise on a second "

@@ -57,6 +57,17 @@ class Unscaled:
     def __getitem__(self, key: Any) -> Any:
         return self.tree[key]
 
+    # What a mapping of gradients answers (``"w" in grads``, Flax's apply_gradients
+    # asks), without Python's fallback of probing __getitem__ with 0, 1, ...
+    def __contains__(self, key: Any) -> bool:
+        return key in self.tree
+
+    def __iter__(self) -> Any:
+        return iter(self.tree)
+
+    def __len__(self) -> int:
+        return len(self.tree)
+
     def __getattr__(self, name: str) -> Any:
         # What the tree has (a dict's keys(), an array's dtype): read through the mark.
         if name == "tree":  # not set yet (copy, unpickling): no recursion

@@ -192,6 +192,23 @@ def _prepared(part: Part) -> Any:
     return part.grads if part.prepare is None else part.prepare(part.grads)
 
 
+def _in_params_dtype(grads: Any, params: Any) -> Any:
+    """Each unscaled gradient in its param's dtype where that is wider: PyTorch's master
+    gradients. float16 gradients of float32 params (a compressed all-reduce) would
+    overflow the inner optimizer's float16 arithmetic (a squared gradient) from finite
+    values; widening is exact, and free where the dtypes already agree (no op)."""
+    if params is None:
+        return grads
+
+    def one(g: Any, p: Any) -> Any:
+        if g is None or not (is_inexact(g) and is_inexact(p)):
+            return g
+        wide = jnp.result_type(p)
+        return g.astype(wide) if jnp.dtype(wide).itemsize > g.dtype.itemsize else g
+
+    return jax.tree.map(one, grads, params, is_leaf=lambda x: x is None)
+
+
 def _run_part(
     part: Part,
     take: jax.Array | None,
@@ -214,7 +231,7 @@ def _run_part(
     prepare = part.prepare or (lambda g: g)
 
     def apply(state: Any, grads: Any, params: Any, nonfinite: Any) -> Any:
-        grads = unscale(prepare(grads))
+        grads = _in_params_dtype(unscale(prepare(grads)), params)
         updates, state = part.inner.update(grads, state, params, **call.extra_args)
         ok = jnp.ones((len(floating_leaves(grads)),), jnp.bool_) if read_flags else None
         if not call.to_params:
@@ -223,7 +240,7 @@ def _run_part(
         return optax.apply_updates(params, updates), state, ok
 
     if take is None:  # nothing is checked: no cond, and so nothing to round either
-        grads = unscale(prepare(part.grads))
+        grads = _in_params_dtype(unscale(prepare(part.grads)), part.params)
         updates, state = part.inner.update(grads, part.state, part.params, **call.extra_args)
         out = optax.apply_updates(part.params, updates) if call.to_params else updates
         return out, state, None

@@ -28,6 +28,7 @@ from jaxamp.skip._transformation import (
     loss_scale_arg,
     record_of,
     refuse_narrow,
+    refuse_nested,
     restore_fields,
     with_outcome,
 )
@@ -214,6 +215,7 @@ def multi_transform(
         labels = _full_labels(param_labels, params, checked, fn)
         states = {k: tx.init(_mask(params, labels, k)) for k, tx in checked.items()}
         refuse_narrow(params, states, f"jaxamp.{fn}")
+        refuse_nested(states, f"jaxamp.{fn}")
         ls = jax.tree.map(lambda x: jnp.array(x, copy=True), loss_scale)
         spike_state = None if spikes is None else _spikes.init(spikes)
         return MultiTransformState(states, ls, _record.init(params), spike_state)

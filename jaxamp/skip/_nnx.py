@@ -26,7 +26,7 @@ from flax import nnx
 
 from jaxamp._utils.errors import named
 from jaxamp._utils.tree import render_path
-from jaxamp.loss_scale import LossScaleState, get_loss_scale, select_tree
+from jaxamp.loss_scale import LossScaleState, Unscaled, get_loss_scale, select_tree, unwrap
 from jaxamp.skip._nnx_state import FORWARD_WRITTEN
 from jaxamp.skip._nnx_state import pure as _pure
 from jaxamp.skip._stepped import applied_calls, stepped
@@ -191,7 +191,9 @@ class Optimizer(nnx.Optimizer):
         self._checked(model, "update")
         kept = _pure(self.kept)
         params = _pure(nnx.state(model, self.wrt, **kw))
+        grads, marked = unwrap(grads)  # unscale_and_check's: keep the mark past nnx.state
         grads = _pure(nnx.state(grads, self.wrt, **kw))
+        grads = Unscaled(grads) if marked else grads
         opt_state = _pure(self.opt_state)
         new_params, new_opt_state = step(self.tx, grads, opt_state, params, **_pure(kwargs))
         nnx.update(model, new_params)

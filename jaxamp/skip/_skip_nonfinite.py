@@ -25,6 +25,7 @@ from jaxamp.skip._transformation import (
     loss_scale_arg,
     record_of,
     refuse_narrow,
+    refuse_nested,
     restore_fields,
     with_outcome,
 )
@@ -205,6 +206,7 @@ def skip_nonfinite(
         leaves = _record.init(params)
         inner_state = inner.init(params)
         refuse_narrow(params, inner_state, f"jaxamp.{fn}")
+        refuse_nested(inner_state, f"jaxamp.{fn}")
         return SkipNonfiniteState(inner_state, ls, acc, mini_step, leaves, spike_state)
 
     return optax.GradientTransformationExtraArgs(

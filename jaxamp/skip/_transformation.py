@@ -10,8 +10,9 @@ parameter update fused in.
 
 from __future__ import annotations
 
+import contextvars
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,11 @@ class GuardedUpdate:
         refuse_flax_optimizer(sys._getframe(1))
         check_flax_train_state(sys._getframe(1))
         grads, marked = unwrap(updates)
-        return self.run(grads, state, params, Call(extra_args, None, False, marked))
+        verdict, given = None, _GIVEN.get()
+        if given is not None:  # jaxamp.step through a structure safe around the guard
+            verdict, marked = given.verdict, marked or given.unscaled
+            _GIVEN.set(given._replace(reached=True))
+        return self.run(grads, state, params, Call(extra_args, verdict, False, marked))
 
     def run(self, grads: Any, state: Any, params: Any, call: Call) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -114,14 +119,41 @@ def step(
     update = getattr(tx, "update", None)
     if isinstance(update, GuardedUpdate):
         return update.run(grads, opt_state, params, Call(extra_args, finite, True, marked))
-    if finite is not None:
+    guarded = check_state(opt_state, "jaxamp.step / TrainState.apply_gradients")
+    if finite is not None and not guarded:
         raise TypeError(
             "jaxamp.step: finite= needs a transformation from jaxamp.skip_nonfinite or "
             f"jaxamp.multi_transform, got {type(tx).__name__}."
         )
-    check_state(opt_state, "jaxamp.step / TrainState.apply_gradients")
-    updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+    # A guard inside a structure safe around it (a chain of one, flatten, ...): what
+    # the gradients are (unscaled, a verdict) travels beside them, not on them
+    # (optax.flatten ravels the Unscaled mark away).
+    token = _GIVEN.set(_Given(finite, marked, False))
+    try:
+        updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+        reached = _GIVEN.get().reached
+    finally:
+        _GIVEN.reset(token)
+    if (finite is not None or marked) and not reached:
+        raise TypeError(
+            "jaxamp.step: unscaled gradients (finite=, or what jaxamp.unscale_and_check "
+            f"returned) need a jaxamp guard in tx, and this {type(tx).__name__}'s update "
+            "called none. Pass tx = jaxamp.skip_nonfinite(inner, loss_scale)."
+        )
     return optax.apply_updates(params, updates), opt_state
+
+
+class _Given(NamedTuple):
+    """What ``jaxamp.step`` was told of its gradients, for the guard a structure safe
+    around it calls: ``finite=`` (or None), whether they were ``Unscaled``, and whether
+    a guard has read this (so that it is never dropped)."""
+
+    verdict: Any
+    unscaled: bool
+    reached: bool
+
+
+_GIVEN: contextvars.ContextVar[_Given | None] = contextvars.ContextVar("jaxamp_step", default=None)
 
 
 def loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> LossScaleState:
@@ -189,8 +221,9 @@ def _equinox_hint(grads: Any, params: Any) -> str:
     return (
         "\nFor an equinox model: take the gradients with eqx.filter_value_and_grad (or "
         "jaxamp.value_and_grad(loss_fn, inexact_only=True)), give tx.init "
-        "eqx.filter(model, eqx.is_array), and pass here eqx.filter(model, eqx.is_array) or "
-        "the whole model (a None gradient leaves its field as it is)."
+        "eqx.filter(model, eqx.is_inexact_array) (is_array keeps integer arrays, which get "
+        "no gradient), and pass here that same filtered model or the whole model (a None "
+        "gradient leaves its field as it is)."
     )
 
 
@@ -246,6 +279,19 @@ def restore_fields(new_params: Any, params: Any) -> Any:
     """``jaxamp.step``'s result for ``params``: ``new_params`` (the update of what
     ``check_grads`` returned) with ``params``' leaves back where it holds ``None``."""
     return jax.tree.map(lambda n, p: p if n is None else n, new_params, params, is_leaf=is_none)
+
+
+def refuse_nested(inner_state: Any, fn: str) -> None:
+    """Raises for a guard inside a guard: the gradients would be unscaled twice (the
+    outer guard hands the inner one unscaled gradients as if scaled)."""
+    is_ls = lambda x: isinstance(x, LossScaleState)  # noqa: E731
+    if any(map(is_ls, jax.tree.leaves(inner_state, is_leaf=is_ls))):
+        raise ValueError(
+            f"{fn}: the inner optimizer holds a jaxamp guard of its own (skip_nonfinite or "
+            "multi_transform inside another): its gradients would be unscaled twice. Use "
+            "one guard, outermost: jaxamp.skip_nonfinite(optax.adam(1e-3), loss_scale), or "
+            "jaxamp.multi_transform({...plain optax transformations...}, labels, loss_scale)."
+        )
 
 
 def refuse_narrow(params: Any, inner_state: Any, fn: str) -> None:

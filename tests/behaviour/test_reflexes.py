@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import jaxamp
 from jaxamp._utils import conversion_checks
@@ -73,7 +74,7 @@ ERRORS: dict[str, tuple[Callable[[], object], type, str]] = {
     "float16 params": (
         lambda: _guard(optax.adamw(1e-3)).init({"w": jnp.ones(3, jnp.float16)}),
         TypeError,
-        r"params hold leaves of float16's range \(`w` \(float16\)\).*float32 master params",
+        r"params hold leaves of float16's range or narrower \(`w` \(float16\)\).*float32 master params",
     ),
     "float16 params through jaxamp.step": (
         lambda: jaxamp.step(
@@ -85,7 +86,7 @@ ERRORS: dict[str, tuple[Callable[[], object], type, str]] = {
     "float16 optimizer state": (
         lambda: _guard(optax.adam(1e-3, mu_dtype=jnp.float16)).init(P),
         TypeError,
-        r"inner_state hold leaves of float16's range \(`0.mu.w`.*mu_dtype=jnp.bfloat16",
+        r"inner_state hold leaves of float16's range or narrower \(`0.mu.w`.*mu_dtype=jnp.bfloat16",
     ),
     "float16 params in multi_transform": (
         lambda: jaxamp.multi_transform({"a": optax.sgd(1.0)}, {"w": "a"}).init(
@@ -110,6 +111,29 @@ ERRORS: dict[str, tuple[Callable[[], object], type, str]] = {
         ),
         ValueError,
         r"cannot be combined with every_k > 1.*Pass the scaled gradients",
+    ),
+    "a guard inside a guard": (
+        lambda: _guard(_guard(optax.sgd(0.1))).init(P),
+        ValueError,
+        r"holds a jaxamp guard of its own.*unscaled twice",
+    ),
+    "a guard as a group of multi_transform": (
+        lambda: jaxamp.multi_transform({"a": _guard()}, {"w": "a"}).init(P),
+        ValueError,
+        r"holds a jaxamp guard of its own",
+    ),
+    "unscale a tree holding unscaled gradients": (
+        lambda: jaxamp.unscale_and_check(
+            jaxamp.static_scale(4.0),
+            (jaxamp.unscale_and_check(jaxamp.static_scale(4.0), G)[0], G),
+        ),
+        TypeError,
+        r"already unscaled",
+    ),
+    "finite= with no guard in tx": (
+        lambda: jaxamp.step(optax.sgd(0.1), G, optax.sgd(0.1).init(P), P, finite=True),
+        TypeError,
+        r"finite= needs a transformation from jaxamp.skip_nonfinite",
     ),
     # item 10: messages that name what to write
     "check_health inside jit": (_check_health_in_jit, TypeError, r"outside the jitted step"),
@@ -243,3 +267,73 @@ def test_unscaled_gradients_step_once_unscaled() -> None:
     new, st2 = jaxamp.step(tx, bad, st, P)
     np.testing.assert_array_equal(np.asarray(new["w"]), np.asarray(P["w"]))
     assert int(jaxamp.metrics(st2)["skipped_steps"]) == 1
+
+
+SAFE_AROUND = {
+    "chain of one": lambda g: optax.chain(g),
+    "flatten": lambda g: optax.flatten(g),
+    "inject_hyperparams": lambda g: optax.inject_hyperparams(lambda learning_rate: g)(
+        learning_rate=1.0
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SAFE_AROUND))
+def test_unscaled_gradients_through_a_structure_safe_around_the_guard(name: str) -> None:
+    """jaxamp.step and TrainState strip no mark on the way to a guard inside a chain of
+    one, optax.flatten (which ravels the gradients) or inject_hyperparams: the update is
+    that of the true gradients, with the Unscaled mark or with finite=."""
+    ls = jaxamp.static_scale(4.0)
+    tx = SAFE_AROUND[name](jaxamp.skip_nonfinite(optax.sgd(1.0), ls))
+    st = tx.init(P)
+    g, finite = jaxamp.unscale_and_check(ls, jaxamp.scale(ls, G))
+    want = np.asarray(P["w"] - G["w"])
+    for new in (
+        jaxamp.step(tx, g, st, P)[0],
+        jax.jit(lambda g, st: jaxamp.step(tx, g, st, P))(g, st)[0],
+        jaxamp.step(tx, g.tree, st, P, finite=finite)[0],
+        jaxamp.TrainState.create(apply_fn=None, params=P, tx=tx).apply_gradients(grads=g).params,
+    ):
+        np.testing.assert_array_equal(np.asarray(new["w"]), want)
+
+
+def test_float16_gradients_of_float32_params_reach_the_optimizer_in_float32() -> None:
+    """Gradients compressed to float16 (an all-reduce in float16) over float32 master
+    params: the inner optimizer gets them in float32, as PyTorch's master gradients, so
+    Adam's squared gradient does not overflow from a finite value (it wrote inf into nu
+    on a step counted as taken)."""
+    ls = jaxamp.static_scale(128.0)
+    tx = jaxamp.skip_nonfinite(optax.adam(0.1), ls)
+    params = {"w": jnp.zeros(2)}
+    true = np.array([300.0, 1.0], np.float32)  # 300**2 overflows float16
+    grads = {"w": jnp.asarray(true * 128.0, jnp.float16)}
+    ref = optax.adam(0.1)
+    ref_updates, ref_state = ref.update({"w": jnp.asarray(true)}, ref.init(params), params)
+    for new, state in (
+        jaxamp.step(tx, grads, tx.init(params), params),
+        (lambda u, s: (optax.apply_updates(params, u), s))(
+            *tx.update(grads, tx.init(params), params)
+        ),
+    ):
+        nu = np.asarray(state.inner_state[0].nu["w"])
+        np.testing.assert_allclose(nu, np.asarray(ref_state[0].nu["w"]), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(new["w"]), np.asarray(ref_updates["w"]), rtol=1e-6)
+        assert int(jaxamp.metrics(state)["skipped_steps"]) == 0
+
+
+def test_unscaled_gradients_read_as_their_tree() -> None:
+    """What code written for a dict of gradients asks of them (Flax's apply_gradients
+    asks ``"key" in grads``), and jaxamp.nnx.Optimizer.update, keep working."""
+    ls = jaxamp.static_scale(4.0)
+    g, _ = jaxamp.unscale_and_check(ls, {"w": jnp.ones(2), "b": jnp.ones(1)})
+    assert "w" in g and sorted(g) == ["b", "w"] and len(g) == 2
+    assert sorted(g.keys()) == ["b", "w"] and g["w"].shape == (2,)
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = jaxamp.nnx.Optimizer(
+        model, jaxamp.skip_nonfinite(optax.sgd(1.0), ls), wrt=nnx.Param
+    )
+    before = np.asarray(model.kernel[...])
+    grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))) * 4.0)(model)
+    unscaled, _ = jaxamp.unscale_and_check(ls, grads)
+    optimizer.update(model, unscaled)  # the true gradient is 1 per kernel entry
+    np.testing.assert_array_equal(np.asarray(model.kernel[...]), before - 1.0)

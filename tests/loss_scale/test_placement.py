@@ -65,7 +65,7 @@ REFUSED: dict[str, tuple[Callable[[Any], Any], str]] = {
     ),
     "masked": (
         lambda g: optax.masked(g, {"w": True, "b": False}),
-        r"wrapped in optax.masked.*skip_nonfinite\(optax.masked\(inner, mask\)",
+        r"wrapped in optax.masked.*optax.set_to_zero\(\)",
     ),
     "partition": (
         lambda g: optax.partition({"a": g, "b": optax.sgd(0.1)}, {"w": "a", "b": "b"}),
