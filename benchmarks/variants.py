@@ -109,7 +109,7 @@ def _jaxamp_step(loss: Callable[[Any, Any], jax.Array], use_cond: bool) -> Varia
         else:  # the design jaxamp.step avoids: compute the step, then select it away
             ls = opt_state.loss_scale
             unscaled, finite = jaxamp.unscale_and_check(ls, grads)
-            updates, inner = tx.update.inner.update(unscaled, opt_state.inner_state, params)
+            updates, inner = tx.update.inner.update(unscaled.tree, opt_state.inner_state, params)
             new = (optax.apply_updates(params, updates), inner)
             params, inner = jaxamp.select_tree(finite, new, (params, opt_state.inner_state))
             opt_state = opt_state._replace(inner_state=inner, loss_scale=jaxamp.update(ls, finite))

@@ -58,12 +58,12 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting import _fp8_gemm, _rules
-from jaxamp.casting._layouts import RELAYOUT
+from jaxamp.casting._fp8_roots import NONE, SAME_VALUES, Roots, subjaxprs
 from jaxamp.casting._scopes import join, module_match, scope_parts
 
 __all__ = ["Fp8Config", "fp8"]
@@ -197,48 +197,6 @@ def resolve(value: Any) -> Fp8Config | None:
         f"autocast: fp8={value!r}; write fp8=jaxamp.fp8() (tensorwise current scaling), "
         "fp8=jaxamp.fp8(scaling='rowwise'), or fp8=None"
     )
-
-
-#: A value's roots: the ids of the arrays of `f` (its inputs, the constants it
-#: closes over) whose values it holds unchanged, only laid out again: a weight
-#: as a product reads it (cast to bfloat16, transposed, reshaped).
-Roots = frozenset[int]
-_NONE: Roots = frozenset()
-#: Ops whose results hold their operands' values (``Roots``).
-_SAME_VALUES = RELAYOUT | {
-    "reduce_precision", "sharding_constraint", "mesh_cast", "reshard", "pvary", "device_put",
-}  # fmt: skip
-
-
-def _as_jaxpr(value: Any) -> Jaxpr | None:
-    if isinstance(value, ClosedJaxpr):
-        return value.jaxpr
-    return value if isinstance(value, Jaxpr) else None
-
-
-def _subjaxprs(eqn: Any, ins: list[Roots]) -> list[tuple[Jaxpr, list[Roots]]]:
-    """Each inner jaxpr of `eqn`, with the roots of its inputs given `ins`, those
-    of `eqn`'s inputs. A loop body's carry and scanned slices change from one
-    iteration to the next: only its constants hand on the caller's arrays."""
-    name, params = eqn.primitive.name, eqn.params
-    found = []
-    for key, value in params.items():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-            inner = _as_jaxpr(sub)
-            if inner is None:
-                continue
-            n = len(inner.invars)
-            if name == "cond":
-                given = ins[1:]  # after the branch index
-            elif name == "scan":
-                given = ins[: jax_compat.scan_counts(params)[0]]
-            elif name == "while":
-                first = 0 if key == "cond_jaxpr" else params["cond_nconsts"]
-                given = ins[first : first + params[f"{key.partition('_')[0]}_nconsts"]]
-            else:
-                given = ins if len(ins) == n else []
-            found.append((inner, (list(given) + [_NONE] * n)[:n]))
-    return found
 
 
 #: A product as the plan names it: the ids of the equations that enclose it from
@@ -375,7 +333,7 @@ def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
         roots.update((v, frozenset({id(v)})) for v in jaxpr.constvars)
 
         def of(v: Any) -> Roots:
-            return _NONE if isinstance(v, Literal) else roots.get(v, _NONE)
+            return NONE if isinstance(v, Literal) else roots.get(v, NONE)
 
         for eqn in jaxpr.eqns:
             stack = join(outer, jax_compat.name_stack(eqn))
@@ -383,7 +341,7 @@ def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
             full, rules = probe.rules_at(stack)
             name = eqn.primitive.name
             rule = _rules.AS_WRITTEN if full else rules.get(name, _rules.FOLLOW)
-            if name in _SAME_VALUES:
+            if name in SAME_VALUES:
                 pairs = zip(eqn.outvars, eqn.invars, strict=False)
                 roots.update((o, of(i)) for o, i in pairs)
             elif name == "dot_general":
@@ -402,7 +360,7 @@ def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
                 # there (a product of theirs may still read one's weight), but
                 # their module names count for the patterns.
                 inner = once and name not in _LOOPS
-                subs = _subjaxprs(eqn, [of(v) for v in eqn.invars])
+                subs = subjaxprs(eqn, [of(v) for v in eqn.invars])
                 outs = [walk(sub, stack, (*site, eqn), inner, given) for sub, given in subs]
                 if len(subs) == 1 and name not in _LOOPS:  # a call: its results
                     roots.update(zip(eqn.outvars, outs[0], strict=False))

@@ -198,10 +198,10 @@ def _trail(tree: Any) -> list[Any]:
 
 def _around_of(node: Any, inner: Any, parent: Any) -> Around | None:
     """The structure ``node`` stands for around its child ``inner`` (None: a container).
-    A tuple or dict that is a field of an optax wrapper's state (``partition``'s states
-    by label) is part of that wrapper, not a chain."""
+    A dict that is a field of an optax wrapper's state (``partition``'s states by label)
+    is part of that wrapper, not a named chain."""
     if _is_namedtuple(parent) and type(parent).__module__.split(".")[0] == "optax":
-        if not _is_namedtuple(node):
+        if isinstance(node, Mapping):
             return None
     if node and (type(node) is tuple or isinstance(node, Mapping)) and _state_like(node):
         members = list(node.values()) if isinstance(node, Mapping) else list(node)

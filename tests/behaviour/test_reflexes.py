@@ -74,7 +74,8 @@ ERRORS: dict[str, tuple[Callable[[], object], type, str]] = {
     "float16 params": (
         lambda: _guard(optax.adamw(1e-3)).init({"w": jnp.ones(3, jnp.float16)}),
         TypeError,
-        r"params hold leaves of float16's range or narrower \(`w` \(float16\)\).*float32 master params",
+        r"params hold leaves of float16's range or narrower \(`w` \(float16\)\)"
+        r".*float32 master params",
     ),
     "float16 params through jaxamp.step": (
         lambda: jaxamp.step(
