@@ -21,6 +21,7 @@ without).
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import hypothesis
@@ -28,7 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.matrix import cells, drive, harness
+from tests.matrix import cells, drive, harness, inputs
 from tests.matrix.modes import BASE
 from tests.matrix.placements import N_DEV
 
@@ -36,6 +37,16 @@ FULL = os.environ.get("MATRIX_FULL") == "1"
 SELECTED = cells.ALL if FULL else cells.CI
 COMPOSED = cells.COMPOSED if FULL else cells.CI_COMPOSED
 DTYPED = cells.DTYPED if FULL else cells.CI_DTYPED
+# CI: the object model, and each spelling of a constant at one of the magnitudes.
+CI_INPUTS = [
+    "object",
+    *(
+        f"const-{s}-{m}"
+        for s, m in zip(sorted(inputs.SPELLINGS), itertools.cycle(inputs.MAGNITUDES))
+    ),
+]
+assert set(CI_INPUTS) <= set(inputs.NAMES)
+INPUTS = inputs.NAMES if FULL else CI_INPUTS
 EXAMPLES = 10 if FULL else 4
 MAX_CALLS = 8 if FULL else 6
 
@@ -79,14 +90,15 @@ def test_dtype(path: str, mode: str, placement: str, kind: str) -> None:
     _run(path, mode, placement, kind)
 
 
-def _run(path: str, mode: str, placement: str, kind: str) -> None:
-    pattern = cells.refusal(path, mode, kind)
-    if pattern is not None:
-        _refused(path, mode, placement, kind, pattern)
-        return
-    cell = cells.build(path, mode, placement, kind)
-    drive.drive(cell, _fixed(cell.kind.forwards), restore_at=4)
-    spikes = mode == "spikes"
+@pytest.mark.parametrize("name", INPUTS)
+def test_input(name: str) -> None:
+    cell = inputs.Cell(name)
+    inputs.drive(cell, _fixed(1))
+    _drawn(lambda seq, at: inputs.drive(cell, seq), spikes=False, forwards=1)
+
+
+def _drawn(run, spikes: bool, forwards: int) -> None:
+    """``run(seq, restore_at)`` on hypothesis-drawn call sequences."""
 
     @settings(
         max_examples=EXAMPLES,
@@ -97,11 +109,25 @@ def _run(path: str, mode: str, placement: str, kind: str) -> None:
     )
     @given(data=st.data())
     def drawn(data: st.DataObject) -> None:
-        seq = data.draw(harness.calls(cell.kind.forwards, spikes, MAX_CALLS), label="calls")
+        seq = data.draw(harness.calls(forwards, spikes, MAX_CALLS), label="calls")
         at = data.draw(st.one_of(st.none(), st.integers(0, len(seq) - 1)), label="restore at")
-        drive.drive(cell, seq, restore_at=at, reject=hypothesis.reject)
+        run(seq, at)
 
     drawn()
+
+
+def _run(path: str, mode: str, placement: str, kind: str) -> None:
+    pattern = cells.refusal(path, mode, kind)
+    if pattern is not None:
+        _refused(path, mode, placement, kind, pattern)
+        return
+    cell = cells.build(path, mode, placement, kind)
+    drive.drive(cell, _fixed(cell.kind.forwards), restore_at=4)
+    _drawn(
+        lambda seq, at: drive.drive(cell, seq, restore_at=at, reject=hypothesis.reject),
+        spikes=mode == "spikes",
+        forwards=cell.kind.forwards,
+    )
 
 
 def _refused(path: str, mode: str, placement: str, kind: str, pattern: str) -> None:
