@@ -15,7 +15,7 @@ equal on finite steps (``reference``):
   without the skip (the rounding transformations are jaxamp's, the skip is what
   is under test).
 
-Two more axes are modes too, run on a smaller product (``cells.COMPOSED``, ``cells.INPUTS``):
+Two more axes are modes too, run on a smaller product (``cells.COMPOSED``, ``cells.DTYPED``):
 
 - the composition axis (``compositions.py``): the guard inside and around optax's
   structures, each against the same structure around plain optax or refused by name;
