@@ -2,8 +2,8 @@
 
 Run it as ``XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest tests/matrix``
 (``make test`` runs the CI subset so, ``make matrix`` the whole product); the flag
-must be set before JAX starts. Without it, the one-device cells run and the others
-are skipped with this reason.
+must be set before JAX starts. Without it, the one-device cells (and the user-input
+cells, all on one device) run and the others are skipped with this reason.
 """
 
 from __future__ import annotations
@@ -21,5 +21,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     )
     for item in items:
         callspec = getattr(item, "callspec", None)
-        if "matrix" in str(item.fspath) and callspec and callspec.params.get("placement") != "one":
+        placement = callspec.params.get("placement", "one") if callspec else "one"
+        if "matrix" in str(item.fspath) and placement != "one":
             item.add_marker(skip)

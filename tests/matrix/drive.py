@@ -13,7 +13,8 @@ nothing. After every call:
   optimizer state of each skipped label, and, when the call did not step, all the
   model state outside ``wrt`` (BatchStat, RNG counters); a teacher never changes;
 - params, inner optimizer state and model state equal the reference's, to a few
-  ulps per call (``modes.Mode.tolerance`` says why not bit for bit);
+  ulps per call (``modes.Mode.tolerance`` says why not bit for bit); the counters
+  that move on every call, skipped ones too (``modes.Mode.always``), bit for bit;
 - ``jaxamp.metrics`` equals the loss-scale oracle (API.md §2) and, with spikes,
   the spike oracle; the step counter, where the path has one, moves as documented;
 - every leaf keeps the sharding it started with;
@@ -100,7 +101,7 @@ def drive(cell: Cell, seq: list[h.Call], restore_at: int | None, reject: Any = _
         for i, call in enumerate(seq):
             where = f"call {i} of {[(c.poison, c.replica, c.spike) for c in seq]}"
             inp = pl.put_input(*h.arrays(call, i, kind.forwards, N_DEV if pl.per_device else 1))
-            _, info = ref.call(rcarry, _take(pl, [False] * len(labels)), *inp)
+            probe, info = ref.call(rcarry, _take(pl, [False] * len(labels)), *inp)
             finite = [bool(f) for f in _first(info["finite"], pl)]
             bad = call.poisoned_labels()
             # The planted poison is what the reference's own gradients show.
@@ -128,6 +129,8 @@ def drive(cell: Cell, seq: list[h.Call], restore_at: int | None, reject: Any = _
                 stepped = all(take)
             if any(take):
                 rcarry, _ = ref.call(rcarry, _take(pl, take), *inp)
+            elif mode.always:  # what moves on every call moved in the probe
+                rcarry = probe
             if end:
                 scale.update(all(finite) if mode.every_k == 1 else window_ok)
                 if mode.every_k > 1:
@@ -181,6 +184,7 @@ def _check(cell, where, got, prev, start, want, updated, stepped, i) -> None:
     h.assert_same(f"{where}: params", got.params, want.params, rtol)
     h.assert_same(f"{where}: inner optimizer state", got.inner, want.inner, rtol)
     h.assert_same(f"{where}: model state", got.mstate, want.mstate, rtol)
+    h.assert_same(f"{where}: counters that move on every call", got.counters, want.counters, None)
     check_shardings(where, got, start)
     if cell.kind.name == "lora":  # no copy of the frozen base in the optimizer
         frozen = {v.shape for k, v in got.mstate.items() if k.endswith("kernel")}

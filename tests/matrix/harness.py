@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 from hypothesis import strategies as st
 
 import jaxamp
+from tests.matrix import compositions
 from tests.matrix import modes as modes_lib
 from tests.matrix.models import BATCH, IN, label_of
 
@@ -112,12 +113,14 @@ def _key(k: Any) -> str:
 @dataclasses.dataclass
 class Snap:
     """What a runner or reference holds after a call, on the host: params, the inner
-    optimizer state per label, the model state (everything outside ``wrt``), and for
+    optimizer state per label, the model state (everything outside ``wrt``), the
+    optimizer's counters that move on every call (``modes.Mode.always``), and for
     runners the metrics, step counter, teacher, every leaf and its sharding."""
 
     params: dict[str, np.ndarray]
     inner: dict[str, list[np.ndarray]]
     mstate: dict[str, np.ndarray]
+    counters: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
     teacher: dict[str, np.ndarray] | None = None
     step: int | None = None
@@ -126,11 +129,15 @@ class Snap:
     opt_shapes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
 
-def inner_of(opt_state: Any, labels: tuple[str, ...], *, reference: bool) -> dict[str, list]:
+def inner_of(opt_state: Any, mode: modes_lib.Mode, *, reference: bool) -> dict[str, list]:
     return {
-        lab: [host(x) for x in modes_lib.inner_leaves(opt_state, lab, reference=reference)]
-        for lab in labels
+        lab: [host(x) for x in modes_lib.inner_leaves(opt_state, mode, lab, reference=reference)]
+        for lab in mode.labels
     }
+
+
+def counters_of(opt_state: Any, mode: modes_lib.Mode) -> dict[str, np.ndarray]:
+    return {k: host(v) for k, v in compositions.counters(opt_state, mode.always).items()}
 
 
 def metrics_of(opt_state: Any) -> dict[str, Any]:
@@ -200,13 +207,18 @@ def _by_label(tree: dict[str, np.ndarray], label: str) -> dict[str, np.ndarray]:
 # The references' parts: their own finiteness, their gradient norm, their select.
 
 
-def select(take: jax.Array, labels: tuple[str, ...], new: Any, old: Any, part: str) -> Any:
+def select(
+    take: jax.Array, labels: tuple[str, ...], new: Any, old: Any, part: str, always: tuple = ()
+) -> Any:
     """``new`` where the reference takes the call, ``old`` where it does not: params
-    by their label, multi_transform's inner states by theirs, the rest by all."""
+    by their label, multi_transform's inner states by theirs, the rest by all; the
+    optimizer state's top-level fields in ``always`` advance on every call."""
     everything = jnp.all(take)
 
     def pick(path, n, o):
         keys = [_key(k) for k in path]
+        if part == "opt" and keys[0] in always:
+            return n
         if len(labels) > 1 and part == "params":
             on = take[labels.index(label_of(keys[0]))]
         elif len(labels) > 1 and part == "opt" and "inner_states" in keys:

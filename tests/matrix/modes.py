@@ -15,6 +15,14 @@ equal on finite steps (``reference``):
   without the skip (the rounding transformations are jaxamp's, the skip is what
   is under test).
 
+Two more axes are modes too, run on a smaller product (``cells.COMPOSED``, ``cells.DTYPED``):
+
+- the composition axis (``compositions.py``): the guard inside and around optax's
+  structures, each against the same structure around plain optax or refused by name;
+- the params' dtype (user input): ``plain`` is float32; ``bf16``: ``skip_nonfinite(adam)``
+  on bfloat16 params against adam on them; ``f16``: float16 params, which the guard
+  refuses (``FLOAT16``).
+
 Loss scales are powers of two, so unscaling is exact and a finite step computes
 what the reference computes; see :meth:`Mode.tolerance` for why the comparison is
 to a few ulps rather than bit for bit.
@@ -32,10 +40,13 @@ import jax.numpy as jnp
 import optax
 
 import jaxamp
+from tests.matrix import compositions
 from tests.matrix.models import label_of
 from tests.skip.test_spikes import Reference as SpikeReference
 
 NAMES = ("plain", "every_k", "multi", "spikes", "sr", "kahan")
+DTYPES = {"plain": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+FLOAT16 = r"jaxamp\.skip_nonfinite: the params hold float16-range leaves"
 LABELS = ("a", "b")
 K = 2  # every_k's window
 SPIKE_RULE = dict(window=4, sigmas=2.0, warmup=2)
@@ -83,8 +94,27 @@ class Mode:
     name: str
 
     @property
+    def param_dtype(self) -> Any:
+        if self.name in ("sr", "kahan"):
+            return jnp.bfloat16
+        return DTYPES.get(self.name, jnp.float32)
+
+    @property
     def low_precision(self) -> bool:
-        return self.name in ("sr", "kahan")
+        return self.param_dtype != jnp.float32
+
+    @property
+    def refusal(self) -> str | None:
+        """The regex a refused mode's error must match (None: accepted)."""
+        if self.name == "f16":
+            return FLOAT16
+        return compositions.REFUSED[self.name][1] if self.name in compositions.REFUSED else None
+
+    @property
+    def always(self) -> tuple[str, ...]:
+        """The reference's top-level state fields that advance on every call."""
+        acc = compositions.ACCEPTED.get(self.name)
+        return acc.always if acc is not None else ()
 
     @property
     def every_k(self) -> int:
@@ -112,6 +142,9 @@ class Mode:
         state = ls.state()
         if self.name == "multi":
             return jaxamp.multi_transform(self._transforms(), _labels, state, axis_name=axis_name)
+        if self.name in compositions.NAMES:
+            guard = lambda inner: jaxamp.skip_nonfinite(inner, state, axis_name=axis_name)  # noqa: E731
+            return compositions.tx(self.name, guard)
         spikes = jaxamp.spike_rule(**SPIKE_RULE) if self.name == "spikes" else None
         return jaxamp.skip_nonfinite(
             self._inner(), state, every_k=self.every_k, axis_name=axis_name, spikes=spikes
@@ -123,6 +156,8 @@ class Mode:
             return optax.multi_transform(self._transforms(), _labels)
         if self.name == "every_k":
             return optax.MultiSteps(self._inner(), K)
+        if self.name in compositions.ACCEPTED:
+            return compositions.ACCEPTED[self.name].reference()
         return self._inner()
 
     def tolerance(self, calls: int) -> float:
@@ -140,14 +175,17 @@ class Mode:
         return 8 * calls * eps
 
 
-def inner_leaves(opt_state: Any, label: str, *, reference: bool) -> list[Any]:
+def inner_leaves(opt_state: Any, mode: Mode, label: str, *, reference: bool) -> list[Any]:
     """The inner optimizer's state (one label's, under multi_transform) as a leaf list.
 
     jaxamp: ``SkipNonfiniteState.inner_state`` / ``MultiTransformState.inner_states``;
     the reference: optax's own state (``MultiSteps``' ``inner_opt_state``,
-    ``multi_transform``'s ``inner_states[label].inner_state``). Works on plain
+    ``multi_transform``'s ``inner_states[label].inner_state``); a composition's, the
+    structure around the guard too (``compositions.inner_leaves``). Works on plain
     optax states and on an nnx optimizer's pure state dict.
     """
+    if mode.name in compositions.ACCEPTED:
+        return compositions.inner_leaves(opt_state, mode.always, reference=reference)
     get = lambda s, k: s[k] if isinstance(s, dict) else getattr(s, k)
     if label != "all":
         s = get(get(opt_state, "inner_states"), label)

@@ -159,7 +159,8 @@ class Runner:
             step = None
         return h.Snap(
             params=h.flat(params),
-            inner=h.inner_of(opt, self.mode.labels, reference=False),
+            inner=h.inner_of(opt, self.mode, reference=False),
+            counters=h.counters_of(opt, self.mode),
             mstate=h.flat(rest),
             metrics=h.metrics_of(jax.tree.map(lambda a: a[0], opt) if self.pl.replicated else opt),
             teacher=None if on_host["teacher"] is None else h.flat(on_host["teacher"]),
@@ -225,7 +226,7 @@ class Reference:
             new_params = optax.apply_updates(params, updates)
         out = {
             "params": h.select(take, labels, new_params, params, "params"),
-            "opt": h.select(take, labels, new_opt, opt, "opt"),
+            "opt": h.select(take, labels, new_opt, opt, "opt", self.mode.always),
             "rest": h.select(take, labels, new_rest, rest, "rest"),
         }
         if self.path == "train_state":
@@ -251,6 +252,7 @@ class Reference:
             params, opt, rest = on_host["params"], on_host["opt"], on_host["rest"]
         return h.Snap(
             params=h.flat(params),
-            inner=h.inner_of(opt, self.mode.labels, reference=True),
+            inner=h.inner_of(opt, self.mode, reference=True),
+            counters=h.counters_of(opt, self.mode),
             mstate=h.flat(rest),
         )

@@ -127,7 +127,7 @@ class Runner:
         m, o = on_host[0], on_host[1]
         return h.Snap(
             params=h.flat(_pure(nnx.filter_state(m, wrt))),
-            inner=h.inner_of(_pure(o)["opt_state"], self.mode.labels, reference=False),
+            inner=h.inner_of(_pure(o)["opt_state"], self.mode, reference=False),
             mstate=h.flat(_pure(nnx.filter_state(m, nnx.Not(wrt)))),
             metrics=h.metrics_of(opt.opt_state),
             teacher=None if teacher is None else h.flat(_pure(on_host[2])),
@@ -210,6 +210,6 @@ class Reference:
         wrt, on_host = self.kind.wrt, h.to_host(carry)
         return h.Snap(
             params=h.flat(_pure(nnx.filter_state(on_host["model"], wrt))),
-            inner=h.inner_of(_pure(on_host["opt"])["opt_state"], self.mode.labels, reference=True),
+            inner=h.inner_of(_pure(on_host["opt"])["opt_state"], self.mode, reference=True),
             mstate=h.flat(_pure(nnx.filter_state(on_host["model"], nnx.Not(wrt)))),
         )

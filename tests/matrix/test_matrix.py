@@ -5,15 +5,23 @@ sequence that holds every kind of call (a poisoned batch, a poisoned gradient, a
 spike, finite calls, a restore through orbax mid-window), then hypothesis-drawn
 sequences of finite, +inf, -inf and NaN calls (and spikes, and one orbax restore
 into another configuration), with every check of ``harness.py`` after every call.
+A refused cell must raise, at construction or trace time, an error naming the fix.
 
-CI runs ``cells.CI`` (a fixed subset, ``make test``); ``make matrix`` runs the whole
-product (``MATRIX_FULL=1``). Both need 8 devices:
+Issue 43 adds two axes with their own tests: the composition axis
+(``test_composition``: the guard inside and around optax's structures) and the
+user input (``test_dtype``: float32, bfloat16 and float16 params; ``inputs.py``: a
+Python-object model, constants built by every jnp constructor).
+
+CI runs ``cells.CI``, ``cells.CI_COMPOSED`` and ``cells.CI_DTYPED`` (fixed subsets,
+``make test``); ``make matrix`` runs the whole products (``MATRIX_FULL=1``). Both
+need 8 devices:
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (cells on one device run
 without).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import hypothesis
@@ -21,12 +29,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.matrix import cells, drive, harness
+from tests.matrix import cells, drive, harness, inputs
 from tests.matrix.modes import BASE
 from tests.matrix.placements import N_DEV
 
 FULL = os.environ.get("MATRIX_FULL") == "1"
 SELECTED = cells.ALL if FULL else cells.CI
+COMPOSED = cells.COMPOSED if FULL else cells.CI_COMPOSED
+DTYPED = cells.DTYPED if FULL else cells.CI_DTYPED
+# CI: the object model, and each spelling of a constant at one of the magnitudes.
+CI_INPUTS = [
+    "object",
+    *(
+        f"const-{s}-{m}"
+        for s, m in zip(sorted(inputs.SPELLINGS), itertools.cycle(inputs.MAGNITUDES))
+    ),
+]
+assert set(CI_INPUTS) <= set(inputs.NAMES)
+INPUTS = inputs.NAMES if FULL else CI_INPUTS
 EXAMPLES = 10 if FULL else 4
 MAX_CALLS = 8 if FULL else 6
 
@@ -53,12 +73,32 @@ def _fixed(forwards: int) -> list[harness.Call]:
     "path,mode,placement,kind", SELECTED, ids=[cells.cell_id(*c) for c in SELECTED]
 )
 def test_cell(path: str, mode: str, placement: str, kind: str) -> None:
-    if (path, kind) in cells.REFUSED:
-        _refused(path, mode, placement, kind)
-        return
-    cell = cells.build(path, mode, placement, kind)
-    drive.drive(cell, _fixed(cell.kind.forwards), restore_at=4)
-    spikes = mode == "spikes"
+    _run(path, mode, placement, kind)
+
+
+@pytest.mark.parametrize(
+    "path,mode,placement,kind", COMPOSED, ids=[cells.cell_id(*c) for c in COMPOSED]
+)
+def test_composition(path: str, mode: str, placement: str, kind: str) -> None:
+    _run(path, mode, placement, kind)
+
+
+@pytest.mark.parametrize(
+    "path,mode,placement,kind", DTYPED, ids=[cells.cell_id(*c) for c in DTYPED]
+)
+def test_dtype(path: str, mode: str, placement: str, kind: str) -> None:
+    _run(path, mode, placement, kind)
+
+
+@pytest.mark.parametrize("name", INPUTS)
+def test_input(name: str) -> None:
+    cell = inputs.Cell(name)
+    inputs.drive(cell, _fixed(1))
+    _drawn(lambda seq, at: inputs.drive(cell, seq), spikes=False, forwards=1)
+
+
+def _drawn(run, spikes: bool, forwards: int) -> None:
+    """``run(seq, restore_at)`` on hypothesis-drawn call sequences."""
 
     @settings(
         max_examples=EXAMPLES,
@@ -69,23 +109,35 @@ def test_cell(path: str, mode: str, placement: str, kind: str) -> None:
     )
     @given(data=st.data())
     def drawn(data: st.DataObject) -> None:
-        seq = data.draw(harness.calls(cell.kind.forwards, spikes, MAX_CALLS), label="calls")
+        seq = data.draw(harness.calls(forwards, spikes, MAX_CALLS), label="calls")
         at = data.draw(st.one_of(st.none(), st.integers(0, len(seq) - 1)), label="restore at")
-        drive.drive(cell, seq, restore_at=at, reject=hypothesis.reject)
+        run(seq, at)
 
     drawn()
 
 
-def _refused(path: str, mode: str, placement: str, kind: str) -> None:
-    """Flax's own nnx.Optimizer on a model whose forward writes state: a clear error,
-    raised while the step is traced, naming what to use instead."""
+def _run(path: str, mode: str, placement: str, kind: str) -> None:
+    pattern = cells.refusal(path, mode, kind)
+    if pattern is not None:
+        _refused(path, mode, placement, kind, pattern)
+        return
+    cell = cells.build(path, mode, placement, kind)
+    drive.drive(cell, _fixed(cell.kind.forwards), restore_at=4)
+    _drawn(
+        lambda seq, at: drive.drive(cell, seq, restore_at=at, reject=hypothesis.reject),
+        spikes=mode == "spikes",
+        forwards=cell.kind.forwards,
+    )
+
+
+def _refused(path: str, mode: str, placement: str, kind: str, pattern: str) -> None:
+    """A structure or input jaxamp cannot train right (Flax's own nnx.Optimizer on a
+    model whose forward writes state, the guard inside an unsafe optax structure,
+    float16 params): a clear error, raised when the state is built or the first step
+    is traced, naming what to write instead."""
     cell = cells.build(path, mode, placement, kind)
     forwards, replicas = cell.kind.forwards, N_DEV if cell.pl.per_device else 1
-    with cell.pl.context():
+    inp = harness.arrays(harness.Call(("ok",) * forwards), 0, forwards, replicas)
+    with cell.pl.context(), pytest.raises((TypeError, ValueError), match=pattern):
         carry = cell.run.new(BASE)
-        inp = cell.pl.put_input(
-            *harness.arrays(harness.Call(("ok",) * forwards), 0, forwards, replicas)
-        )
-        with pytest.raises((TypeError, ValueError)) as e:
-            cell.run.call(carry, *inp)
-    assert cells.REFUSAL in str(e.value), str(e.value)
+        cell.run.call(carry, *cell.pl.put_input(*inp))
