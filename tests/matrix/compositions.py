@@ -128,7 +128,7 @@ REFUSED: dict[str, tuple[Callable[[Guard], Any], str]] = {
     ),
     "masked": (
         lambda g: optax.masked(g(_adam()), _kernels),
-        r"wrapped in optax\.masked.*skip_nonfinite\(optax\.masked\(inner, mask\)",
+        r"wrapped in optax\.masked.*optax\.set_to_zero\(\)",
     ),
     "partition": (
         lambda g: optax.partition({"a": g(_adam()), "b": optax.sgd(LR)}, _labels),
