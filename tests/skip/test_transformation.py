@@ -195,7 +195,7 @@ def test_a_genuine_mismatch_is_refused_and_points_an_equinox_user_to_eqx_filter(
     ):
         with pytest.raises(ValueError, match="does not match the params' tree") as e:
             call()
-        assert "eqx.filter(model, eqx.is_array)" in str(e.value)
+        assert "eqx.filter(model, eqx.is_inexact_array)" in str(e.value)
         assert "eqx.filter_value_and_grad" in str(e.value)
     # A gradient where the params hold a non-array field: refused, naming the leaf.
     bad = eqx.tree_at(lambda g: g.activation, grads, jnp.ones(()), is_leaf=lambda x: x is None)
