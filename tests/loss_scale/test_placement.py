@@ -157,6 +157,9 @@ def _reference(around: Callable[[Any], Any], inner: Callable[[], Any]) -> Any:
     return around(inner())
 
 
+# make test-slow: CI's matrix cells (tests/matrix, the composition axis) hold each
+# safe structure against plain optax.
+@pytest.mark.slow
 @settings(max_examples=3, deadline=None)
 @given(st.lists(st.sampled_from(["ok", "ok", "inf", "nan"]), min_size=3, max_size=5))
 @pytest.mark.parametrize("name", list(SAFE))

@@ -103,8 +103,6 @@ CI = [
     ("flax_opt", "kahan", "explicit_rep", "lora"),
 ]
 # The composition axis: each structure once, the paths, placements and model states
-# spread over them; the dtype axis: each dtype on a path of each family.
-# The composition axis: each structure once, the paths, placements and model states
 # spread over them (those that train mostly on the update path, the cheapest to
 # compile: the others cost a twin or a TrainState); the dtype axis: each dtype on a
 # path of each family.
