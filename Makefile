@@ -114,7 +114,7 @@ conformance: $(STAMP)
 # (params' dtype: 72 cells; a Python-object model and constants built by each jnp
 # constructor: 31). Of the 1927 cells, 1582 run a fixed sequence and 10 hypothesis-drawn
 # ones, checked after every call against plain optax / Flax / float32; 345 must refuse
-# by name. `make test` runs a fixed subset of 48 cells.
+# by name. `make test` runs a fixed subset of 41 cells.
 matrix: $(STAMP)
 	MATRIX_FULL=1 XLA_FLAGS=$(EIGHT_DEVICES) $(PY) -m pytest -q -n 2 -p no:cacheprovider tests/matrix
 
