@@ -35,6 +35,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp._utils.tree import is_tracer
+
 __all__ = ["ConversionWarning"]
 
 
@@ -194,7 +196,7 @@ def check_scale_read(ls: Any) -> None:
     if _scale_read or "unscaled" in _warned or mode is None or not mode.scales:
         return
     scale = getattr(ls, "scale", None)
-    if not isinstance(scale, jax.core.Tracer):
+    if not is_tracer(scale):
         with jax.transfer_guard("allow"):  # eager only: a scale fixed at 1 scales nothing
             if np.all(np.asarray(jax.device_get(scale)) == 1):
                 return

@@ -11,7 +11,7 @@ import numpy as np
 from jaxamp._utils.conversion_checks import mark_owned, mark_scale_read
 from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.errors import named, with_article
-from jaxamp._utils.tree import find_one
+from jaxamp._utils.tree import find_one, holds_tracer
 from jaxamp.loss_scale._placement import check_state
 from jaxamp.loss_scale._state import (
     DEFAULT_PINNED_STREAK,
@@ -148,7 +148,7 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
     """
     with named("check_health"):
         s = get_loss_scale(opt_state_or_loss_scale_state)
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(s)):
+    if holds_tracer(s):
         raise TypeError(
             "jaxamp.check_health reads the loss-scale counters on the host, so it cannot run "
             "inside jax.jit (or another transformation): call it where you log, outside the "

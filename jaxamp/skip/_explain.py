@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jaxamp._utils.errors import named
-from jaxamp._utils.tree import find_one, is_array, is_float_array
+from jaxamp._utils.tree import find_one, holds_tracer, is_array, is_float_array
 from jaxamp.loss_scale import LossScaleState, get_loss_scale
 from jaxamp.skip import _record
 from jaxamp.skip._multi_transform import MultiTransformState
@@ -231,7 +231,7 @@ def explain(opt_state: Any, params: Any = None) -> Explanation:
             "jaxamp.explain: this optimizer state keeps no per-leaf record (it was built by "
             "hand, not by tx.init(params))."
         )
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(leaves)):
+    if holds_tracer(leaves):
         raise TypeError(
             "jaxamp.explain reads the optimizer state on the host: call it outside jax.jit "
             "(where you log), on the state the jitted step returned."
