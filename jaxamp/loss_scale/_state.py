@@ -347,15 +347,18 @@ def fixed_state(mode: Mode, scale: Any, names: Mapping[str, str] | None = None) 
     )
 
 
+def holds_loss_scale(tree: Any) -> bool:
+    """Whether ``tree`` is or holds (at any depth) a LossScaleState."""
+    is_state = lambda x: isinstance(x, LossScaleState)  # noqa: E731
+    return any(map(is_state, jax.tree.leaves(tree, is_leaf=is_state)))
+
+
 def check_state(state: Any, fn: str) -> LossScaleState:
     """``state`` if it is a LossScaleState; else an error saying what to pass instead."""
     if isinstance(state, LossScaleState):
         return state
     got = type(state).__name__
-    holds = any(
-        isinstance(x, LossScaleState)
-        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, LossScaleState))
-    )
+    holds = holds_loss_scale(state)
     instead = (
         "pass the loss-scale state inside it: jaxamp.get_loss_scale(opt_state)"
         if holds

@@ -27,6 +27,7 @@ from jaxamp.loss_scale import (
     Mode,
     check_callers,
     check_state,
+    holds_loss_scale,
     no_scale,
     unwrap,
 )
@@ -168,14 +169,13 @@ def loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> 
             number = jnp.issubdtype(loss_scale.dtype, jnp.integer) or jnp.issubdtype(
                 loss_scale.dtype, jnp.floating
             )
-        is_state = lambda x: isinstance(x, LossScaleState)  # noqa: E731
         if number:
             fixed = loss_scale if isinstance(loss_scale, int | float) else float(loss_scale)
             hint = (
                 f" For a fixed scale of {fixed!r}, pass jaxamp.static_scale({fixed!r}); for one "
                 "that adapts, jaxamp.dynamic_scale()."
             )
-        elif any(map(is_state, jax.tree.leaves(loss_scale, is_leaf=is_state))):
+        elif holds_loss_scale(loss_scale):
             hint = (
                 " It holds one: to go on with its scale and counters, pass "
                 "jaxamp.get_loss_scale(opt_state)."
@@ -284,8 +284,7 @@ def restore_fields(new_params: Any, params: Any) -> Any:
 def refuse_nested(inner_state: Any, fn: str) -> None:
     """Raises for a guard inside a guard: the gradients would be unscaled twice (the
     outer guard hands the inner one unscaled gradients as if scaled)."""
-    is_ls = lambda x: isinstance(x, LossScaleState)  # noqa: E731
-    if any(map(is_ls, jax.tree.leaves(inner_state, is_leaf=is_ls))):
+    if holds_loss_scale(inner_state):
         raise ValueError(
             f"{fn}: the inner optimizer holds a jaxamp guard of its own (skip_nonfinite or "
             "multi_transform inside another): its gradients would be unscaled twice. Use "
