@@ -24,6 +24,7 @@ from jaxamp.casting import (
     keep_float32,
 )
 from jaxamp.loss_scale import (
+    LossScaleNotFound,
     LossScaleState,
     Mode,
     Unscaled,
@@ -74,6 +75,7 @@ __all__ = [
     "Explanation",
     "Fp8Config",
     "KahanSummationState",
+    "LossScaleNotFound",
     "LossScaleState",
     "Mode",
     "MultiTransformState",

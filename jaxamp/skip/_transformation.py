@@ -20,7 +20,7 @@ import optax
 
 from jaxamp._utils.conversion_checks import check_flax_train_state
 from jaxamp._utils.dtypes import is_narrow_range
-from jaxamp._utils.errors import unnamed
+from jaxamp._utils.errors import named
 from jaxamp._utils.tree import is_none, render_path
 from jaxamp.loss_scale import (
     LossScaleState,
@@ -190,10 +190,8 @@ def loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> 
     if max_consecutive_nonfinite is not None:
         # The loss-scale state's own rule reads it (an integer N, NumPy's and JAX's
         # included, or math.inf): one rule for every constructor that takes it.
-        try:
+        with named(fn, (TypeError, ValueError)):
             loss_scale = loss_scale.replace(max_consecutive_nonfinite=max_consecutive_nonfinite)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"jaxamp.{fn}: {unnamed(e)}") from None
     return loss_scale
 
 
