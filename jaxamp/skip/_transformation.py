@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp._utils.conversion_checks import check_flax_train_state
 from jaxamp._utils.dtypes import is_narrow_range
 from jaxamp._utils.errors import named
 from jaxamp._utils.tree import is_none, render_path
@@ -32,8 +31,8 @@ from jaxamp.loss_scale import (
     unwrap,
 )
 from jaxamp.skip import _spikes
+from jaxamp.skip._flax_callers import check_flax_callers
 from jaxamp.skip._guard import Call, Outcome
-from jaxamp.skip._nnx_state import refuse_flax_optimizer
 
 __all__ = ["step"]
 
@@ -49,8 +48,7 @@ class GuardedUpdate:
         **extra_args: Any,
     ) -> tuple[optax.Updates, Any]:
         check_callers(sys._getframe(1), state, "skip_nonfinite.update")
-        refuse_flax_optimizer(sys._getframe(1))
-        check_flax_train_state(sys._getframe(1))
+        check_flax_callers(sys._getframe(1))
         grads, marked = unwrap(updates)
         verdict, given = None, _GIVEN.get()
         if given is not None:  # jaxamp.step through a structure safe around the guard
