@@ -62,6 +62,8 @@ wheel-smoke: dist
 	rm -rf $(SMOKE) && $(PYTHON) -m venv $(SMOKE)
 	$(SMOKE)/bin/python -m pip install --quiet --no-compile dist/*.whl
 	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/.ci/wheel_smoke.py $(CURDIR)
+	$(SMOKE)/bin/python -m pip uninstall --quiet -y flax
+	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/tests/utils/without_flax.py
 
 # The documentation site (docs/ and every public docstring) into site/; warnings are errors.
 # It works opened from disk (site/index.html) or served (`make docs-serve`).

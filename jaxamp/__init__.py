@@ -2,14 +2,17 @@
 
 Everything public is re-exported here from the subpackages, one per concept
 (``loss_scale``, ``skip``, ``casting``, ``checkpoint``), and in the ``jaxamp.compat``,
-``jaxamp.checkpoint`` and ``jaxamp.nnx`` namespaces.
+``jaxamp.checkpoint`` and ``jaxamp.nnx`` namespaces. The Flax adapters
+(``jaxamp.TrainState``, ``jaxamp.nnx``) import Flax when first used: the rest of
+jaxamp (loss scaling, the optax guard, ``jaxamp.step``, ``autocast``) runs without it.
 """
 
 from typing import TYPE_CHECKING
 
-from jaxamp import checkpoint, compat, nnx
+from jaxamp import checkpoint, compat
 from jaxamp._utils.conversion_checks import ConversionWarning as ConversionWarning
 from jaxamp._utils.deprecation import deprecated_aliases
+from jaxamp._utils.optional import lazy_attributes
 from jaxamp.casting import (
     DEFAULT_RULES,
     AuditReport,
@@ -24,6 +27,7 @@ from jaxamp.casting import (
     keep_float32,
 )
 from jaxamp.loss_scale import (
+    LossScaleNotFound,
     LossScaleState,
     Mode,
     Unscaled,
@@ -53,7 +57,6 @@ from jaxamp.skip import (
     SkipNonfiniteState,
     SpikeRule,
     SpikeState,
-    TrainState,
     explain,
     metrics,
     multi_transform,
@@ -74,6 +77,7 @@ __all__ = [
     "Explanation",
     "Fp8Config",
     "KahanSummationState",
+    "LossScaleNotFound",
     "LossScaleState",
     "Mode",
     "MultiTransformState",
@@ -120,18 +124,32 @@ __all__ = [
     "where_stepped",
 ]
 
-# Deprecated spellings, served with a DeprecationWarning until 0.5 (not in __all__).
-# Hidden from type checkers: a module `__getattr__` would make every unknown `jaxamp.x`
-# type as Any; they see the 0.4 names only.
+# The Flax adapters, imported on first use; then the deprecated spellings, served
+# with a DeprecationWarning until 0.5 (not in __all__). Hidden from type checkers: a
+# module `__getattr__` would make every unknown `jaxamp.x` type as Any; they see the
+# adapters' imports and the 0.4 names only.
+if TYPE_CHECKING:
+    from jaxamp import nnx as nnx
+    from jaxamp._train_state import TrainState as TrainState
 if not TYPE_CHECKING:
-    __getattr__ = deprecated_aliases(
+    __getattr__ = lazy_attributes(
         "jaxamp",
-        {
-            "stochastic_rounding": (
-                "jaxamp.apply_with_stochastic_rounding",
-                apply_with_stochastic_rounding,
-            ),
-            "kahan_summation": ("jaxamp.apply_with_kahan_summation", apply_with_kahan_summation),
-        },
-        removed_in="0.5",
+        {"nnx": "jaxamp.nnx", "TrainState": "jaxamp._train_state"},
+        deprecated_aliases(
+            "jaxamp",
+            {
+                "stochastic_rounding": (
+                    "jaxamp.apply_with_stochastic_rounding",
+                    apply_with_stochastic_rounding,
+                ),
+                "kahan_summation": (
+                    "jaxamp.apply_with_kahan_summation",
+                    apply_with_kahan_summation,
+                ),
+            },
+            removed_in="0.5",
+        ),
     )
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})

@@ -80,6 +80,24 @@ ADDED = {
         },
         {},
     ),
+    # Issue 44: "no loss-scale state here" told apart by its type, not by its message.
+    ("jaxamp", "LossScaleNotFound"): (
+        "class",
+        [
+            ("detail", "POSITIONAL_OR_KEYWORD", _NO),
+            ("fn", "POSITIONAL_OR_KEYWORD", "None"),
+            ("got", "KEYWORD_ONLY", "None"),
+        ],
+        {
+            "__init__": [
+                ("self", "POSITIONAL_OR_KEYWORD", _NO),
+                ("detail", "POSITIONAL_OR_KEYWORD", _NO),
+                ("fn", "POSITIONAL_OR_KEYWORD", "None"),
+                ("got", "KEYWORD_ONLY", "None"),
+            ],
+        },
+        {},
+    ),
 }
 
 
