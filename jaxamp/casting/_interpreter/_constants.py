@@ -30,7 +30,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._rules import CONST, F32, NONE, PIN
+from jaxamp.casting._rules._rules import CONST, F32, NONE, PIN
 
 #: The most distinct values a known value set holds (a fill has a few).
 _MAX_VALUES = 16

@@ -36,8 +36,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float
-from jaxamp.casting._overflow_shard import Shard
-from jaxamp.casting._primitives import BODY, Kind, body, kind_of
+from jaxamp.casting._find_overflow._overflow_shard import Shard
+from jaxamp.casting._rules._primitives import BODY, Kind, body, kind_of
 
 __all__ = ["HANDLERS", "Finding", "Frame", "find", "nonfinite_kind"]
 

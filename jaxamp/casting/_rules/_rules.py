@@ -154,7 +154,7 @@ def promote(a: np.dtype, b: np.dtype) -> np.dtype:
 
 
 class FloatIn(NamedTuple):
-    """What [`choose`][jaxamp.casting._rules.choose] reads of one floating input.
+    """What [`choose`][jaxamp.casting._rules._rules.choose] reads of one floating input.
 
     Attributes:
       dtype: its current dtype.

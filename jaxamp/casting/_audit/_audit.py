@@ -22,9 +22,10 @@ from typing import Any, ClassVar
 
 import jax
 
-from jaxamp.casting import _flax, _hlo_text
-from jaxamp.casting._decisions import OpRow, fresh_trace, recording, user_frame
-from jaxamp.casting._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
+from jaxamp.casting._audit import _hlo_text
+from jaxamp.casting._autocast import _flax
+from jaxamp.casting._interpreter._decisions import OpRow, fresh_trace, recording, user_frame
+from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
 
 __all__ = ["AuditReport", "MatmulRow", "OpRow", "audit"]
 

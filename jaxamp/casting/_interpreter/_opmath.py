@@ -19,13 +19,13 @@ import numpy as np
 from jax.extend.core import Literal
 
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._casts import bind, region_fn
-from jaxamp.casting._rules import ACT, CONST, FLOAT32_DTYPE, NONE, SCALAR, promote
+from jaxamp.casting._interpreter._casts import bind, region_fn
+from jaxamp.casting._rules._rules import ACT, CONST, FLOAT32_DTYPE, NONE, SCALAR, promote
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from jaxamp.casting._context import Context
+    from jaxamp.casting._interpreter._context import Context
 
 #: Ops where a scalar is a fill or a bound (``jnp.where(m, x, -1e9)``,
 #: ``jnp.maximum(x, -1e30)``): a literal there saturates, as any constant does,

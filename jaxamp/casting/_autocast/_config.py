@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting import _fp8
-from jaxamp.casting._policy import Policy
-from jaxamp.casting._resolve import resolve_modules, resolve_rules
-from jaxamp.casting._rules import DEFAULT_RULES
+from jaxamp.casting._fp8 import _fp8
+from jaxamp.casting._rules._policy import Policy
+from jaxamp.casting._rules._resolve import resolve_modules, resolve_rules
+from jaxamp.casting._rules._rules import DEFAULT_RULES
 
 
 @dataclasses.dataclass(frozen=True)

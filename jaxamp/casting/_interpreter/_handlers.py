@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from jaxamp._utils import jax_compat
-from jaxamp.casting import _calls, _loops
-from jaxamp.casting._interpret import Handler
-from jaxamp.casting._primitives import Kind
+from jaxamp.casting._interpreter import _calls, _loops
+from jaxamp.casting._interpreter._interpret import Handler
+from jaxamp.casting._rules._primitives import Kind
 
 #: Kind -> handler. A kind missing here (``custom_vjp_call_jaxpr``, JAX 0.5's
 #: custom_vjp; ``shard_map`` without a public ``jax.shard_map``) runs as

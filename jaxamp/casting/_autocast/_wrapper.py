@@ -22,13 +22,15 @@ import numpy as np
 
 from jaxamp._utils.conversion_checks import mark_float16_autocast
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting import _decisions, _flax, _fp8
-from jaxamp.casting._config import Config
-from jaxamp.casting._context import Context
-from jaxamp.casting._handlers import HANDLERS
-from jaxamp.casting._interpret import eval_jaxpr
-from jaxamp.casting._objects import holder
-from jaxamp.casting._scopes import AUTOCAST_SCOPE
+from jaxamp.casting._autocast import _flax
+from jaxamp.casting._autocast._config import Config
+from jaxamp.casting._autocast._objects import holder
+from jaxamp.casting._fp8 import _fp8
+from jaxamp.casting._interpreter import _decisions
+from jaxamp.casting._interpreter._context import Context
+from jaxamp.casting._interpreter._handlers import HANDLERS
+from jaxamp.casting._interpreter._interpret import eval_jaxpr
+from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE
 
 
 def _is_dynamic(x: Any) -> bool:

@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxamp.casting._casts import cast_jit
-from jaxamp.casting._primitives import Handlers
-from jaxamp.casting._rules import FLOAT32
-from jaxamp.casting._scopes import module_match, runs_as_written, scope_parts
+from jaxamp.casting._interpreter._casts import cast_jit
+from jaxamp.casting._rules._primitives import Handlers
+from jaxamp.casting._rules._rules import FLOAT32
+from jaxamp.casting._rules._scopes import module_match, runs_as_written, scope_parts
 
 
 @dataclasses.dataclass

@@ -17,11 +17,11 @@ import numpy as np
 from jax.extend.core import Jaxpr, Literal
 
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._layouts import input_layouts
-from jaxamp.casting._rules import AS_WRITTEN, ELEMENTWISE, FLOAT32, FOLLOW, LOWER
+from jaxamp.casting._rules._layouts import input_layouts
+from jaxamp.casting._rules._rules import AS_WRITTEN, ELEMENTWISE, FLOAT32, FOLLOW, LOWER
 
 if TYPE_CHECKING:
-    from jaxamp.casting._context import Context
+    from jaxamp.casting._interpreter._context import Context
 
 
 # Ops whose backward pass keeps no floating residual: computing them in

@@ -19,15 +19,15 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting import _primitives
-from jaxamp.casting._casts import bind, cast_all, to_original
-from jaxamp.casting._constants import call_values, record
-from jaxamp.casting._context import Context
-from jaxamp.casting._decisions import note
-from jaxamp.casting._interpret import Ins, Outs, eval_jaxpr
-from jaxamp.casting._primitives import Kind, kind_of
-from jaxamp.casting._rules import F32, FLOAT32_DTYPE, FLOAT32_FUNCTIONS, NONE, promote
-from jaxamp.casting._scopes import join
+from jaxamp.casting._interpreter._casts import bind, cast_all, to_original
+from jaxamp.casting._interpreter._constants import call_values, record
+from jaxamp.casting._interpreter._context import Context
+from jaxamp.casting._interpreter._decisions import note
+from jaxamp.casting._interpreter._interpret import Ins, Outs, eval_jaxpr
+from jaxamp.casting._rules import _primitives
+from jaxamp.casting._rules._primitives import Kind, kind_of
+from jaxamp.casting._rules._rules import F32, FLOAT32_DTYPE, FLOAT32_FUNCTIONS, NONE, promote
+from jaxamp.casting._rules._scopes import join
 
 
 def eval_to_original(

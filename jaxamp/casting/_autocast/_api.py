@@ -12,11 +12,11 @@ import numpy as np
 from jax import lax
 
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._config import build_config
-from jaxamp.casting._fp8 import Fp8Config
-from jaxamp.casting._policy import Policy
-from jaxamp.casting._scopes import FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
-from jaxamp.casting._wrapper import make_wrapper
+from jaxamp.casting._autocast._config import build_config
+from jaxamp.casting._autocast._wrapper import make_wrapper
+from jaxamp.casting._fp8._fp8 import Fp8Config
+from jaxamp.casting._rules._policy import Policy
+from jaxamp.casting._rules._scopes import FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
 
 __all__ = ["autocast", "debugging_autocast", "full_precision", "keep_float32"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from jax.extend.core import Jaxpr, Literal
 
-from jaxamp.casting._rules import BIAS, OWN, SCALAR, VECTOR
+from jaxamp.casting._rules._rules import BIAS, OWN, SCALAR, VECTOR
 
 # Ops that hand on their operand's values, only laid out again: a value they
 # make is broadcast from what their operand is broadcast from.

@@ -62,9 +62,10 @@ from jax.extend.core import Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting import _fp8_gemm, _rules
-from jaxamp.casting._fp8_roots import NONE, SAME_VALUES, Roots, subjaxprs
-from jaxamp.casting._scopes import join, module_match, scope_parts
+from jaxamp.casting._fp8 import _fp8_gemm
+from jaxamp.casting._fp8._fp8_roots import NONE, SAME_VALUES, Roots, subjaxprs
+from jaxamp.casting._rules import _rules
+from jaxamp.casting._rules._scopes import join, module_match, scope_parts
 
 __all__ = ["Fp8Config", "fp8"]
 

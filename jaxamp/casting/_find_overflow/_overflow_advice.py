@@ -16,9 +16,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp.casting import _overflow_eval
-from jaxamp.casting._overflow_report import OverflowReport
-from jaxamp.casting._resolve import known_primitives
+from jaxamp.casting._find_overflow import _overflow_eval
+from jaxamp.casting._find_overflow._overflow_report import OverflowReport
+from jaxamp.casting._rules._resolve import known_primitives
 
 __all__ = ["advise"]
 

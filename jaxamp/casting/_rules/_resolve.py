@@ -9,8 +9,8 @@ from typing import Any
 
 from jax import lax
 
-from jaxamp.casting._primitives import NAMES
-from jaxamp.casting._rules import DEFAULT_RULES, FLOAT32, OP_CLASSES
+from jaxamp.casting._rules._primitives import NAMES
+from jaxamp.casting._rules._rules import DEFAULT_RULES, FLOAT32, OP_CLASSES
 
 
 @functools.cache

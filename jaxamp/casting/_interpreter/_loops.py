@@ -26,11 +26,11 @@ from jax.extend.core import ClosedJaxpr, Literal
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._calls import traced
-from jaxamp.casting._casts import SATURATING_CAST_OPS, bind
-from jaxamp.casting._context import Context
-from jaxamp.casting._interpret import Ins, Outs, eval_jaxpr
-from jaxamp.casting._rules import ACT, CONST, NONE, PIN
+from jaxamp.casting._interpreter._calls import traced
+from jaxamp.casting._interpreter._casts import SATURATING_CAST_OPS, bind
+from jaxamp.casting._interpreter._context import Context
+from jaxamp.casting._interpreter._interpret import Ins, Outs, eval_jaxpr
+from jaxamp.casting._rules._rules import ACT, CONST, NONE, PIN
 
 _Form = tuple[Any, int]  # (dtype, mark) of a value entering or leaving a region
 _FREE = "free"  # an output form: whatever the region gives

@@ -22,8 +22,8 @@ import numpy as np
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._rules import AS_WRITTEN, DEFAULT_RULES, FOLLOW
-from jaxamp.casting._scopes import (
+from jaxamp.casting._rules._rules import AS_WRITTEN, DEFAULT_RULES, FOLLOW
+from jaxamp.casting._rules._scopes import (
     AUTOCAST_SCOPE,
     FULL_PRECISION_SCOPE,
     KEEP_FLOAT32_SCOPE,

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp.casting import _flax
+from jaxamp.casting._autocast import _flax
 
 
 def _slots(kind: type) -> list[str]:

@@ -23,12 +23,12 @@ from jax.extend.core import Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting import _rules
-from jaxamp.casting._rules import FLOAT32_DTYPE
+from jaxamp.casting._rules import _rules
+from jaxamp.casting._rules._rules import FLOAT32_DTYPE
 
 if TYPE_CHECKING:
-    from jaxamp.casting._analysis import Region
-    from jaxamp.casting._context import Context
+    from jaxamp.casting._interpreter._analysis import Region
+    from jaxamp.casting._interpreter._context import Context
 
 
 def _saturates(src: np.dtype, dst: np.dtype) -> bool:

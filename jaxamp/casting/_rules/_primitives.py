@@ -4,7 +4,7 @@ JAX has renamed several across the supported versions (``pjit`` became ``jit``;
 remat is ``remat``, ``remat2`` or ``checkpoint``; JAX 0.5 writes a
 ``jax.custom_vjp`` function as ``custom_vjp_call_jaxpr``). Both jaxpr evaluators,
 autocast's interpreter and ``find_overflow``'s, key their handlers by the
-[`Kind`][jaxamp.casting._primitives.Kind] this table gives a name, so they cannot
+[`Kind`][jaxamp.casting._rules._primitives.Kind] this table gives a name, so they cannot
 disagree on which names a kind has.
 """
 

@@ -24,14 +24,20 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._analysis import analyse, pointwise_region, starts_region
-from jaxamp.casting._casts import bind, bind_opmath, bind_region, host_cast, to_original
-from jaxamp.casting._constants import const_facts, constant_marks, fill_marks
-from jaxamp.casting._context import Context
-from jaxamp.casting._decisions import note, note_outs, note_region
-from jaxamp.casting._opmath import FILL_POSITIONS, eval_opmath, opmath_reason
-from jaxamp.casting._primitives import kind_of
-from jaxamp.casting._rules import (
+from jaxamp.casting._interpreter._analysis import analyse, pointwise_region, starts_region
+from jaxamp.casting._interpreter._casts import (
+    bind,
+    bind_opmath,
+    bind_region,
+    host_cast,
+    to_original,
+)
+from jaxamp.casting._interpreter._constants import const_facts, constant_marks, fill_marks
+from jaxamp.casting._interpreter._context import Context
+from jaxamp.casting._interpreter._decisions import note, note_outs, note_region
+from jaxamp.casting._interpreter._opmath import FILL_POSITIONS, eval_opmath, opmath_reason
+from jaxamp.casting._rules._primitives import kind_of
+from jaxamp.casting._rules._rules import (
     ACT,
     AS_WRITTEN,
     CONST,
@@ -48,7 +54,7 @@ from jaxamp.casting._rules import (
     choose,
     promote,
 )
-from jaxamp.casting._scopes import KEEP_FLOAT32_SCOPE, join
+from jaxamp.casting._rules._scopes import KEEP_FLOAT32_SCOPE, join
 
 Outs = tuple[list[Any], list[int]]  # an equation's outputs and their marks
 

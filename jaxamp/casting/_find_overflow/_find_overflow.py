@@ -22,11 +22,11 @@ import numpy as np
 
 from jaxamp._utils.dtypes import HALF_DTYPES, is_float, times_wide
 from jaxamp._utils.errors import unnamed, with_article
-from jaxamp.casting import _overflow_eval, _overflow_report
-from jaxamp.casting._api import debugging_autocast
-from jaxamp.casting._overflow_advice import advise
-from jaxamp.casting._overflow_report import OverflowReport
-from jaxamp.casting._scopes import AUTOCAST_SCOPE
+from jaxamp.casting._autocast._api import debugging_autocast
+from jaxamp.casting._find_overflow import _overflow_eval, _overflow_report
+from jaxamp.casting._find_overflow._overflow_advice import advise
+from jaxamp.casting._find_overflow._overflow_report import OverflowReport
+from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE
 from jaxamp.loss_scale import LossScaleState, get_loss_scale
 
 __all__ = ["OverflowReport", "find_overflow"]

@@ -13,8 +13,8 @@ import sysconfig
 from typing import Any
 
 from jaxamp._utils import jax_compat
-from jaxamp.casting import _overflow_eval
-from jaxamp.casting._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
+from jaxamp.casting._find_overflow import _overflow_eval
+from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
 
 # Scopes that name no module: jaxamp's own markers and remat's recomputation.
 MARKERS = (AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE, "rematted_computation")

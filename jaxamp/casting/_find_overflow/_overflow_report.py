@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.dtypes import is_float
-from jaxamp.casting import _overflow_eval, _overflow_where
+from jaxamp.casting._find_overflow import _overflow_eval, _overflow_where
 
 __all__ = ["OverflowReport", "build"]
 

@@ -13,7 +13,7 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jaxamp._utils import jax_compat
-from jaxamp.casting._layouts import RELAYOUT
+from jaxamp.casting._rules._layouts import RELAYOUT
 
 #: A value's roots: the ids of the arrays of `f` (its inputs, the constants it
 #: closes over) whose values it holds unchanged, only laid out again: a weight
