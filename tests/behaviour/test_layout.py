@@ -6,6 +6,10 @@
   from the one subpackage that implements them.
 - Each subpackage's ``__init__`` is a one-line docstring saying what the concept is, and
   re-exports.
+- ``casting/`` is cut into rooms, one concept each, in a declared order
+  (``CASTING_ROOMS``): a module imports only from its own room or an earlier one (run-time,
+  ``TYPE_CHECKING`` and function-level imports alike), so the rooms stack without cycles and
+  a maintainer reads them bottom up. Each room's ``__init__`` is its one-line docstring.
 - No module is over 400 lines.
 """
 
@@ -17,6 +21,9 @@ import jaxamp
 ROOT = pathlib.Path(jaxamp.__file__).parent
 SUBPACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
 FACADES = {"compat.py": "loss_scale", "nnx.py": "skip"}
+# casting's rooms, lowest first: what dtype each op takes; FP8 products; the jaxpr
+# interpreter; the autocast front end; the two tools that run autocast's program.
+CASTING_ROOMS = ("_rules", "_fp8", "_interpreter", "_autocast", "_find_overflow", "_audit")
 
 
 def _imported_modules(path: pathlib.Path) -> list[str]:
@@ -25,6 +32,8 @@ def _imported_modules(path: pathlib.Path) -> list[str]:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxamp"):
             out.append(node.module)
             out.extend(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.extend(a.name for a in node.names if a.name.startswith("jaxamp"))
     return out
 
 
@@ -56,7 +65,8 @@ def test_subpackages_meet_through_their_init_or_utils():
 
 
 def test_each_subpackage_init_is_a_docstring_line_and_reexports():
-    for name in SUBPACKAGES:
+    rooms = [f"casting/{room}" for room in CASTING_ROOMS]
+    for name in SUBPACKAGES + rooms:
         tree = ast.parse((ROOT / name / "__init__.py").read_text())
         doc = ast.get_docstring(tree)
         assert doc and "\n" not in doc.strip(), f"{name}/__init__.py: one docstring line"
@@ -75,3 +85,33 @@ def test_no_module_is_over_400_lines():
         if (n := len(f.read_text().splitlines())) > 400
     }
     assert not long, long
+
+
+def _room(module: str) -> str | None:
+    """The casting room of ``jaxamp.casting.<room>...``; None outside casting or for its
+    ``__init__`` (``jaxamp.casting`` itself, which re-exports from the rooms)."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["jaxamp", "casting"] and len(parts) > 2 else None
+
+
+def test_casting_is_its_rooms():
+    casting = ROOT / "casting"
+    folders = sorted(p.name for p in casting.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(CASTING_ROOMS), "a new casting folder takes its place in CASTING_ROOMS"
+    loose = sorted(p.name for p in casting.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"each casting module lives in a room: {loose}"
+    assert all((casting / room / "__init__.py").is_file() for room in CASTING_ROOMS)
+
+
+def test_casting_rooms_import_only_their_own_or_earlier_rooms():
+    order = {room: i for i, room in enumerate(CASTING_ROOMS)}
+    upward = []
+    for f in (ROOT / "casting").rglob("*.py"):
+        home = _room("jaxamp." + ".".join(f.relative_to(ROOT).with_suffix("").parts))
+        if home is None or home == "__init__":
+            continue
+        for module in _imported_modules(f):
+            there = _room(module)
+            if there in order and order[there] > order[home]:
+                upward.append(f"{f.relative_to(ROOT)} ({home}) imports {module} ({there})")
+    assert not upward, "\n".join(sorted(set(upward)))
