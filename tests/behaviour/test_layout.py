@@ -2,8 +2,8 @@
 
 - A module of one subpackage imports another subpackage through its ``__init__`` (its
   public names) or from ``jaxamp/_utils/``, never from that subpackage's private modules.
-  The top-level public namespaces ``jaxamp.compat`` and ``jaxamp.nnx`` each re-export
-  from the one subpackage that implements them.
+  The top-level public namespace ``jaxamp.nnx`` re-exports from the one subpackage
+  that implements it; ``jaxamp.compat`` is a subpackage of its own.
 - Each subpackage's ``__init__`` is a one-line docstring saying what the concept is, and
   re-exports.
 - ``casting/`` is cut into rooms, one concept each, in a declared order
@@ -20,7 +20,7 @@ import jaxamp
 
 ROOT = pathlib.Path(jaxamp.__file__).parent
 SUBPACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
-FACADES = {"compat.py": "loss_scale", "nnx.py": "skip"}
+FACADES = {"nnx.py": "skip"}
 # casting's rooms, lowest first: what dtype each op takes; FP8 products; the jaxpr
 # interpreter; the autocast front end; the two tools that run autocast's program.
 CASTING_ROOMS = ("_rules", "_fp8", "_interpreter", "_autocast", "_find_overflow", "_audit")
@@ -46,7 +46,7 @@ def _private_part(module: str) -> tuple[str, str] | None:
 
 
 def test_the_subpackages_are_the_concepts():
-    assert SUBPACKAGES == ["_utils", "casting", "checkpoint", "loss_scale", "skip"]
+    assert SUBPACKAGES == ["_utils", "casting", "checkpoint", "compat", "loss_scale", "skip"]
 
 
 def test_subpackages_meet_through_their_init_or_utils():
@@ -59,7 +59,7 @@ def test_subpackages_meet_through_their_init_or_utils():
             if hit is None or hit[0] in (home, "_utils"):
                 continue
             if home is None and FACADES.get(rel.name) == hit[0]:
-                continue  # jaxamp.compat / jaxamp.nnx: the public namespace of one subpackage
+                continue  # jaxamp.nnx: the public namespace of one subpackage
             crossing.append(f"{rel} imports {module}")
     assert not crossing, "\n".join(sorted(set(crossing)))
 

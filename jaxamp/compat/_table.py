@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp.loss_scale._state import LossScaleState, Mode, fresh_state
+from jaxamp.loss_scale import LossScaleState, Mode, fresh_state
 
 
 def is_number(value: Any) -> bool:

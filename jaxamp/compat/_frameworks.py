@@ -6,10 +6,9 @@ import math
 
 import numpy as np
 
-from jaxamp.loss_scale._compat_paddle import paddle_grad_scaler
-from jaxamp.loss_scale._compat_table import SYSTEMS, check_whole, checked_args, system_state
-from jaxamp.loss_scale._constructors import no_scale, static_scale
-from jaxamp.loss_scale._state import LossScaleState, Mode
+from jaxamp.compat._paddle import paddle_grad_scaler
+from jaxamp.compat._table import SYSTEMS, check_whole, checked_args, system_state
+from jaxamp.loss_scale import LossScaleState, Mode, no_scale, static_scale
 
 __all__ = [
     "flax_dynamic_scale",

@@ -7,9 +7,8 @@ import inspect
 import math
 from typing import Any
 
-from jaxamp.loss_scale._compat_table import SYSTEMS, check_flags, check_numbers
-from jaxamp.loss_scale._constructors import no_scale
-from jaxamp.loss_scale._state import LossScaleState, Mode, fresh_state
+from jaxamp.compat._table import SYSTEMS, check_flags, check_numbers
+from jaxamp.loss_scale import LossScaleState, Mode, fresh_state, no_scale
 
 __all__ = ["paddle_grad_scaler"]
 

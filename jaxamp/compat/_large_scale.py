@@ -6,15 +6,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from jaxamp.loss_scale._compat_table import (
+from jaxamp.compat._table import (
     check_flags,
     check_numbers,
     check_whole,
     checked_args,
     system_state,
 )
-from jaxamp.loss_scale._constructors import no_scale
-from jaxamp.loss_scale._state import LossScaleState, Mode, fixed_state
+from jaxamp.loss_scale import LossScaleState, Mode, fixed_state, no_scale
 
 
 @checked_args("DeepSpeed")
