@@ -25,9 +25,8 @@ from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._autocast import _flax
 from jaxamp.casting._autocast._config import Config
 from jaxamp.casting._autocast._objects import holder
-from jaxamp.casting._fp8 import _fp8
-from jaxamp.casting._interpreter import _decisions
-from jaxamp.casting._interpreter._context import Context
+from jaxamp.casting._interpreter import _context, _decisions
+from jaxamp.casting._interpreter._casts import cast
 from jaxamp.casting._interpreter._handlers import HANDLERS
 from jaxamp.casting._interpreter._interpret import eval_jaxpr
 from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE
@@ -86,7 +85,7 @@ def _run(
             return f(*a, **k)
 
     closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*dyn)
-    ctx = Context(
+    config = _context.Config(
         cfg.compute_dtype,
         cfg.rules,
         cfg.unknown_higher_order,
@@ -95,7 +94,7 @@ def _run(
         source_info=cfg.debug,
         lines=cfg.debug or _decisions.active(),  # under `jaxamp.audit`
     )
-    ctx.fp8 = _fp8.plan(cfg.fp8, closed.jaxpr, ctx)
+    ctx = _context.Context.start(config, cfg.fp8, closed.jaxpr)
     # f's float32 outputs count as float32 uses: the elementwise ops right
     # before them run in float32 (the output is returned in float32 anyway).
     wide_out = cfg.output_dtype is None or cfg.output_dtype.itemsize >= 4
@@ -109,7 +108,7 @@ def _run(
             if is_float_dtype(want) and cfg.output_dtype is not None:
                 want = cfg.output_dtype
             if is_float_dtype(x.dtype) and x.dtype != want:
-                x = ctx.cast(x, want)
+                x = cast(ctx, x, want)
             final.append(x)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), final)
 

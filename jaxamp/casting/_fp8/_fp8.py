@@ -54,7 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -231,7 +231,7 @@ class Plan:
     excluded: dict[Site, tuple[Any, str]] = dataclasses.field(default_factory=dict)
 
     def exclusions_under(self, site: tuple[int, ...]) -> tuple[Site, ...]:
-        """The excluded products inside the call at `site` (``Context.memo``: an inner
+        """The excluded products inside the call at `site` (``Context.memoized``: an inner
         jaxpr evaluated there is not the one evaluated at another call site)."""
         n = len(site)
         return tuple(k for k in self.excluded if k[0][:n] == site)
@@ -246,25 +246,26 @@ class Plan:
             return rules
         return {**rules, FP8_KEY: verdict}
 
-    def refusal(self, eqn: Any, ctx: Any, rules: Mapping[str, str]) -> str:
-        """Why this product stays out of FP8 by the config (``""``: it does not)."""
+    def refusal(self, eqn: Any, site: tuple[int, ...], stack: str, rules: Mapping[str, str]) -> str:
+        """Why this product, at `site` under `stack`, stays out of FP8 by the config
+        (``""``: it does not)."""
         verdict = rules.get(FP8_KEY)
         if verdict is not None:
             pattern, on = verdict
             return "" if on else f"jaxamp.fp8(modules={{{pattern!r}: False}})"
-        hit = self.excluded.get((ctx.site, id(eqn), ctx.stack))
+        hit = self.excluded.get((site, id(eqn), stack))
         return f"the model's {hit[1]} matrix-product layer (first_last_bf16)" if hit else ""
 
     def dot(
         self, eqn: Any, args: list[Any], params: Mapping[str, Any], target: np.dtype,
-        rules: Mapping[str, str], ctx: Any,
+        rules: Mapping[str, str], site: tuple[int, ...], stack: str, entered: bool,
     ) -> tuple[list[Any] | None, str]:  # fmt: skip
         """The FP8 product for a ``"lower"`` ``dot_general`` bound on `args` (or None:
-        it stays in `target`) under the Context `ctx`, and why (``jaxamp.audit``'s
-        per-op view)."""
+        it stays in `target`) at `site` under `stack`, and why (``jaxamp.audit``'s
+        per-op view). `entered`: the equation's source info is in force already."""
         if target != self.compute:
             return None, ""
-        refusal = self.refusal(eqn, ctx, rules)
+        refusal = self.refusal(eqn, site, stack, rules)
         if refusal:
             return None, f"not FP8: {refusal}"
         lhs, rhs = args
@@ -293,10 +294,9 @@ class Plan:
         )
         # Under the equation's own source info: the FP8 GEMMs, forward and
         # backward, carry the user's line and module path into the HLO metadata
-        # (what ``jaxamp.audit`` reads), not autocast's. With ``ctx.lines`` the
-        # interpreter has entered it already (a second time would repeat the
+        # (what ``jaxamp.audit`` reads), not autocast's, unless the interpreter has
+        # entered it already (``Config.lines``: a second time would repeat the
         # module path).
-        entered = ctx.lines
         with contextlib.nullcontext() if entered else jax_compat.source_info_context(eqn):
             outs = [_fp8_gemm.fp8_dot_general(lhs, rhs, gemm)]
         on = rules.get(FP8_KEY)
@@ -317,12 +317,16 @@ def _dims(params: Mapping[str, Any]) -> _fp8_gemm.DotDims:
     return tuple(tuple(tuple(int(i) for i in d) for d in pair) for pair in dims)  # type: ignore[return-value]
 
 
-def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
-    """The FP8 plan of autocast's trace of `jaxpr` (`ctx`: its Context, still without one)."""
+def plan(
+    config: Fp8Config | None,
+    jaxpr: Jaxpr,
+    compute: np.dtype,
+    rules_at: Callable[[str], tuple[bool, Mapping[str, str]]],
+) -> Plan | None:
+    """The FP8 plan of autocast's trace of `jaxpr` in `compute`; `rules_at`: ``(run as
+    written?, rules)`` under a name stack, before any FP8 mark."""
     if config is None:
         return None
-    # A throwaway cache: the trace's own scopes get the FP8 marks once planned.
-    probe = dataclasses.replace(ctx, scoped={}, origins={}, fp8=None)
     found: list[_Product] = []  # every product that may run FP8
     stacks: set[str] = set()
 
@@ -339,7 +343,7 @@ def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
         for eqn in jaxpr.eqns:
             stack = join(outer, jax_compat.name_stack(eqn))
             stacks.add(stack)
-            full, rules = probe.rules_at(stack)
+            full, rules = rules_at(stack)
             name = eqn.primitive.name
             rule = _rules.AS_WRITTEN if full else rules.get(name, _rules.FOLLOW)
             if name in SAME_VALUES:
@@ -379,7 +383,7 @@ def plan(config: Fp8Config | None, jaxpr: Jaxpr, ctx: Any) -> Plan | None:
                 UserWarning,
                 stacklevel=2,
             )
-    result = Plan(config, np.dtype(ctx.dtype))
+    result = Plan(config, np.dtype(compute))
     layers = [p for p in found if p.once]
     if config.first_last_bf16 and layers:
         # The first and last layers are the model's, not the program's: every

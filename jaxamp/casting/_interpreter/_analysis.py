@@ -94,7 +94,7 @@ def analyse(jaxpr: Jaxpr, ctx: Context, float32_outputs: bool = False) -> Analys
         demanded: set[int] = set()
         for i in range(len(jaxpr.eqns) - 1, -1, -1):
             eqn = jaxpr.eqns[i]
-            rule = ctx.rules.get(eqn.primitive.name, FOLLOW)
+            rule = ctx.config.rules.get(eqn.primitive.name, FOLLOW)
             if rule in (FLOAT32, LOWER):
                 sinks.add(i) if rule == FLOAT32 else free.add(i)
                 continue
@@ -118,7 +118,7 @@ def analyse(jaxpr: Jaxpr, ctx: Context, float32_outputs: bool = False) -> Analys
                     demanded.add(i)  # feeds f's float32 outputs only
         return Analysis(frozenset(demanded), input_layouts(jaxpr))
 
-    return ctx.memo(("analysis", id(jaxpr), float32_outputs), jaxpr, make)
+    return ctx.memoized(("analysis", id(jaxpr), float32_outputs), jaxpr, make)
 
 
 class Region(NamedTuple):
@@ -135,7 +135,7 @@ def pointwise_region(
     activation `root` reads (gelu's ``x ** 3`` and the chain after it).
 
     `rule_of` gives an equation's rule where it stands (its module's rules
-    under the outer name stack ``ctx.stack``). An equation joins when it is
+    under the outer name stack ``ctx.position.stack``). An equation joins when it is
     ``POINTWISE``, its rule lets it run in float32 (not ``"lower"`` nor
     ``"as_written"``), it reads a value of the region, and its other inputs
     are the activation, literals or non-floating values already computed
@@ -173,7 +173,7 @@ def pointwise_region(
         outputs = tuple(v for j in inside for v in eqns[j].outvars if v in used)
         return Region(tuple(inside), outputs)
 
-    return ctx.memo(("region", id(jaxpr), root, ctx.stack), jaxpr, make)
+    return ctx.memoized(("region", id(jaxpr), root, ctx.position.stack), jaxpr, make)
 
 
 def starts_region(eqn: Any) -> bool:

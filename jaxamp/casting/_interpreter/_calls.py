@@ -19,7 +19,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._interpreter._casts import bind, cast_all, to_original
+from jaxamp.casting._interpreter._casts import bind, cast, cast_all, to_original
 from jaxamp.casting._interpreter._constants import call_values, record
 from jaxamp.casting._interpreter._context import Context
 from jaxamp.casting._interpreter._decisions import note
@@ -36,14 +36,14 @@ def eval_to_original(
     """Like `eval_jaxpr`, with outputs cast back to the jaxpr's output dtypes."""
     outs, _ = eval_jaxpr(jaxpr, consts, args, ctx, None)
     return [
-        ctx.cast(x, v.aval.dtype) if is_float_dtype(x.dtype) and x.dtype != v.aval.dtype else x
+        cast(ctx, x, v.aval.dtype) if is_float_dtype(x.dtype) and x.dtype != v.aval.dtype else x
         for x, v in zip(outs, jaxpr.outvars, strict=True)
     ]
 
 
 def traced(body: Callable[..., Any], avals: Sequence[Any], ctx: Context) -> ClosedJaxpr:
     """``jax.make_jaxpr(body)`` with the trace's axis environment."""
-    return jax.make_jaxpr(body, axis_env=list(ctx.axis_env) or None)(*avals)
+    return jax.make_jaxpr(body, axis_env=list(ctx.position.axis_env) or None)(*avals)
 
 
 def autocast_subjaxpr(sub: ClosedJaxpr | Jaxpr, ctx: Context) -> ClosedJaxpr | Jaxpr:
@@ -68,7 +68,7 @@ def autocast_subjaxpr(sub: ClosedJaxpr | Jaxpr, ctx: Context) -> ClosedJaxpr | J
             raise NotImplementedError("autocast introduced constants in an open inner jaxpr")
         return new.jaxpr
 
-    return ctx.memo(("sub", id(sub)), sub, make)
+    return ctx.memoized(("sub", id(sub)), sub, make)
 
 
 def _closed(inner: Any) -> ClosedJaxpr:
@@ -84,7 +84,7 @@ def eval_call(eqn: Any, ins: Ins, ctx: Context) -> Outs:
         # float32: the whole function does, whatever its inputs.
         ups = [promote(np.dtype(d), FLOAT32_DTYPE) if is_float_dtype(d) else None for d in dtypes]
         args = [
-            x if u is None or d == u else ctx.cast(x, u)
+            x if u is None or d == u else cast(ctx, x, u)
             for x, d, u in zip(invals, dtypes, ups, strict=True)
         ]
         marks = [F32 if u is not None else m for u, m in zip(ups, inmarks, strict=True)]
@@ -117,7 +117,7 @@ def _marked_body(
     sub_ctx = ctx.sub()
 
     def body(*xs: Any) -> list[Any]:
-        record(list(xs), values, sub_ctx.known)
+        record(list(xs), values, sub_ctx.memo.known)
         outs, marks = eval_jaxpr(closed.jaxpr, closed.consts, xs, sub_ctx, inmarks)
         out_marks[:] = marks
         return outs
@@ -140,7 +140,7 @@ def _inner_stacks(jaxpr: Jaxpr, ctx: Context) -> tuple[str, ...]:
                             found[f"{here}/{inner}" if here and inner else here or inner] = None
         return tuple(found)
 
-    return ctx.memo(("stacks", id(jaxpr)), jaxpr, make)
+    return ctx.memoized(("stacks", id(jaxpr)), jaxpr, make)
 
 
 def _eval_nested_jit(
@@ -168,10 +168,10 @@ def _eval_nested_jit(
     scopes = tuple(
         (full, id(rules))
         for full, rules in (
-            ctx.rules_at(join(ctx.stack, s)) for s in _inner_stacks(closed.jaxpr, ctx)
+            ctx.rules_at(join(ctx.position.stack, s)) for s in _inner_stacks(closed.jaxpr, ctx)
         )
     )
-    values = call_values(eqn.invars, invals, ctx.known)
+    values = call_values(eqn.invars, invals, ctx.memo.known)
     known = tuple(None if v is None else (v.dtype.str, v.tobytes()) for v in values)
     key = ("jit", id(closed), tuple(avals), tuple(inmarks), known, scopes)
 
@@ -185,7 +185,7 @@ def _eval_nested_jit(
             return None
         return new, list(out_marks)
 
-    hit = ctx.memo(key, closed, make)
+    hit = ctx.memoized(key, closed, make)
     if hit is None:
         return None
     new, out_marks = hit
@@ -197,7 +197,7 @@ def eval_remat(eqn: Any, ins: Ins, ctx: Context) -> Outs:
     # Re-issued through the public jax.checkpoint so the rematerialised region
     # takes and returns activations in their autocast dtypes.
     params = eqn.params
-    values = call_values(eqn.invars, invals, ctx.known)
+    values = call_values(eqn.invars, invals, ctx.memo.known)
     body, out_marks = _marked_body(_closed(params["jaxpr"]), inmarks, ctx, values)
     outs = jax.checkpoint(
         body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
@@ -311,7 +311,7 @@ def eval_shard_map(eqn: Any, ins: Ins, ctx: Context) -> Outs:
     # that jax.shard_map sets up: re-issue it with the equation's own mesh
     # and specs, in the original signature.
     params = eqn.params
-    sub_ctx = ctx.sub(axis_env=ctx.axis_env + tuple(params["mesh"].shape.items()))
+    sub_ctx = ctx.sub(axis_env=ctx.position.axis_env + tuple(params["mesh"].shape.items()))
     body = params["jaxpr"]
     outs = jax_compat.shard_map_call(
         lambda *xs: eval_to_original(body, (), xs, sub_ctx),

@@ -73,6 +73,25 @@ def cast_jit(src: np.dtype, dst: np.dtype, saturate: bool = False) -> Callable[[
     return jax.jit(cast, inline=True)
 
 
+def cast(ctx: Context, x: Any, dtype: Any, const: bool = False) -> Any:
+    """`x` cast to `dtype`, once per (value, dtype) at `ctx`'s tracing level; saturating
+    for a trace-time constant (`const`), plain (inf beyond the range) otherwise."""
+    dtype = np.dtype(dtype)
+    saturate = const and ctx.position.saturate
+    key = (id(x), dtype, saturate)
+    hit = ctx.casts.get(key)
+    if hit is not None and hit[0] is x:
+        return hit[1]
+    src = np.dtype(x.dtype)
+    y = cast_jit(src, dtype, saturate)(x)
+    ctx.casts[key] = (x, y)
+    if dtype.itemsize > src.itemsize:
+        # An exact upcast: casting the result back down gives `x` again.
+        for s in (False, True):
+            ctx.casts[(id(y), src, s)] = (y, x)
+    return y
+
+
 def host_cast(value: Any, dtype: Any) -> Any:
     """A literal's cast on the host: a constant, so it saturates (``cast_jit``)."""
     v = np.asarray(value)
@@ -88,14 +107,14 @@ def to_original(vals: list[Any], dtypes: list[Any], invars: list[Any], ctx: Cont
     for x, cur, v in zip(vals, dtypes, invars, strict=True):
         want = v.aval.dtype
         if cur != want and is_float_dtype(cur) and is_float_dtype(want):
-            x = host_cast(x, want) if isinstance(v, Literal) else ctx.cast(x, want)
+            x = host_cast(x, want) if isinstance(v, Literal) else cast(ctx, x, want)
         out.append(x)
     return out
 
 
 def cast_all(xs: Sequence[Any], dtypes: Sequence[Any], ctx: Context) -> list[Any]:
     return [
-        ctx.cast(x, d) if is_float_dtype(d) and is_float_dtype(x.dtype) and x.dtype != d else x
+        cast(ctx, x, d) if is_float_dtype(d) and is_float_dtype(x.dtype) and x.dtype != d else x
         for x, d in zip(xs, dtypes, strict=True)
     ]
 
@@ -244,10 +263,10 @@ def bind_opmath(eqn: Any, x: Any, low: np.dtype, ctx: Context, cached: bool) -> 
     float32 copy of the result. Not `cached` (``find_overflow``, which reads
     each op where it was written) the op is bound plainly: the same values.
     """
-    x = x if x.dtype == low else ctx.cast(x, low)
+    x = x if x.dtype == low else cast(ctx, x, low)
     if not cached:
-        up = ctx.cast(x, FLOAT32_DTYPE)
-        return [ctx.cast(o, low) for o in bind(eqn, [up], cached=False)]
+        up = cast(ctx, x, FLOAT32_DTYPE)
+        return [cast(ctx, o, low) for o in bind(eqn, [up], cached=False)]
     step = (eqn.primitive, tuple(sorted(eqn.params.items())), (("x",),))
-    outs = region_fn((step,), ((0, 0),), FLOAT32_DTYPE, not ctx.in_region)(x)
-    return [ctx.cast(o, low) for o in outs]
+    outs = region_fn((step,), ((0, 0),), FLOAT32_DTYPE, not ctx.position.in_region)(x)
+    return [cast(ctx, o, low) for o in outs]

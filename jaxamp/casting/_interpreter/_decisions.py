@@ -16,7 +16,7 @@ import itertools
 import os
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from jaxamp.casting._rules._scopes import (
     join,
     scope_parts,
 )
+
+if TYPE_CHECKING:
+    from jaxamp.casting._interpreter._context import Context
 
 __all__ = ["OpRow"]
 
@@ -110,8 +113,8 @@ def active() -> bool:
     return _LOG.get() is not None
 
 
-def note(eqn: Any, ctx: Any, dtype: Any, why: str, rule: tuple[str, str] | None = None) -> None:
-    """Logs `eqn` (evaluated under ``ctx.stack``) as run in `dtype` because of `why`;
+def note(eqn: Any, ctx: Context, dtype: Any, why: str, rule: tuple[str, str] | None = None) -> None:
+    """Logs `eqn` (evaluated under ``ctx.position.stack``) as run in `dtype` because of `why`;
     `rule`: ``(op class, origin)`` where the class is not the scope's (a handler's)."""
     log = _LOG.get()
     if log is None:
@@ -122,10 +125,12 @@ def note(eqn: Any, ctx: Any, dtype: Any, why: str, rule: tuple[str, str] | None 
         return  # the nested autocast logged its own decision when it was traced
     dtype = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     frames = jax_compat.traceback_frames(eqn)
-    row = OpRow(name, dtype, op_class, origin, why, module_path(ctx.stack), user_frame(frames))
+    row = OpRow(
+        name, dtype, op_class, origin, why, module_path(ctx.position.stack), user_frame(frames)
+    )
     # A loop body or cond branch is evaluated more than once (until the dtypes
     # it carries settle): one row per equation and call site, the last decision.
-    seen, key = _SEEN.get(), (id(eqn), getattr(ctx, "site", ()), ctx.stack)
+    seen, key = _SEEN.get(), (id(eqn), ctx.position.site, ctx.position.stack)
     hit = seen.get(key)
     if hit is not None and hit[0] is eqn:
         log[hit[1]] = row
@@ -135,7 +140,7 @@ def note(eqn: Any, ctx: Any, dtype: Any, why: str, rule: tuple[str, str] | None 
 
 
 def note_outs(
-    eqn: Any, ctx: Any, outs: list[Any], why: str, rule: tuple[str, str] | None = None
+    eqn: Any, ctx: Context, outs: list[Any], why: str, rule: tuple[str, str] | None = None
 ) -> None:
     """Logs `eqn` as run in its first floating result's dtype (nothing if none is)."""
     if active():
@@ -146,7 +151,7 @@ def note_outs(
                 return
 
 
-def note_region(jaxpr: Any, eqns: Any, ctx: Any, opmath: bool) -> None:
+def note_region(jaxpr: Any, eqns: Any, ctx: Context, opmath: bool) -> None:
     """Logs the equations `eqns` (indices into `jaxpr`) of a pointwise region:
     they run in float32 together, rounded once (``_analysis.pointwise_region``)."""
     if not active():
@@ -155,7 +160,7 @@ def note_region(jaxpr: Any, eqns: Any, ctx: Any, opmath: bool) -> None:
     if opmath:
         why = (
             f"{root} of an activation and the pointwise ops around it: in float32, "
-            f"rounded once to {ctx.dtype.name} (torch's opmath)"
+            f"rounded once to {ctx.config.dtype.name} (torch's opmath)"
         )
     else:
         why = (
@@ -164,14 +169,14 @@ def note_region(jaxpr: Any, eqns: Any, ctx: Any, opmath: bool) -> None:
         )
     for j in eqns:
         eqn = jaxpr.eqns[j]
-        note(eqn, ctx.at(join(ctx.stack, jax_compat.name_stack(eqn))), np.float32, why)
+        note(eqn, ctx.at(join(ctx.position.stack, jax_compat.name_stack(eqn))), np.float32, why)
 
 
-def rule_of(ctx: Any, name: str) -> tuple[str, str]:
-    """``(op class, origin)`` of primitive `name` under ``ctx.stack``, read from the
+def rule_of(ctx: Context, name: str) -> tuple[str, str]:
+    """``(op class, origin)`` of primitive `name` under ``ctx.position.stack``, read from the
     rules ``Context.rules_at`` resolved there and the origins it kept."""
     full, rules = ctx.rules_at()
-    origins = ctx.origins.get(ctx.stack, {})
+    origins = ctx.memo.origins.get(ctx.position.stack, {})
     if full:
         return AS_WRITTEN, origins.get("*", "full_precision")
     op_class = rules.get(name, FOLLOW)

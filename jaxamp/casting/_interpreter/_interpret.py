@@ -12,7 +12,6 @@ context's handlers, by kind (``_primitives``; the handlers are in ``_calls`` and
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -29,6 +28,7 @@ from jaxamp.casting._interpreter._casts import (
     bind,
     bind_opmath,
     bind_region,
+    cast,
     host_cast,
     to_original,
 )
@@ -80,7 +80,7 @@ def eval_jaxpr(
     marks: Sequence[int] | None = None,
     float32_outputs: bool = False,
 ) -> Outs:
-    """Evaluates `jaxpr` under ``ctx.stack`` with autocast rules; returns the outputs
+    """Evaluates `jaxpr` under ``ctx.position.stack`` with autocast rules; returns the outputs
     and their marks. ``float32_outputs``: the outputs are returned in float32 (the
     top level of ``f``), which counts as a float32 use (``_analysis.analyse``)."""
     env: dict[Any, Any] = {}
@@ -88,9 +88,9 @@ def eval_jaxpr(
     args = list(args)
     marks = list(marks) if marks is not None else [NONE] * len(args)
     for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v], (mark[v], values) = x, const_facts(x, ctx.dtype)
+        env[v], (mark[v], values) = x, const_facts(x, ctx.config.dtype)
         if values is not None:
-            ctx.known[id(x)] = (x, values)
+            ctx.memo.known[id(x)] = (x, values)
     for v, x, m in zip(jaxpr.invars, args, marks, strict=True):
         env[v], mark[v] = x, m
     facts = analyse(jaxpr, ctx, float32_outputs)
@@ -109,14 +109,16 @@ def eval_jaxpr(
         region = _region(jaxpr, i, eqn, inmarks, ctx, i in facts.demanded)
         if region is not None:
             with jax_compat.eqn_context(eqn):
-                outs = bind_region(jaxpr, region, read, not ctx.in_region)
+                outs = bind_region(jaxpr, region, read, not ctx.position.in_region)
             # An opmath root (silu's logistic) rounds its region once to the
             # activation's dtype, as torch's fused kernel does; a float32-list
             # root's results stay float32 (torch's type promotion).
             low = eqn.primitive.name in OPMATH_OPS
             outmarks = [(ACT if low else F32) if is_float_dtype(x.dtype) else NONE for x in outs]
             if low:
-                outs = [ctx.cast(x, ctx.dtype) if is_float_dtype(x.dtype) else x for x in outs]
+                outs = [
+                    cast(ctx, x, ctx.config.dtype) if is_float_dtype(x.dtype) else x for x in outs
+                ]
             note_region(jaxpr, region.eqns, ctx, low)
             outvars = region.outputs
             done.update(region.eqns)
@@ -127,11 +129,11 @@ def eval_jaxpr(
                 invals = [read(v) for v in eqn.invars]
                 if eqn.primitive.name in FILL_POSITIONS:
                     ins = list(zip(eqn.invars, invals, inmarks, strict=True))
-                    inmarks = fill_marks(ins, ctx.dtype, ctx.known)
+                    inmarks = fill_marks(ins, ctx.config.dtype, ctx.memo.known)
                 demanded, layouts = i in facts.demanded, facts.layouts[i]
                 outs, outmarks = eval_eqn(eqn, invals, inmarks, ctx, demanded, layouts)
             ins = list(zip(eqn.invars, invals, inmarks, strict=True))
-            outmarks = constant_marks(eqn, ins, outs, outmarks, ctx.dtype, ctx.known)
+            outmarks = constant_marks(eqn, ins, outs, outmarks, ctx.config.dtype, ctx.memo.known)
             outvars = eqn.outvars
         for v, x, m in zip(outvars, outs, outmarks, strict=True):
             env[v], mark[v] = x, m
@@ -147,15 +149,15 @@ def _region(
     with ``source_info`` (``find_overflow`` reads each op where it was written;
     the values are the same without the checkpoint).
     """
-    if ctx.source_info or not starts_region(eqn):
+    if ctx.config.source_info or not starts_region(eqn):
         return None
     (k,) = [j for j, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
     x = eqn.invars[k]
-    if inmarks[k] != ACT or not is_float_dtype(x.aval.dtype) or ctx.dtype.itemsize >= 4:
+    if inmarks[k] != ACT or not is_float_dtype(x.aval.dtype) or ctx.config.dtype.itemsize >= 4:
         return None
 
     def rule_of(e: Any) -> str:
-        full, rules = ctx.rules_at(join(ctx.stack, jax_compat.name_stack(e)))
+        full, rules = ctx.rules_at(join(ctx.position.stack, jax_compat.name_stack(e)))
         return AS_WRITTEN if full else rules.get(e.primitive.name, FOLLOW)
 
     rule = rule_of(eqn)
@@ -169,7 +171,7 @@ def _region(
 
 
 def _source_info(eqn: Any, ctx: Context) -> Any:
-    return jax_compat.source_info_context(eqn) if ctx.lines else contextlib.nullcontext()
+    return jax_compat.source_info_context(eqn) if ctx.config.lines else contextlib.nullcontext()
 
 
 def _dtype_of(x: Any, v: Any) -> Any:
@@ -200,37 +202,37 @@ def eval_eqn(
 
     ``demanded`` and ``layouts`` are the analysis's facts about it (``_analysis``).
     """
-    ctx = ctx.at(join(ctx.stack, jax_compat.name_stack(eqn)))
+    ctx = ctx.at(join(ctx.position.stack, jax_compat.name_stack(eqn)))
     ins = Ins(invals, inmarks, [_dtype_of(x, v) for x, v in zip(invals, eqn.invars, strict=True)])
     name, nout = eqn.primitive.name, len(eqn.outvars)
     full, rules = ctx.rules_at()
     rule = AS_WRITTEN if full else rules.get(name, FOLLOW)
     why, origin = "runs in the dtypes f gives it", None
     if rule != AS_WRITTEN and has_subjaxprs(eqn.params):
-        handler = ctx.handlers.get(kind_of(name))
+        handler = ctx.config.handlers.get(kind_of(name))
         if handler is not None:
-            return handler(eqn, ins, dataclasses.replace(ctx, site=(*ctx.site, id(eqn))))
+            return handler(eqn, ins, ctx.inside(eqn))
         _unknown_higher_order(name, ctx)
         rule, why = AS_WRITTEN, "a higher-order primitive autocast does not enter"
         origin = (AS_WRITTEN, "unknown_higher_order=")
     if rule == AS_WRITTEN:
-        outs = bind(eqn, to_original(invals, ins.dtypes, eqn.invars, ctx), cached=ctx.cached)
+        outs = bind(eqn, to_original(invals, ins.dtypes, eqn.invars, ctx), cached=ctx.config.cached)
         note_outs(eqn, ctx, outs, why, origin)
         return outs, [NONE] * nout
     floats = [i for i, d in enumerate(ins.dtypes) if is_float_dtype(d)]
     if not floats:  # integer / bool / key ops are never touched
-        return bind(eqn, invals, cached=ctx.cached), [NONE] * nout
+        return bind(eqn, invals, cached=ctx.config.cached), [NONE] * nout
     if name == "convert_element_type":
         return _eval_convert(eqn, ins, ctx, demanded)
-    if name == "reduce_precision" and KEEP_FLOAT32_SCOPE in ctx.stack:
+    if name == "reduce_precision" and KEEP_FLOAT32_SCOPE in ctx.position.stack:
         x = invals[0]  # the keep_float32 marker: an identity in float32
         note(eqn, ctx, FLOAT32_DTYPE, "keep_float32: float32 until a matrix product")
-        return [x if ins.dtypes[0] == FLOAT32_DTYPE else ctx.cast(x, FLOAT32_DTYPE)], [PIN]
+        return [x if ins.dtypes[0] == FLOAT32_DTYPE else cast(ctx, x, FLOAT32_DTYPE)], [PIN]
     float_ins = [
         FloatIn(np.dtype(ins.dtypes[i]), ins.marks[i], not eqn.invars[i].aval.weak_type, layouts[i])
         for i in floats
     ]
-    target, out_mark, why = choose(rule, float_ins, ctx.dtype, demanded)
+    target, out_mark, why = choose(rule, float_ins, ctx.config.dtype, demanded)
     fp8 = ctx.fp8 is not None and name == "dot_general" and rule == LOWER
     return _eval_in(eqn, ins, ctx, floats, target, out_mark, layouts, rules if fp8 else None, why)
 
@@ -253,11 +255,11 @@ def _eval_in(
     change (``_opmath``)."""
     nout = len(eqn.outvars)
     opmath = "; in float32, rounded once (torch's opmath)"
-    if eqn.primitive.name in OPMATH_OPS and target == ctx.dtype and target.itemsize < 4:
+    if eqn.primitive.name in OPMATH_OPS and target == ctx.config.dtype and target.itemsize < 4:
         note(eqn, ctx, FLOAT32_DTYPE, why + opmath)
-        outs = bind_opmath(eqn, ins.vals[floats[0]], target, ctx, ctx.cached)
+        outs = bind_opmath(eqn, ins.vals[floats[0]], target, ctx, ctx.config.cached)
         return outs, [out_mark] * nout
-    if target == ctx.dtype:
+    if target == ctx.config.dtype:
         reason = opmath_reason(eqn, *ins, floats, layouts, target)
         if reason is not None:
             note(eqn, ctx, FLOAT32_DTYPE, f"{why}; {reason}{opmath}")
@@ -269,16 +271,19 @@ def _eval_in(
             if isinstance(eqn.invars[i], Literal):
                 args[i] = host_cast(ins.vals[i], target)
             else:
-                args[i] = ctx.cast(ins.vals[i], target, const=ins.marks[i] == CONST)
+                args[i] = cast(ctx, ins.vals[i], target, const=ins.marks[i] == CONST)
     params, out_mark = _accumulation(eqn, floats, target, out_mark)
     if fp8_rules is not None:
-        fp8_outs, fp8_why = ctx.fp8.dot(eqn, args, params, target, fp8_rules, ctx)
+        pos = ctx.position
+        fp8_outs, fp8_why = ctx.fp8.dot(
+            eqn, args, params, target, fp8_rules, pos.site, pos.stack, ctx.config.lines
+        )
         if fp8_outs is not None:
             note(eqn, ctx, "float8_e4m3fn", fp8_why)
             return fp8_outs, [out_mark] * nout
         why = f"{why}; {fp8_why}" if fp8_why else why
     note(eqn, ctx, target, why)
-    return bind(eqn, args, params, ctx.cached), [out_mark] * nout
+    return bind(eqn, args, params, ctx.config.cached), [out_mark] * nout
 
 
 def _accumulation(eqn: Any, floats: list[int], target: np.dtype, mark: int) -> tuple[dict, int]:
@@ -300,13 +305,13 @@ def _accumulation(eqn: Any, floats: list[int], target: np.dtype, mark: int) -> t
 
 
 def _unknown_higher_order(name: str, ctx: Context) -> None:
-    if ctx.unknown_higher_order == "error":
+    if ctx.config.unknown_higher_order == "error":
         raise NotImplementedError(
             f"jaxamp.autocast does not know the higher-order primitive {name!r}. "
             "Pass unknown_higher_order='as_written' to run it in its original "
             f"dtypes, or rules={{{name!r}: 'as_written'}}."
         )
-    if ctx.unknown_higher_order == "warn":
+    if ctx.config.unknown_higher_order == "warn":
         why = ""
         if name == "custom_vjp_call_jaxpr":
             why = (
@@ -325,7 +330,7 @@ def _eval_convert(eqn: Any, ins: Ins, ctx: Context, demanded: bool) -> Outs:
     new = eqn.params["new_dtype"]
     x = ins.vals[0]
     if not is_float_dtype(new):  # float -> int / bool: from the value `f` had
-        outs = bind(eqn, to_original([x], ins.dtypes, eqn.invars, ctx), cached=ctx.cached)
+        outs = bind(eqn, to_original([x], ins.dtypes, eqn.invars, ctx), cached=ctx.config.cached)
         return outs, [NONE]
     new = np.dtype(new)
     # An explicit cast to float32 or wider (`x.astype(jnp.float32)` of a
@@ -337,4 +342,4 @@ def _eval_convert(eqn: Any, ins: Ins, ctx: Context, demanded: bool) -> Outs:
     note(eqn, ctx, new, "a cast in f" + (": float32 from here until a matrix product" * pinned))
     if ins.dtypes[0] == new:
         return [x], [PIN if pinned else ins.marks[0]]
-    return [ctx.cast(x, new)], [PIN if pinned else NONE]
+    return [cast(ctx, x, new)], [PIN if pinned else NONE]

@@ -27,7 +27,7 @@ from jax.extend.core import ClosedJaxpr, Literal
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._interpreter._calls import traced
-from jaxamp.casting._interpreter._casts import SATURATING_CAST_OPS, bind
+from jaxamp.casting._interpreter._casts import SATURATING_CAST_OPS, bind, cast
 from jaxamp.casting._interpreter._context import Context
 from jaxamp.casting._interpreter._interpret import Ins, Outs, eval_jaxpr
 from jaxamp.casting._rules._rules import ACT, CONST, NONE, PIN
@@ -84,7 +84,7 @@ def _trace_region(
             for o, f, v in zip(outs, out_forms, jaxpr.outvars, strict=True):
                 want = o.dtype if f == _FREE else v.aval.dtype if f is None else f[0]
                 if o.dtype != want and is_float_dtype(o.dtype) and is_float_dtype(want):
-                    o = sub_ctx.cast(o, want)
+                    o = cast(sub_ctx, o, want)
                 final.append(o)
             return final
 
@@ -97,14 +97,14 @@ def _trace_region(
             if not isinstance(v, Literal) and v in index:
                 cast_only[index[v]] = False
         for e in region.jaxpr.eqns:
-            down = _is_cast_down(e, ctx.dtype)
+            down = _is_cast_down(e, ctx.config.dtype)
             for v in e.invars:
                 if not down and not isinstance(v, Literal) and v in index:
                     cast_only[index[v]] = False
         return _Region(region, list(got), cast_only)
 
-    key = ("region", id(closed), ctx.stack, tuple(in_forms), tuple(out_forms))
-    return ctx.memo(key, closed, make)
+    key = ("region", id(closed), ctx.position.stack, tuple(in_forms), tuple(out_forms))
+    return ctx.memoized(key, closed, make)
 
 
 def _entry(
@@ -118,8 +118,8 @@ def _entry(
     args = []
     for x, m, d, o, f in zip(invals, inmarks, dtypes, orig, forms, strict=True):
         want = o if f is None else f[0]
-        cast = want is not None and d != want
-        args.append(ctx.cast(x, want, const=m == CONST) if cast else x)
+        differs = want is not None and d != want
+        args.append(cast(ctx, x, want, const=m == CONST) if differs else x)
     return args
 
 
@@ -205,10 +205,10 @@ def eval_scan(eqn: Any, ins: Ins, ctx: Context) -> Outs:
             elif (
                 forms[i] is None
                 and i not in demoted
-                and region.got[j] == (ctx.dtype, ACT)
+                and region.got[j] == (ctx.config.dtype, ACT)
                 and region.cast_only[i]
                 and orig[i] is not None
-                and orig[i].itemsize > ctx.dtype.itemsize
+                and orig[i].itemsize > ctx.config.dtype.itemsize
             ):
                 forms[i], changed = region.got[j], True
         if not changed:

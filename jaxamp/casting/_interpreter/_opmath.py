@@ -19,7 +19,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._interpreter._casts import bind, region_fn
+from jaxamp.casting._interpreter._casts import bind, cast, region_fn
 from jaxamp.casting._rules._rules import ACT, CONST, FLOAT32_DTYPE, NONE, SCALAR, promote
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ def eval_opmath(
     wide = promote(low, FLOAT32_DTYPE)
     acts = [i for i in floats if marks[i] == ACT and not isinstance(eqn.invars[i], Literal)]
     if (
-        ctx.cached
+        ctx.config.cached
         and len(acts) == 1
         and any(isinstance(vals[i], jax.core.Tracer) and marks[i] != ACT for i in floats)
     ):
@@ -102,9 +102,9 @@ def eval_opmath(
         elif np.ndim(vals[i]) == 0 and not isinstance(vals[i], jax.core.Tracer):
             args[i] = np.asarray(vals[i], wide)
         elif dtypes[i] != wide:
-            args[i] = ctx.cast(vals[i], wide)
-    outs = bind(eqn, args, eqn.params, ctx.cached)
-    return [ctx.cast(o, low) if is_float_dtype(o.dtype) else o for o in outs]
+            args[i] = cast(ctx, vals[i], wide)
+    outs = bind(eqn, args, eqn.params, ctx.config.cached)
+    return [cast(ctx, o, low) if is_float_dtype(o.dtype) else o for o in outs]
 
 
 def _checkpointed(
@@ -128,12 +128,12 @@ def _checkpointed(
         else:
             x = vals[i]
             if is_float_dtype(dtypes[i]) and np.dtype(dtypes[i]) != wide:
-                x = ctx.cast(x, wide) if isinstance(x, jax.core.Tracer) else np.asarray(x, wide)
+                x = cast(ctx, x, wide) if isinstance(x, jax.core.Tracer) else np.asarray(x, wide)
             refs.append(("e", len(extra)))
             extra.append(x)
     step = (eqn.primitive, tuple(sorted(eqn.params.items())), tuple(refs))
     nout = len(eqn.outvars)
-    fn = region_fn((step,), tuple((0, o) for o in range(nout)), wide, not ctx.in_region)
-    x = vals[act] if np.dtype(dtypes[act]) == low else ctx.cast(vals[act], low)
+    fn = region_fn((step,), tuple((0, o) for o in range(nout)), wide, not ctx.position.in_region)
+    x = vals[act] if np.dtype(dtypes[act]) == low else cast(ctx, vals[act], low)
     outs = fn(x, *extra)
-    return [ctx.cast(o, low) if is_float_dtype(o.dtype) else o for o in outs]
+    return [cast(ctx, o, low) if is_float_dtype(o.dtype) else o for o in outs]
