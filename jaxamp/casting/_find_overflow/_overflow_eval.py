@@ -37,7 +37,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float
 from jaxamp.casting._find_overflow._overflow_shard import Shard
-from jaxamp.casting._rules._primitives import BODY, Kind, body, kind_of
+from jaxamp.casting._rules._primitives import BODY, Kind, body, has_subjaxprs, kind_of, open_jaxpr
 
 __all__ = ["HANDLERS", "Finding", "Frame", "find", "nonfinite_kind"]
 
@@ -162,14 +162,8 @@ def nonfinite_kind(x: Any) -> str | None:
     return "nan" if np.isnan(a).any() else None
 
 
-def _open(sub: ClosedJaxpr | Jaxpr) -> tuple[Jaxpr, Sequence[Any]]:
-    if isinstance(sub, ClosedJaxpr):
-        return sub.jaxpr, sub.consts
-    return sub, ()
-
-
 def _eval_sub(sub: ClosedJaxpr | Jaxpr, args: Sequence[Any], frame: Frame, state: _State) -> list:
-    jaxpr, consts = _open(sub)
+    jaxpr, consts = open_jaxpr(sub)
     return _eval(jaxpr, consts, list(args), frame, state)
 
 
@@ -238,19 +232,13 @@ def _check(eqn: Any, invals: list[Any], outs: list[Any], frame: Frame, state: _S
             continue
         if any(is_float(v) and nonfinite_kind(v) is not None for v in invals):
             return  # it only passed on what it was given
-        opaque = any(_holds_jaxpr(p) for p in eqn.params.values())
+        opaque = has_subjaxprs(eqn.params)
         finding = Finding(eqn, tuple(invals), frame, np.dtype(x.dtype), kind, opaque=opaque)
         if finding.low_precision:
             raise _Found(finding)
         if state.wide is None:
             state.wide = finding
         return
-
-
-def _holds_jaxpr(param: Any) -> bool:
-    if isinstance(param, tuple | list):
-        return any(_holds_jaxpr(p) for p in param)
-    return isinstance(param, ClosedJaxpr | Jaxpr)
 
 
 # --------------------------------------------------------------------------
@@ -265,7 +253,7 @@ def _call(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any]
 def _scan(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list[Any]:
     params = eqn.params
     (nconsts, ncarry), length = jax_compat.scan_counts(params), params["length"]
-    body, _ = _open(params["jaxpr"])
+    body, _ = open_jaxpr(params["jaxpr"])
     consts = invals[:nconsts]
     carry = invals[nconsts : nconsts + ncarry]
     xs = invals[nconsts + ncarry :]
@@ -324,7 +312,7 @@ def _shard_map(eqn: Any, invals: list[Any], frame: Frame, state: _State) -> list
     if shard is None:  # a nested shard_map, or a JAX whose shard_map is not public
         return bind_checked(eqn, invals, frame, state)
     body = eqn.params["jaxpr"]
-    jaxpr, _ = _open(body)
+    jaxpr, _ = open_jaxpr(body)
     blocks = shard.enter(invals, eqn.params["in_specs"], [v.aval for v in jaxpr.invars])
     outs = _eval_sub(body, blocks, dataclasses.replace(frame, shard=shard), state)
     return shard.leave(outs, [v.aval for v in jaxpr.outvars], eqn.params["out_specs"])

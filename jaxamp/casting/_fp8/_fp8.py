@@ -63,7 +63,7 @@ from jax.extend.core import Jaxpr, Literal
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._fp8 import _fp8_gemm
-from jaxamp.casting._fp8._fp8_roots import NONE, SAME_VALUES, Roots, subjaxprs
+from jaxamp.casting._fp8._fp8_roots import NONE, SAME_VALUES, Roots, subjaxpr_roots
 from jaxamp.casting._rules import _rules
 from jaxamp.casting._rules._scopes import join, module_match, scope_parts
 
@@ -365,7 +365,7 @@ def plan(
                 # there (a product of theirs may still read one's weight), but
                 # their module names count for the patterns.
                 inner = once and name not in _LOOPS
-                subs = subjaxprs(eqn, [of(v) for v in eqn.invars])
+                subs = subjaxpr_roots(eqn, [of(v) for v in eqn.invars])
                 outs = [walk(sub, stack, (*site, eqn), inner, given) for sub, given in subs]
                 if len(subs) == 1 and name not in _LOOPS:  # a call: its results
                     roots.update(zip(eqn.outvars, outs[0], strict=False))

@@ -13,10 +13,8 @@ one cuBLASLt FP8 call (``xla/service/gpu/transforms/gemm_rewriter.cc``):
 ``MatchFp8Param`` accepts a ``dot`` operand that is itself f8, and the
 ``dot``'s only user is a multiply by a broadcast scale. So each operand enters
 the ``dot`` in f8 and the scales are applied to its float32 result (scalars
-tensorwise; per-row and per-column factors rowwise). On an H200 (jax 0.11.2)
-XLA made the forward products cuBLASLt FP8 calls with a constant scale of 1
-and ran the rescale in the fusion after the call; the backward products ran
-as Triton GEMM fusions (docs/fp8.md).
+tensorwise; per-row and per-column factors rowwise), where it fuses with the
+ops after the product. What XLA compiles it to on a GPU is in docs/fp8.md.
 
 Nothing here is stateful: the scales are recomputed from each call's operands
 (current scaling), so there is nothing to checkpoint.

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.extend.core import Jaxpr
 
 from jaxamp._utils import jax_compat
 from jaxamp.casting._rules._layouts import RELAYOUT
+from jaxamp.casting._rules._primitives import open_jaxpr, subjaxprs
 
 #: A value's roots: the ids of the arrays of `f` (its inputs, the constants it
 #: closes over) whose values it holds unchanged, only laid out again: a weight
@@ -26,32 +27,23 @@ SAME_VALUES = RELAYOUT | {
 }  # fmt: skip
 
 
-def _as_jaxpr(value: Any) -> Jaxpr | None:
-    if isinstance(value, ClosedJaxpr):
-        return value.jaxpr
-    return value if isinstance(value, Jaxpr) else None
-
-
-def subjaxprs(eqn: Any, ins: list[Roots]) -> list[tuple[Jaxpr, list[Roots]]]:
+def subjaxpr_roots(eqn: Any, ins: list[Roots]) -> list[tuple[Jaxpr, list[Roots]]]:
     """Each inner jaxpr of `eqn`, with the roots of its inputs given `ins`, those
     of `eqn`'s inputs. A loop body's carry and scanned slices change from one
     iteration to the next: only its constants hand on the caller's arrays."""
     name, params = eqn.primitive.name, eqn.params
     found = []
-    for key, value in params.items():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-            inner = _as_jaxpr(sub)
-            if inner is None:
-                continue
-            n = len(inner.invars)
-            if name == "cond":
-                given = ins[1:]  # after the branch index
-            elif name == "scan":
-                given = ins[: jax_compat.scan_counts(params)[0]]
-            elif name == "while":
-                first = 0 if key == "cond_jaxpr" else params["cond_nconsts"]
-                given = ins[first : first + params[f"{key.partition('_')[0]}_nconsts"]]
-            else:
-                given = ins if len(ins) == n else []
-            found.append((inner, (list(given) + [NONE] * n)[:n]))
+    for key, sub in subjaxprs(params):
+        inner, _ = open_jaxpr(sub)
+        n = len(inner.invars)
+        if name == "cond":
+            given = ins[1:]  # after the branch index
+        elif name == "scan":
+            given = ins[: jax_compat.scan_counts(params)[0]]
+        elif name == "while":
+            first = 0 if key == "cond_jaxpr" else params["cond_nconsts"]
+            given = ins[first : first + params[f"{key.partition('_')[0]}_nconsts"]]
+        else:
+            given = ins if len(ins) == n else []
+        found.append((inner, (list(given) + [NONE] * n)[:n]))
     return found

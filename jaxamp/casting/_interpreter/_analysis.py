@@ -18,6 +18,7 @@ from jax.extend.core import Jaxpr, Literal
 
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._rules._layouts import input_layouts
+from jaxamp.casting._rules._primitives import has_subjaxprs
 from jaxamp.casting._rules._rules import AS_WRITTEN, ELEMENTWISE, FLOAT32, FOLLOW, LOWER
 
 if TYPE_CHECKING:
@@ -182,8 +183,4 @@ def starts_region(eqn: Any) -> bool:
     checks both). A root need not be pointwise (a ``reduce_max``, an
     ``eigh``): checkpointed alone, it keeps its low-precision input too."""
     inputs = [v for v in eqn.invars if not isinstance(v, Literal)]
-    return (
-        len(inputs) == 1
-        and not eqn.effects
-        and not any(hasattr(p, "jaxpr") or hasattr(p, "eqns") for p in eqn.params.values())
-    )
+    return len(inputs) == 1 and not eqn.effects and not has_subjaxprs(eqn.params)

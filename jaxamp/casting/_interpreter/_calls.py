@@ -25,7 +25,7 @@ from jaxamp.casting._interpreter._context import Context
 from jaxamp.casting._interpreter._decisions import note
 from jaxamp.casting._interpreter._interpret import Ins, Outs, eval_jaxpr
 from jaxamp.casting._rules import _primitives
-from jaxamp.casting._rules._primitives import Kind, kind_of
+from jaxamp.casting._rules._primitives import Kind, kind_of, open_jaxpr, subjaxprs
 from jaxamp.casting._rules._rules import F32, FLOAT32_DTYPE, FLOAT32_FUNCTIONS, NONE, promote
 from jaxamp.casting._rules._scopes import join
 
@@ -50,12 +50,9 @@ def autocast_subjaxpr(sub: ClosedJaxpr | Jaxpr, ctx: Context) -> ClosedJaxpr | J
     """An autocast version of `sub` with the same input and output types."""
 
     def make() -> ClosedJaxpr | Jaxpr:
-        if isinstance(sub, ClosedJaxpr):
-            jaxpr, consts = sub.jaxpr, sub.consts
-        else:
-            jaxpr, consts = sub, ()
-            if jaxpr.constvars:
-                raise NotImplementedError("open inner jaxpr with constvars")
+        jaxpr, consts = open_jaxpr(sub)
+        if not isinstance(sub, ClosedJaxpr) and jaxpr.constvars:
+            raise NotImplementedError("open inner jaxpr with constvars")
         sub_ctx = ctx.sub()
         new = traced(
             lambda *args: eval_to_original(jaxpr, consts, args, sub_ctx),
@@ -133,11 +130,9 @@ def _inner_stacks(jaxpr: Jaxpr, ctx: Context) -> tuple[str, ...]:
         for eqn in jaxpr.eqns:
             here = jax_compat.name_stack(eqn)
             found[here] = None
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(sub, (ClosedJaxpr, Jaxpr)):
-                        for inner in _inner_stacks(getattr(sub, "jaxpr", sub), ctx):
-                            found[f"{here}/{inner}" if here and inner else here or inner] = None
+            for _, sub in subjaxprs(eqn.params):
+                for inner in _inner_stacks(open_jaxpr(sub)[0], ctx):
+                    found[f"{here}/{inner}" if here and inner else here or inner] = None
         return tuple(found)
 
     return ctx.memoized(("stacks", id(jaxpr)), jaxpr, make)
@@ -242,7 +237,7 @@ def eval_custom_jvp(eqn: Any, ins: Ins, ctx: Context) -> Outs:
         rule, rconsts, out_zeros = jax_compat.custom_jvp_rule(params, len(primals))
         sub = ctx.sub(saturate=False)
         outs, _ = eval_jaxpr(
-            rule.jaxpr if isinstance(rule, ClosedJaxpr) else rule,
+            open_jaxpr(rule)[0],
             rconsts,
             [*primals, *tangents],
             sub,
@@ -275,7 +270,7 @@ def eval_custom_vjp(eqn: Any, ins: Ins, ctx: Context) -> Outs:
         nonzeros = [is_float_dtype(a.dtype) for a in in_avals]
         fwd_jaxpr, fconsts, out_trees = jax_compat.custom_vjp_fwd(params, nonzeros)
         sub = ctx.sub()
-        jaxpr = fwd_jaxpr.jaxpr if isinstance(fwd_jaxpr, ClosedJaxpr) else fwd_jaxpr
+        jaxpr, _ = open_jaxpr(fwd_jaxpr)
         outs, _ = eval_jaxpr(jaxpr, fconsts, list(ys), sub, xmarks)
         out_tree, res_tree, forwards = out_trees()
         nres = len(outs) - out_tree.num_leaves

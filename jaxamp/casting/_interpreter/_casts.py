@@ -22,21 +22,13 @@ from jax import lax
 from jax.extend.core import Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
-from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp._utils.dtypes import is_float_dtype, narrows
 from jaxamp.casting._rules import _rules
 from jaxamp.casting._rules._rules import FLOAT32_DTYPE
 
 if TYPE_CHECKING:
     from jaxamp.casting._interpreter._analysis import Region
     from jaxamp.casting._interpreter._context import Context
-
-
-def _saturates(src: np.dtype, dst: np.dtype) -> bool:
-    return (
-        is_float_dtype(src)
-        and is_float_dtype(dst)
-        and float(jnp.finfo(dst).max) < float(jnp.finfo(src).max)
-    )
 
 
 SATURATING_CAST_NAME = "jaxamp_saturating_cast"
@@ -58,7 +50,7 @@ def cast_jit(src: np.dtype, dst: np.dtype, saturate: bool = False) -> Callable[[
     the plain cast (a straight-through clip), so the backward pass keeps no
     mask. Bound as one inlined jit per dtype pair so grad linearizes it once.
     """
-    if not (saturate and _saturates(src, dst)):
+    if not (saturate and narrows(src, dst)):
         return jax.jit(lambda x: lax.convert_element_type(x, dst), inline=True)
     hi = float(jnp.finfo(dst).max)
 
@@ -95,7 +87,7 @@ def cast(ctx: Context, x: Any, dtype: Any, const: bool = False) -> Any:
 def host_cast(value: Any, dtype: Any) -> Any:
     """A literal's cast on the host: a constant, so it saturates (``cast_jit``)."""
     v = np.asarray(value)
-    if _saturates(v.dtype, np.dtype(dtype)) and np.isfinite(v).all():
+    if narrows(v.dtype, np.dtype(dtype)) and np.isfinite(v).all():
         hi = float(jnp.finfo(dtype).max)
         v = np.clip(v, -hi, hi)
     return np.asarray(v, dtype=dtype)[()]

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.extend.core import Literal
 
-from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp._utils.dtypes import is_float_dtype, narrows
 from jaxamp.casting._rules._rules import CONST, F32, NONE, PIN
 
 #: The most distinct values a known value set holds (a fill has a few).
@@ -50,7 +50,7 @@ def cast_safe(values: np.ndarray, low: np.dtype) -> bool:
     """
     if low.itemsize >= 4 or not is_float_dtype(values.dtype):
         return True
-    if float(jax.numpy.finfo(values.dtype).max) <= float(jax.numpy.finfo(low).max):
+    if not narrows(values.dtype, low):
         return True
     a = np.asarray(values, np.float64)
     a = np.abs(a[np.isfinite(a)])
@@ -101,10 +101,7 @@ def const_facts(x: Any, low: np.dtype) -> tuple[int, np.ndarray | None]:
     if not isinstance(dtype, np.dtype):  # a PRNG key: never cast
         return CONST, None
     if (
-        low.itemsize >= 4
-        or not is_float_dtype(dtype)
-        or np.ndim(x) == 0
-        or float(jax.numpy.finfo(dtype).max) <= float(jax.numpy.finfo(low).max)
+        low.itemsize >= 4 or not is_float_dtype(dtype) or np.ndim(x) == 0 or not narrows(dtype, low)
     ):  # nothing a cast down could clip or flush
         return CONST, distinct(_read(x)) if np.size(x) <= 64 * _MAX_VALUES else None
     a = _read(x)

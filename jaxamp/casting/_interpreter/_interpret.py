@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
@@ -36,7 +36,7 @@ from jaxamp.casting._interpreter._constants import const_facts, constant_marks, 
 from jaxamp.casting._interpreter._context import Context
 from jaxamp.casting._interpreter._decisions import note, note_outs, note_region
 from jaxamp.casting._interpreter._opmath import FILL_POSITIONS, eval_opmath, opmath_reason
-from jaxamp.casting._rules._primitives import kind_of
+from jaxamp.casting._rules._primitives import has_subjaxprs, kind_of
 from jaxamp.casting._rules._rules import (
     ACT,
     AS_WRITTEN,
@@ -177,17 +177,6 @@ def _source_info(eqn: Any, ctx: Context) -> Any:
 def _dtype_of(x: Any, v: Any) -> Any:
     # Not np.dtype(...): extended dtypes (PRNG keys) have no numpy equivalent.
     return v.aval.dtype if isinstance(v, Literal) else x.dtype
-
-
-def has_subjaxprs(params: dict[str, Any]) -> bool:
-    for value in params.values():
-        if isinstance(value, (ClosedJaxpr, Jaxpr)):
-            return True
-        if isinstance(value, (tuple, list)) and any(
-            isinstance(v, (ClosedJaxpr, Jaxpr)) for v in value
-        ):
-            return True
-    return False
 
 
 def eval_eqn(

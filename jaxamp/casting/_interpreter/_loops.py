@@ -30,6 +30,7 @@ from jaxamp.casting._interpreter._calls import traced
 from jaxamp.casting._interpreter._casts import SATURATING_CAST_OPS, bind, cast
 from jaxamp.casting._interpreter._context import Context
 from jaxamp.casting._interpreter._interpret import Ins, Outs, eval_jaxpr
+from jaxamp.casting._rules._primitives import open_jaxpr
 from jaxamp.casting._rules._rules import ACT, CONST, NONE, PIN
 
 _Form = tuple[Any, int]  # (dtype, mark) of a value entering or leaving a region
@@ -51,7 +52,7 @@ def _is_cast_down(eqn: Any, dtype: np.dtype) -> bool:
         return False
     # The saturating cast (_casts.cast_jit), known by its body's ops.
     inner = eqn.params["call_jaxpr"]
-    return [e.primitive.name for e in getattr(inner, "jaxpr", inner).eqns] == SATURATING_CAST_OPS
+    return [e.primitive.name for e in open_jaxpr(inner)[0].eqns] == SATURATING_CAST_OPS
 
 
 def _trace_region(

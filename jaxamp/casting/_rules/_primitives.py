@@ -11,8 +11,10 @@ disagree on which names a kind has.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
+
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 
 class Kind(enum.Enum):
@@ -70,3 +72,24 @@ def body(eqn: Any) -> Any:
 
 #: kind -> what an evaluator does with an equation of that kind.
 Handlers = Mapping[Kind, Callable[..., Any]]
+
+
+def subjaxprs(params: Mapping[str, Any]) -> Iterator[tuple[str, ClosedJaxpr | Jaxpr]]:
+    """Each inner jaxpr an equation's `params` hold, with its param's name; a tuple of
+    them (``cond``'s branches) gives each in order."""
+    for key, value in params.items():
+        for sub in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(sub, ClosedJaxpr | Jaxpr):
+                yield key, sub
+
+
+def has_subjaxprs(params: Mapping[str, Any]) -> bool:
+    """Whether an equation's `params` hold an inner jaxpr (``subjaxprs``)."""
+    return next(subjaxprs(params), None) is not None
+
+
+def open_jaxpr(sub: ClosedJaxpr | Jaxpr) -> tuple[Jaxpr, Sequence[Any]]:
+    """An inner jaxpr as ``(jaxpr, consts)``: a ``ClosedJaxpr``'s own, or none."""
+    if isinstance(sub, ClosedJaxpr):
+        return sub.jaxpr, sub.consts
+    return sub, ()
