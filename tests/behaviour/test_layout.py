@@ -9,7 +9,8 @@
 - ``casting/`` is cut into rooms, one concept each, in a declared order
   (``CASTING_ROOMS``): a module imports only from its own room or an earlier one (run-time,
   ``TYPE_CHECKING`` and function-level imports alike), so the rooms stack without cycles and
-  a maintainer reads them bottom up. Each room's ``__init__`` is its one-line docstring.
+  a maintainer reads them bottom up; no casting module is in an import cycle, not even
+  a type-only one. Each room's ``__init__`` is its one-line docstring.
 - No module is over 400 lines.
 """
 
@@ -115,3 +116,38 @@ def test_casting_rooms_import_only_their_own_or_earlier_rooms():
             if there in order and order[there] > order[home]:
                 upward.append(f"{f.relative_to(ROOT)} ({home}) imports {module} ({there})")
     assert not upward, "\n".join(sorted(set(upward)))
+
+
+def test_casting_modules_import_no_cycle():
+    """Within a room too the modules stack: no import cycle, not even a type-only one."""
+    casting = ROOT / "casting"
+    names = {
+        "jaxamp." + ".".join(f.relative_to(ROOT).with_suffix("").parts): f
+        for f in casting.rglob("_*.py")
+        if f.name != "__init__.py"
+    }
+    deps = {
+        name: {
+            m if m in names else m.rpartition(".")[0]
+            for m in _imported_modules(f)
+            if m in names or m.rpartition(".")[0] in names
+        }
+        - {name}
+        for name, f in names.items()
+    }
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+
+    def cycle_from(name: str, path: list[str]) -> list[str] | None:
+        state[name] = 1
+        for dep in sorted(deps[name]):
+            if state.get(dep) == 1:
+                return [*path, name, dep]
+            if dep not in state and (found := cycle_from(dep, [*path, name])):
+                return found
+        state[name] = 2
+        return None
+
+    for name in sorted(names):
+        if name not in state:
+            found = cycle_from(name, [])
+            assert found is None, " -> ".join(found)
