@@ -167,7 +167,7 @@ test-oldest:
 	$(OLDEST)/bin/python -m pip install --quiet "jax==0.5.0" "jaxlib==0.5.0" "flax==0.10.2" \
 		"optax==0.2.4" "chex==0.1.90" "orbax-checkpoint==0.11.0" pytest hypothesis
 	$(OLDEST)/bin/python -m pip install --quiet --no-deps -e .
-	$(OLDEST)/bin/python -m pytest -q tests/loss_scale/test_state.py tests/loss_scale/test_compat.py \
+	$(OLDEST)/bin/python -m pytest -q tests/loss_scale/test_state.py tests/compat/test_compat.py \
 		tests/skip/test_skip_nonfinite.py tests/utils/test_tree.py tests/casting/test_autocast.py \
 		tests/casting/test_policy.py tests/utils/test_jax_compat.py tests/casting/test_rules.py
 
