@@ -9,9 +9,9 @@ from jaxamp.loss_scale._placement import check_state as check_state
 from jaxamp.loss_scale._rule import advance as advance
 from jaxamp.loss_scale._rule import scale, unscale_and_check, update
 from jaxamp.loss_scale._state import LossScaleState, Mode
-from jaxamp.loss_scale._state import holds_loss_scale as holds_loss_scale
 from jaxamp.loss_scale._state import fixed_state as fixed_state
 from jaxamp.loss_scale._state import fresh_state as fresh_state
+from jaxamp.loss_scale._state import holds_loss_scale as holds_loss_scale
 from jaxamp.loss_scale._sync import check_in_sync
 from jaxamp.loss_scale._unscaled import Unscaled
 from jaxamp.loss_scale._unscaled import unwrap as unwrap
