@@ -7,7 +7,7 @@ forward is made of, seen by the training path.
   weights are assigned after each step (``model.w1 = new``): its autocast, made once
   before training, must answer with the new weights;
 - ``const-<spelling>-<magnitude>``: one constant vector built by each jnp constructor
-  (``tests/casting/test_sentinels.py``'s spellings) that float16 flushes to 0 (tiny),
+  (``tests/casting/test_constants.py``'s spellings) that float16 flushes to 0 (tiny),
   cannot hold (huge) or holds (normal), times its inverse, inside an
   ``autocast(float16)`` forward.
 
@@ -31,7 +31,7 @@ import numpy as np
 import optax
 
 import jaxamp
-from tests.casting.test_sentinels import _SPELLINGS as SPELLINGS
+from tests.casting.test_constants import _SPELLINGS as SPELLINGS
 from tests.matrix import harness as h
 from tests.matrix import modes as modes_lib
 from tests.matrix.models import BATCH, IN, OUT

@@ -37,7 +37,7 @@ SELECTED = cells.ALL if FULL else cells.CI
 COMPOSED = cells.COMPOSED if FULL else cells.CI_COMPOSED
 DTYPED = cells.DTYPED if FULL else cells.CI_DTYPED
 # CI: the object model, and issue 43's spelling (jnp.full) at the magnitudes float16
-# flushes and overflows, and a run-time argument; tests/casting/test_sentinels.py
+# flushes and overflows, and a run-time argument; tests/casting/test_constants.py
 # holds every spelling at every magnitude in CI.
 CI_INPUTS = ["object", "const-jnp.full-tiny", "const-jnp.full-huge", "const-argument-normal"]
 assert set(CI_INPUTS) <= set(inputs.NAMES)

@@ -72,7 +72,7 @@ def test_a_user_rule_shows_its_class_and_where_it_comes_from():
     tanh = _rows(report, "tanh")
     assert {(r.dtype, r.op_class, r.rule) for r in tanh} == {("float32", "float32", "rules=")}
     assert all(r.reason == "a float32-list op" for r in tanh)
-    assert {r.source for r in tanh} == {f"test_audit_ops.py:{_line('# TANH')} (MLP.__call__)"}
+    assert {r.source for r in tanh} == {f"test_decisions.py:{_line('# TANH')} (MLP.__call__)"}
     # The log says what the program does: tanh's operands are float32 there.
     assert set(_jaxpr_dtypes(ruled, params, x, primitive="tanh")) == {("float32",)}
     assert "tanh" in str(report) and "float32 (rules=)" in str(report)
@@ -88,7 +88,7 @@ def test_a_modules_rule_names_its_pattern():
         "modules['layer2']='float32'",
     )
     assert dot.module == "MLP/layer2"
-    assert dot.source == f"test_audit_ops.py:{_line('# DENSE')} (MLP.__call__)"
+    assert dot.source == f"test_decisions.py:{_line('# DENSE')} (MLP.__call__)"
     fwd = jaxamp.autocast(model.apply, dtype=BF16, modules={"layer1": {"tanh": "float32"}})
     # The Dense's own ops are under layer1; tanh is the MLP's, so the rule does not reach it.
     assert {r.rule for r in _rows(jaxamp.audit(fwd, params, x), "tanh")} == {"DEFAULT_RULES"}
