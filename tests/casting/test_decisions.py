@@ -214,3 +214,22 @@ def test_the_log_matches_the_program_for_every_equation(dtype):
         logged = [r.dtype for r in _rows(report, prim)]
         ran = [d[0] for d in _jaxpr_dtypes(fwd, params, x, primitive=prim)]
         assert logged == ran, prim
+
+
+@pytest.mark.parametrize("loop", ["cond", "scan", "while"])
+def test_audit_lists_a_product_inside_a_loop_or_branch_once(loop):
+    x, w = jnp.ones((32, 64)), jnp.ones((64, 64))
+    fn = {
+        "cond": lambda x, w: jax.lax.cond(x[0, 0] > 0, lambda h: jnp.tanh(h @ w), lambda h: h, x),
+        "scan": lambda x, w: jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=3)[
+            0
+        ],
+        "while": lambda x, w: jax.lax.while_loop(
+            lambda c: c[1] < 3, lambda c: (jnp.tanh(c[0] @ w), c[1] + 1), (x, 0)
+        )[0],
+    }[loop]
+    ops = jaxamp.audit(jaxamp.autocast(fn, dtype=BF16), x, w).ops
+    assert [o.primitive for o in ops if o.primitive in ("dot_general", "tanh")] == [
+        "dot_general",
+        "tanh",
+    ]
