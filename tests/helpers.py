@@ -1,4 +1,5 @@
-"""Shared test helpers: scale trajectories, small training problems, a custom-VJP op."""
+"""Shared test helpers: scale trajectories, small training problems, a custom-VJP op, walks of
+a jaxpr's equations, exactly representable test numbers, the simulated device count."""
 
 from __future__ import annotations
 
@@ -87,23 +88,46 @@ def _tanh_proj_bwd(res, g):
 tanh_proj.defvjp(_tanh_proj_fwd, _tanh_proj_bwd)
 
 
-def equations(jaxpr, primitive: str = "dot_general") -> list:
-    """Every `primitive` equation of `jaxpr` (closed or not), in order, sub-jaxprs
-    included (an inner jaxpr once per equation that holds it)."""
+#: The simulated CPU devices of tests/multidevice and tests/matrix
+#: (``XLA_FLAGS=--xla_force_host_platform_device_count=8``; see tests/conftest.py).
+N_DEV = 8
+
+
+def all_equations(jaxpr, skip: tuple[str, ...] = ()):
+    """Every equation of `jaxpr` (closed or not) and of the jaxprs its equations hold,
+    depth first (an inner jaxpr once per equation that holds it); the inner jaxprs of
+    equations whose primitive is named in `skip` are not entered."""
     from jax.extend.core import ClosedJaxpr, Jaxpr
 
     jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
-    found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == primitive:
-            found.append(eqn)
+        yield eqn
+        if eqn.primitive.name in skip:
+            continue
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(sub, (ClosedJaxpr, Jaxpr)):
-                    found.extend(equations(sub, primitive))
-    return found
+                    yield from all_equations(sub, skip)
+
+
+def equations(jaxpr, primitive: str = "dot_general") -> list:
+    """Every `primitive` equation of `jaxpr` (closed or not), in order, sub-jaxprs
+    included (an inner jaxpr once per equation that holds it)."""
+    return [e for e in all_equations(jaxpr) if e.primitive.name == primitive]
 
 
 def dot_input_dtypes(jaxpr, primitive: str = "dot_general") -> list[tuple[np.dtype, ...]]:
     """Input dtypes of every `primitive` in `jaxpr` (closed or not), sub-jaxprs included."""
     return [tuple(np.dtype(v.aval.dtype) for v in e.invars) for e in equations(jaxpr, primitive)]
+
+
+def dyadic(seed, shape, denom):
+    """Small multiples of 1/denom (float32): their products and sums of a few are exact in
+    float16, so a difference from float32 is the program's, not rounding's."""
+    return jnp.asarray(np.random.default_rng(seed).integers(-4, 5, shape) / denom, jnp.float32)
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b|, in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))

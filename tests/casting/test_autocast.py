@@ -17,11 +17,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import jaxamp
 from jaxamp._utils import jax_compat
 from jaxamp.casting import DEFAULT_RULES, FLOAT32_OPS, LOWER_PRECISION_OPS
+from tests.helpers import all_equations as _eqns
+from tests.helpers import rel_err as _rel_err
 from tests.helpers import tanh_proj
 
 F16 = jnp.float16
@@ -30,17 +31,6 @@ F32 = jnp.float32
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _eqns(jaxpr):
-    """All equations of a jaxpr, inner jaxprs included (depth first)."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, (ClosedJaxpr, Jaxpr)):
-                    yield from _eqns(sub)
 
 
 def _operand_dtypes(fn, *args, prim):
@@ -59,12 +49,6 @@ def _assert_all(fn, *args, prim, dtype, at_least=1):
     for dts in found:
         floats = [d for d in dts if jnp.issubdtype(d, jnp.floating)]
         assert floats and all(d == np.dtype(dtype) for d in floats), (prim, found)
-
-
-def _rel_err(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
 
 
 KEY = jax.random.key(0)

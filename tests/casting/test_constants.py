@@ -18,14 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxamp
+from tests.helpers import all_equations
+from tests.helpers import dyadic as _dyadic
 
 F16, F32 = jnp.float16, jnp.float32
 U16, EPS32 = 2.0**-11, float(jnp.finfo(F32).eps)
-
-
-def _dyadic(seed, shape, denom):
-    """Small multiples of 1/denom: their products and sums of a few are exact in float16."""
-    return jnp.asarray(np.random.default_rng(seed).integers(-4, 5, shape) / denom, F32)
 
 
 def test_a_closed_over_data_vector_with_one_value_beyond_float16_is_not_clipped():
@@ -214,8 +211,4 @@ def test_a_mask_fill_picked_by_where_saturates_however_it_is_built(spelling, fil
 def _eqns(jaxpr):
     """Every equation of `jaxpr` and of the jaxprs nested in it, but for those of
     custom_jvp functions (autocast's saturating casts are ones)."""
-    for e in jaxpr.eqns:
-        yield e
-        if e.primitive.name != "custom_jvp_call":
-            for sub in jax.extend.core.jaxprs_in_params(e.params):
-                yield from _eqns(sub)
+    return all_equations(jaxpr, skip=("custom_jvp_call",))

@@ -11,25 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import jaxamp
+from tests.helpers import equations
 
 BF16 = jnp.bfloat16
 
 
-def _f8_products_per_call(jaxpr: Jaxpr) -> list[bool]:
+def _f8_products_per_call(jaxpr) -> list[bool]:
     """For each ``dot_general`` the program runs, in order and counting an inner
     jaxpr once per call of it: whether its operands are FP8."""
-    found: list[bool] = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(all("float8" in str(v.aval.dtype) for v in eqn.invars))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, (ClosedJaxpr, Jaxpr)):
-                    found += _f8_products_per_call(getattr(sub, "jaxpr", sub))
-    return found
+    return [all("float8" in str(v.aval.dtype) for v in e.invars) for e in equations(jaxpr)]
 
 
 def _layer(h, w):

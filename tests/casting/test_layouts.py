@@ -21,14 +21,10 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals  # print_saved_residuals' listing
 
 import jaxamp
+from tests.helpers import dyadic as _dyadic
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 EPS32 = float(jnp.finfo(F32).eps)
-
-
-def _dyadic(seed, shape, denom):
-    """Small multiples of 1/denom: products and sums of a few are exact in float16."""
-    return jnp.asarray(np.random.default_rng(seed).integers(-4, 5, shape) / denom, F32)
 
 
 def _out_dtypes(fn, args, name):

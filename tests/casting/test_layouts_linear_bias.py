@@ -17,14 +17,10 @@ import numpy as np
 import pytest
 
 import jaxamp
+from tests.helpers import dyadic as _dyadic
 
 F16, F32 = jnp.float16, jnp.float32
 U16, EPS32 = 2.0**-11, float(jnp.finfo(F32).eps)
-
-
-def _dyadic(seed, shape, denom):
-    """Small multiples of 1/denom: their products and sums of a few are exact in float16."""
-    return jnp.asarray(np.random.default_rng(seed).integers(-4, 5, shape) / denom, F32)
 
 
 def _add_dtypes(fn, *args):

@@ -19,25 +19,16 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.numpy import matmul
 
 import jaxamp
 from jaxamp._utils import jax_compat
+from tests.helpers import all_equations as _eqns
+from tests.helpers import rel_err as _rel_err
 from tests.helpers import tanh_proj
 
 F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
 KEY = jax.random.key(0)
-
-
-def _eqns(jaxpr):
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, (ClosedJaxpr, Jaxpr)):
-                    yield from _eqns(sub)
 
 
 def _prims(fn, *args):
@@ -51,11 +42,6 @@ def _prims(fn, *args):
         )
         for e in _eqns(closed)
     ]
-
-
-def _rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-12))
 
 
 def _big(shape, key=KEY):

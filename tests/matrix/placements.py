@@ -38,7 +38,8 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-N_DEV = 8
+from tests.helpers import N_DEV
+
 AXIS = "data"
 NAMES = (
     "one",

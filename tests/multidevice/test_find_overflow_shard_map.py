@@ -18,8 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from tests.casting.test_find_overflow import assert_advice_works, marker_line
-
-N_DEV = 8
+from tests.helpers import N_DEV
 
 
 def _mesh(shape=(N_DEV,), names=("x",)) -> jax.sharding.Mesh:

@@ -32,8 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxamp
 from tests.casting.test_fp8 import E4M3, E5M2, fp8_bound
+from tests.helpers import N_DEV
 
-N_DEV = 8
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 

@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from tests.helpers import N_DEV
 
-N_DEV = 8
 BAD_DEVICE = 5
 RULE = jaxamp.spike_rule(window=4, warmup=2)
 

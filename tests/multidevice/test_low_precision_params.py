@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxamp
+from tests.helpers import N_DEV
 
-N_DEV = 8
 STEPS = 4
 LASTS = {
     "sr": lambda: jaxamp.apply_with_stochastic_rounding(jax.random.key(11)),
