@@ -8,7 +8,7 @@
   ``tx``: Flax writes ``batch_stats`` after ``tx.update`` returns, skipped or not.
 
 Flax's own ``nnx.Optimizer`` on a model with forward-written state is refused (an
-error, not a warning): tests/skip/test_nnx_skip.py.
+error, not a warning): tests/skip/test_nnx_state.py.
 """
 
 from __future__ import annotations
