@@ -13,6 +13,9 @@
   a maintainer reads them bottom up; no casting module is in an import cycle, not even
   a type-only one. Each room's ``__init__`` is its one-line docstring.
 - No module is over 400 lines.
+- ``tests/`` mirrors the package (tests/README.md): ``tests/<sub>/test_<module>.py`` (or
+  ``test_<module>_<topic>.py``) for a module anywhere in ``jaxamp/<sub>/``, the other test
+  folders are the suites listed, ``behaviour/``'s files the topics listed.
 """
 
 import ast
@@ -152,3 +155,59 @@ def test_casting_modules_import_no_cycle():
         if name not in state:
             found = cycle_from(name, [])
             assert found is None, " -> ".join(found)
+
+
+TESTS = pathlib.Path(__file__).parents[1]
+# tests/<folder> -> the subpackage it mirrors (tests/README.md).
+MIRRORS = {sub.lstrip("_"): sub for sub in SUBPACKAGES}
+# Folders of suites across modules, each documented in tests/README.md.
+SUITES = {"behaviour", "repo", "conformance", "matrix", "multidevice", "multiprocess"}
+# behaviour/'s topics: what must hold whatever module implements it.
+BEHAVIOUR_TOPICS = {
+    "test_fault_injection",
+    "test_first_hour_errors",
+    "test_layout",
+    "test_no_bad_update",
+    "test_public_api",
+    "test_recipes_api",
+    "test_reflexes",
+    "test_state_arguments",
+    "test_state_paths",
+}
+
+
+def _names(package: pathlib.Path) -> set[str]:
+    """The module and package names under `package`, any depth, leading ``_`` dropped."""
+    mods = {f.stem for f in package.rglob("*.py") if f.name != "__init__.py"}
+    pkgs = {p.parent.name for p in package.rglob("__init__.py")}
+    return {n.lstrip("_") for n in mods | pkgs}
+
+
+def _names_one(name: str, names: set[str]) -> bool:
+    """``test_<name>`` or ``test_<name>_<topic>`` for a name in `names`."""
+    stem = name.removeprefix("test_")
+    return any(stem == n or stem.startswith(n + "_") for n in names)
+
+
+def test_tests_mirror_the_package():
+    """tests/<sub>/test_<module>[_<topic>].py tests jaxamp/<sub>/**/_<module>.py (a room or
+    the subpackage itself standing for a module); the other folders are the suites listed."""
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and any(p.rglob("test_*.py"))}
+    assert folders == set(MIRRORS) | SUITES, "a new test folder mirrors a subpackage or is a suite"
+    wrong = []
+    for folder, sub in MIRRORS.items():
+        names = _names(ROOT / sub)
+        files = (TESTS / folder).rglob("test_*.py")
+        wrong += [str(f.relative_to(TESTS)) for f in files if not _names_one(f.stem, names)]
+    top = {f.stem for f in ROOT.glob("*.py") if f.name != "__init__.py"}
+    wrong += [f.name for f in TESTS.glob("test_*.py") if not _names_one(f.stem, top)]
+    assert not wrong, f"name the module each tests: {wrong}"
+    behaviour = {f.stem for f in (TESTS / "behaviour").glob("test_*.py")}
+    assert behaviour == BEHAVIOUR_TOPICS, "a behaviour topic is listed here and in tests/README.md"
+
+
+def test_module_names_are_unique_within_a_subpackage():
+    """What lets tests/<sub>/ be flat: a module name says which module of the subpackage."""
+    for sub in SUBPACKAGES:
+        stems = [f.stem for f in (ROOT / sub).rglob("*.py") if f.name != "__init__.py"]
+        assert len(stems) == len(set(stems)), sub

@@ -1,1 +1,1 @@
-"""Tests of ``jaxamp/casting/``: autocast (rules, interpreter, wrapper), policies, find_overflow."""
+"""Tests of ``jaxamp/casting/``: one file per module, whichever room holds it."""

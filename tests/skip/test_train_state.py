@@ -294,7 +294,7 @@ def test_a_chain_with_transformations_after_the_guard_is_refused() -> None:
         with pytest.raises(ValueError, match="still run on a skipped step"):
             jaxamp.step(other, {"w": jnp.ones(3)}, other.init(params), params)
     # The guard last in a chain is refused too: clipping before it would see scaled
-    # gradients (issue 43; tests/skip/test_placement.py has every structure).
+    # gradients (issue 43; tests/loss_scale/test_placement.py has every structure).
     before = optax.chain(optax.clip_by_global_norm(1.0), guard)
     with pytest.raises(ValueError, match="see the scaled, unchecked gradients"):
         jaxamp.step(before, {"w": jnp.ones(3)}, before.init(params), params)
