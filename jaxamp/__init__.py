@@ -65,7 +65,7 @@ from jaxamp.skip import (
     where_stepped,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "AuditReport",
