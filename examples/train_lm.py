@@ -698,7 +698,7 @@ def train_run(
     return history
 
 
-def _report_dict(report: jaxamp.OverflowReport) -> dict[str, Any]:
+def _report_dict(report: jaxamp.types.OverflowReport) -> dict[str, Any]:
     keys = ("found", "primitive", "pass_", "dtype", "module_path", "line", "magnitude")
     return {**{k: getattr(report, k) for k in keys}, "text": str(report)}
 

@@ -25,8 +25,8 @@ from jaxamp.loss_scale._state import (
 __all__ = ["check_health", "get_loss_scale"]
 
 
-@renamed_parameter("opt_state", "opt_state_or_loss_scale_state", removed_in="0.5")
-def get_loss_scale(opt_state_or_loss_scale_state: Any) -> LossScaleState:
+@renamed_parameter("opt_state", "state", removed_in="0.5")
+def get_loss_scale(state: Any, /) -> LossScaleState:
     """The [`LossScaleState`][jaxamp.LossScaleState] inside an optimizer state: read the scale here.
 
     ``jaxamp.get_loss_scale(opt_state).scale`` is the loss scale the next step
@@ -40,11 +40,10 @@ def get_loss_scale(opt_state_or_loss_scale_state: Any) -> LossScaleState:
     the dict it returns for logging, as ``"loss_scale"``.
 
     Args:
-      opt_state_or_loss_scale_state: an optax state that contains exactly one loss-scale
+      state: an optax state that contains exactly one loss-scale
         state (from [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] or
         [`jaxamp.multi_transform`][jaxamp.multi_transform]), what holds it, or a
-        ``LossScaleState``. Until jaxamp 0.5 the keyword ``opt_state=`` also works,
-        with a ``DeprecationWarning``.
+        ``LossScaleState``; positional-only.
 
     Returns:
       The loss-scale state, with plain array fields; ``.scale`` is the scale.
@@ -62,7 +61,7 @@ def get_loss_scale(opt_state_or_loss_scale_state: Any) -> LossScaleState:
     """
     mark_scale_read()  # the scale handed out: a loss may be multiplied by it by hand
     with named("get_loss_scale"):
-        found, owned = _find(opt_state_or_loss_scale_state)
+        found, owned = _find(state)
     plain = _plain(found)
     if owned:
         mark_owned(plain)  # jaxamp.update of it would be lost: warned there
@@ -103,7 +102,8 @@ def _plain(state: LossScaleState) -> LossScaleState:
     return dataclasses.replace(state, **plain)
 
 
-def check_health(opt_state_or_loss_scale_state: Any) -> None:
+@renamed_parameter("opt_state_or_loss_scale_state", "state", removed_in="0.5")
+def check_health(state: Any, /) -> None:
     """Raises if training stopped recovering from non-finite gradients.
 
     A non-finite step is skipped as a whole, so during a streak of them nothing
@@ -127,8 +127,9 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
     ``pmap``) are checked on every replica.
 
     Args:
-      opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
-        containing one, or what holds that (a ``TrainState``, an nnx optimizer).
+      state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
+        containing one, or what holds that (a ``TrainState``, an nnx optimizer);
+        positional-only.
 
     Raises:
       FloatingPointError: saying how many steps in a row were skipped and what the
@@ -147,7 +148,7 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
       FloatingPointError: 102 steps in a row were skipped ... scale is now 1, at its floor, ...
     """
     with named("check_health"):
-        s = get_loss_scale(opt_state_or_loss_scale_state)
+        s = get_loss_scale(state)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(s)):
         raise TypeError(
             "jaxamp.check_health reads the loss-scale counters on the host, so it cannot run "

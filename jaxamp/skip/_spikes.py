@@ -62,7 +62,7 @@ class SpikeRule:
 
 
 class SpikeState(NamedTuple):
-    """The history a [`SpikeRule`][jaxamp.SpikeRule] decides from, and its counters.
+    """The history a [`SpikeRule`][jaxamp.types.SpikeRule] decides from, and its counters.
 
     Attributes:
       losses: float32[window], a ring of the last finite steps' losses.
@@ -124,7 +124,7 @@ def spike_rule(
       grad_norm: judge the global gradient norm.
 
     Returns:
-      A [`SpikeRule`][jaxamp.SpikeRule].
+      A [`SpikeRule`][jaxamp.types.SpikeRule].
 
     Raises:
       TypeError: an argument of the wrong type, named.

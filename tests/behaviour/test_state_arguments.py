@@ -20,7 +20,6 @@ from flax import nnx
 
 import jaxamp
 
-EITHER = "opt_state_or_loss_scale_state"
 PARAMS = {"w": jnp.ones(2)}
 
 
@@ -57,7 +56,8 @@ TAKES_EITHER = {
 @pytest.mark.filterwarnings("ignore::jaxamp.ConversionWarning")  # made-up gradients
 def test_what_takes_either_takes_every_form_and_reads_the_same_state():
     for name in TAKES_EITHER:
-        assert list(inspect.signature(getattr(jaxamp, name)).parameters)[0] == EITHER, name
+        first = next(iter(inspect.signature(getattr(jaxamp, name)).parameters.values()))
+        assert (first.name, first.kind) == ("state", first.POSITIONAL_ONLY), name
     for name, call in TAKES_EITHER.items():
         got = {form: call(state) for form, state in forms().items()}
         assert len(set(got.values())) == 1, (name, got)  # the same skipped step, the same state
@@ -83,11 +83,12 @@ def test_what_needs_a_loss_scale_state_names_it_and_says_where_to_find_it():
         "update": lambda s: jaxamp.update(s, True),
     }
     for name, call in calls.items():
-        assert list(inspect.signature(getattr(jaxamp, name)).parameters)[0] == "loss_scale_state"
+        first = next(iter(inspect.signature(getattr(jaxamp, name)).parameters.values()))
+        assert (first.name, first.kind) == ("loss_scale", first.POSITIONAL_ONLY), name
         with pytest.raises(TypeError) as e:
             call(opt_state)
         assert str(e.value) == (
-            f"jaxamp.{name}: `loss_scale_state` must be a LossScaleState, got a "
+            f"jaxamp.{name}: `loss_scale` must be a LossScaleState, got a "
             "SkipNonfiniteState, which holds one; pass the loss-scale state inside it: "
             "jaxamp.get_loss_scale(opt_state)."
         )
@@ -99,11 +100,11 @@ def test_what_needs_a_loss_scale_state_names_it_and_says_where_to_find_it():
 
 def test_what_needs_an_optimizer_state_says_a_loss_scale_state_is_not_enough():
     ls = forms()["LossScaleState"]
-    assert list(inspect.signature(jaxamp.explain).parameters)[0] == "opt_state"
+    assert list(inspect.signature(jaxamp.explain).parameters)[0] == "state"
     with pytest.raises(TypeError) as e:
         jaxamp.explain(ls, PARAMS)
     msg = str(e.value)
-    assert msg.startswith("jaxamp.explain: `opt_state` is a LossScaleState"), msg
+    assert msg.startswith("jaxamp.explain: the state is a LossScaleState"), msg
     assert "Pass the state of the jaxamp.skip_nonfinite / jaxamp.multi_transform" in msg
     tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
     assert list(inspect.signature(jaxamp.step).parameters)[2] == "opt_state"
@@ -118,7 +119,8 @@ def test_a_state_with_no_loss_scale_is_named_by_the_function_called():
             call(plain)
         msg = str(e.value)
         assert msg.startswith(
-            f"jaxamp.{name}: no LossScaleState found in `{EITHER}` (got a tuple)"
+            f"jaxamp.{name}: no LossScaleState found in `opt_state_or_loss_scale_state` "
+            "(got a tuple)"
         ), msg
         assert "jaxamp.skip_nonfinite(inner, " in msg, msg
         assert "`new` and `old`" not in msg, msg  # where_stepped blamed its other arguments

@@ -39,19 +39,19 @@ def marker_line(fn, marker: str = "# HERE") -> int:
     return hits[0]
 
 
-def assert_here(report: jaxamp.OverflowReport, fn, marker: str = "# HERE") -> None:
+def assert_here(report: jaxamp.types.OverflowReport, fn, marker: str = "# HERE") -> None:
     assert report.file == __file__
     assert report.line == marker_line(fn, marker)
     assert report.function == fn.__qualname__
 
 
-def same_overflow(a: jaxamp.OverflowReport, b: jaxamp.OverflowReport) -> bool:
+def same_overflow(a: jaxamp.types.OverflowReport, b: jaxamp.types.OverflowReport) -> bool:
     """The same place overflows again (in that op, or in a cast next to it)."""
     where = ("pass_", "file", "line", "module_path", "scan_iterations", "low_precision")
     return b.found and all(getattr(a, k) == getattr(b, k) for k in where)
 
 
-def advised_settings(report: jaxamp.OverflowReport) -> list[dict]:
+def advised_settings(report: jaxamp.types.OverflowReport) -> list[dict]:
     """The find_overflow settings the advice tells the user to use, read from its words."""
     text = report.advice
     if "no single autocast setting" in text:
@@ -67,7 +67,7 @@ def advised_settings(report: jaxamp.OverflowReport) -> list[dict]:
     return settings
 
 
-def assert_advice_works(report, loss_fn, *args, **kwargs) -> list[jaxamp.OverflowReport]:
+def assert_advice_works(report, loss_fn, *args, **kwargs) -> list[jaxamp.types.OverflowReport]:
     """Every setting the advice names removes the reported overflow when followed."""
     settings = advised_settings(report)
     assert settings, report.advice
