@@ -277,7 +277,59 @@ def test_the_names_0_3_shipped_that_moved_still_work_with_a_deprecation_warning(
 def test_the_report_dataclasses_are_keyword_only():
     import dataclasses
 
-    for cls in (jaxamp.types.Explanation,):
+    t = jaxamp.types
+    for cls in (t.Explanation, t.OverflowReport, t.AuditReport, t.Fp8Config, t.SpikeRule):
         assert all(f.kw_only for f in dataclasses.fields(cls)), cls
         with pytest.raises(TypeError):
             cls(*range(len(dataclasses.fields(cls))))
+
+
+def test_the_function_argument_is_fun_and_0_3s_names_still_work():
+    f = lambda x: x @ x  # noqa: E731
+    x = jnp.ones((4, 4))
+    for name, old in (("autocast", "f"), ("full_precision", "g")):
+        fn = getattr(jaxamp, name)
+        assert next(iter(inspect.signature(fn).parameters)) == "fun", name
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            want = fn(fun=f)(x)
+        with pytest.warns(DeprecationWarning, match=rf"jaxamp.{name}: the argument {old}= is now"):
+            got = fn(**{old: f})(x)
+        assert (got == want).all() and got.dtype == want.dtype, name
+    for name in ("value_and_grad", "find_overflow", "audit"):
+        assert next(iter(inspect.signature(getattr(jaxamp, name)).parameters)) == "fun", name
+    assert next(iter(inspect.signature(jaxamp.nnx.value_and_grad).parameters)) == "fun"
+
+
+def loss_fn(w, x, *, shift=0.0):
+    return jnp.mean(x @ w) + shift
+
+
+def test_find_overflow_takes_its_options_first_and_0_3s_call_form_still_works():
+    w, x = jnp.full((4, 4), 300.0), jnp.full((2, 4), 100.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        want = jaxamp.find_overflow(loss_fn, scale=2.0)(w, x, shift=1.0)
+        # A keyword of the loss named like an option goes to the loss.
+        assert jaxamp.find_overflow(lambda w, dtype: jnp.sum(w) * dtype)(w, 2.0).found is False
+    assert want.found and want.loss_scale == 2.0
+    for call in (
+        lambda: jaxamp.find_overflow(loss_fn, w, x, loss_scale=2.0, shift=1.0),
+        lambda: jaxamp.find_overflow(loss_fn, w, x, scale=2.0, shift=1.0),
+        lambda: jaxamp.find_overflow(loss_fn, w, x=x, loss_scale=2.0, shift=1.0),
+    ):
+        with pytest.warns(DeprecationWarning, match=r"the options come first"):
+            got = call()
+        assert got == want
+    with pytest.warns(DeprecationWarning, match=r"loss_scale= is now called scale="):
+        assert jaxamp.find_overflow(loss_fn, loss_scale=2.0)(w, x, shift=1.0) == want
+    with pytest.raises(TypeError, match=r"got both loss_scale= and scale="):
+        jaxamp.find_overflow(loss_fn, loss_scale=2.0, scale=2.0)
+
+
+def test_audit_takes_the_function_only():
+    f = jaxamp.autocast(lambda x: x @ x, dtype=jnp.bfloat16)
+    x = jnp.ones((8, 8))
+    assert jaxamp.audit(f)(x).matmuls
+    with pytest.raises(TypeError, match=r"write jaxamp.audit\(fun\)\(\*args, \*\*kwargs\)"):
+        jaxamp.audit(f, x)

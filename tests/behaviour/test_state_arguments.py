@@ -71,7 +71,7 @@ def test_value_and_grad_and_find_overflow_take_every_form():
     for form, state in forms().items():
         _, grads = jaxamp.value_and_grad(loss_fn)(state, jnp.ones(2))
         assert grads.tolist() == [8.0, 8.0], form  # d(4 * w**2) at the scale of 4
-        report = jaxamp.find_overflow(loss_fn, jnp.ones(2), loss_scale=state)
+        report = jaxamp.find_overflow(loss_fn, scale=state)(jnp.ones(2))
         assert report.loss_scale == 4.0, form
 
 
@@ -139,12 +139,12 @@ def test_several_loss_scale_states_are_named_by_where_they_are_and_by_the_functi
     with pytest.raises(ValueError) as e:
         jaxamp.value_and_grad(loss_fn)(two, jnp.ones(2))
     assert str(e.value).startswith(f"jaxamp.value_and_grad: {where} "), str(e.value)
-    with pytest.raises(ValueError, match=rf"^find_overflow: loss_scale: {where} "):
-        jaxamp.find_overflow(loss_fn, jnp.ones(2), loss_scale=two)
+    with pytest.raises(ValueError, match=rf"^find_overflow: scale: {where} "):
+        jaxamp.find_overflow(loss_fn, scale=two)(jnp.ones(2))
 
 
 def test_skip_nonfinite_given_a_number_or_an_optimizer_state_says_what_to_write():
-    """``find_overflow``'s ``loss_scale`` takes a number or the optimizer state; the
+    """``find_overflow``'s ``scale`` takes a number or the optimizer state; the
     ``loss_scale`` a transformation is built with is a LossScaleState only."""
     sgd = optax.sgd(0.1)
     partitioned = lambda t, ls: jaxamp.multi_transform({"a": t}, {"w": "a"}, ls)  # noqa: E731

@@ -21,7 +21,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import jaxamp
 from jaxamp._utils import jax_compat
-from jaxamp.casting import DEFAULT_RULES, FLOAT32_OPS, LOWER_PRECISION_OPS
+from jaxamp.casting._rules import DEFAULT_RULES, FLOAT32_OPS, LOWER_PRECISION_OPS
 from tests.helpers import tanh_proj
 
 F16 = jnp.float16

@@ -83,13 +83,13 @@ def test_attention_products_stay_bfloat16_unless_batched():
         return np.linalg.norm(got - ref) / np.linalg.norm(ref)
 
     default = jaxamp.fp8(first_last_bf16=False)
-    rows = jaxamp.audit(jaxamp.autocast(_attention, dtype=BF16, fp8=default), q, k, v).ops
+    rows = jaxamp.audit(jaxamp.autocast(_attention, dtype=BF16, fp8=default))(q, k, v).ops
     dots = [r for r in rows if r.primitive == "dot_general"]
     assert [r.dtype for r in dots] == ["bfloat16", "bfloat16"]
     assert all("a batched product (attention)" in r.reason for r in dots)
     assert err(default) < bound
     opted = jaxamp.fp8(first_last_bf16=False, batched=True)
-    rows = jaxamp.audit(jaxamp.autocast(_attention, dtype=BF16, fp8=opted), q, k, v).ops
+    rows = jaxamp.audit(jaxamp.autocast(_attention, dtype=BF16, fp8=opted))(q, k, v).ops
     assert [r.dtype for r in rows if r.primitive == "dot_general"] == ["float8_e4m3fn"] * 2
     assert err(opted) > bound  # what the default avoids
 
@@ -162,7 +162,7 @@ def test_audit_lists_a_product_inside_a_loop_or_branch_once(loop):
             lambda c: c[1] < 3, lambda c: (jnp.tanh(c[0] @ w), c[1] + 1), (x, 0)
         )[0],
     }[loop]
-    ops = jaxamp.audit(jaxamp.autocast(fn, dtype=BF16), x, w).ops
+    ops = jaxamp.audit(jaxamp.autocast(fn, dtype=BF16))(x, w).ops
     assert [o.primitive for o in ops if o.primitive in ("dot_general", "tanh")] == [
         "dot_general",
         "tanh",
