@@ -3,6 +3,8 @@ environment, from outside the repository (so `import jaxamp` is the wheel's).
 
 Checks: the import resolves to site-packages, the version and the `py.typed`
 marker are there, the README's quick start runs as written, and one example runs.
+`make wheel-smoke` then uninstalls Flax and runs tests/utils/without_flax.py: the
+optax path of the installed wheel without Flax.
 """
 
 from __future__ import annotations

@@ -2,16 +2,20 @@
 
 The functions a user calls are re-exported here from the subpackages, one per concept
 (``loss_scale``, ``skip``, ``casting``, ``checkpoint``), with the three types a user builds
-or annotates most (``LossScaleState``, ``TrainState``, ``Policy``); the types jaxamp's
-functions return or keep in a state are in ``jaxamp.types``, and the ``jaxamp.compat``,
-``jaxamp.checkpoint`` and ``jaxamp.nnx`` namespaces hold the rest.
+or annotates most (``LossScaleState``, ``TrainState``, ``Policy``) and the error and
+warning a user catches; the types jaxamp's functions return or keep in a state are in
+``jaxamp.types``, and the ``jaxamp.compat``, ``jaxamp.checkpoint`` and ``jaxamp.nnx``
+namespaces hold the rest. The Flax adapters (``jaxamp.TrainState``, ``jaxamp.nnx``)
+import Flax when first used: the rest of jaxamp (loss scaling, the optax guard,
+``jaxamp.step``, ``autocast``) runs without it.
 """
 
 from typing import TYPE_CHECKING
 
-from jaxamp import checkpoint, compat, nnx, types
+from jaxamp import checkpoint, compat, types
 from jaxamp._utils.conversion_checks import ConversionWarning as ConversionWarning
 from jaxamp._utils.deprecation import deprecated_aliases
+from jaxamp._utils.optional import lazy_attributes
 from jaxamp.casting import (
     DEFAULT_RULES,
     Policy,
@@ -23,6 +27,7 @@ from jaxamp.casting import (
     keep_float32,
 )
 from jaxamp.loss_scale import (
+    LossScaleNotFound,
     LossScaleState,
     all_finite,
     check_health,
@@ -43,7 +48,6 @@ from jaxamp.low_precision_params import (
     stochastic_round,
 )
 from jaxamp.skip import (
-    TrainState,
     explain,
     metrics,
     multi_transform,
@@ -60,6 +64,7 @@ __version__ = "0.4.0"
 __all__ = [
     "ConversionWarning",
     "DEFAULT_RULES",
+    "LossScaleNotFound",
     "LossScaleState",
     "Policy",
     "TrainState",
@@ -99,10 +104,11 @@ __all__ = [
     "where_stepped",
 ]
 
-# jaxamp 0.3's names that moved, served with a DeprecationWarning until 0.5 (not in
-# __all__): the transformations renamed apart from the array op, and the types, now in
-# jaxamp.types. Hidden from type checkers: a module `__getattr__` would make every unknown
-# `jaxamp.x` type as Any; they see the 0.4 names only.
+# The Flax adapters, imported on first use; then jaxamp 0.3's names that moved, served
+# with a DeprecationWarning until 0.5 (not in __all__): the transformations renamed apart
+# from the array op, and the types, now in jaxamp.types. Hidden from type checkers: a
+# module `__getattr__` would make every unknown `jaxamp.x` type as Any; they see the
+# adapters' imports and the 0.4 names only.
 _MOVED_TYPES = (
     "Explanation",
     "KahanSummationState",
@@ -115,16 +121,29 @@ _MOVED_TYPES = (
     "SpikeState",
     "StochasticRoundingState",
 )
+if TYPE_CHECKING:
+    from jaxamp import nnx as nnx
+    from jaxamp._train_state import TrainState as TrainState
 if not TYPE_CHECKING:
-    __getattr__ = deprecated_aliases(
+    __getattr__ = lazy_attributes(
         "jaxamp",
-        {
-            "stochastic_rounding": (
-                "jaxamp.apply_with_stochastic_rounding",
-                apply_with_stochastic_rounding,
-            ),
-            "kahan_summation": ("jaxamp.apply_with_kahan_summation", apply_with_kahan_summation),
-            **{name: (f"jaxamp.types.{name}", getattr(types, name)) for name in _MOVED_TYPES},
-        },
-        removed_in="0.5",
+        {"nnx": "jaxamp.nnx", "TrainState": "jaxamp._train_state"},
+        deprecated_aliases(
+            "jaxamp",
+            {
+                "stochastic_rounding": (
+                    "jaxamp.apply_with_stochastic_rounding",
+                    apply_with_stochastic_rounding,
+                ),
+                "kahan_summation": (
+                    "jaxamp.apply_with_kahan_summation",
+                    apply_with_kahan_summation,
+                ),
+                **{name: (f"jaxamp.types.{name}", getattr(types, name)) for name in _MOVED_TYPES},
+            },
+            removed_in="0.5",
+        ),
     )
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *__all__})

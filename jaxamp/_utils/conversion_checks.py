@@ -29,11 +29,13 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from types import FrameType
 from typing import Any
 
 import jax
 import numpy as np
+
+from jaxamp._utils.optional import OVERWRITE_WITH_GRADIENT
+from jaxamp._utils.tree import is_tracer
 
 __all__ = ["ConversionWarning"]
 
@@ -194,7 +196,7 @@ def check_scale_read(ls: Any) -> None:
     if _scale_read or "unscaled" in _warned or mode is None or not mode.scales:
         return
     scale = getattr(ls, "scale", None)
-    if not isinstance(scale, jax.core.Tracer):
+    if not is_tracer(scale):
         with jax.transfer_guard("allow"):  # eager only: a scale fixed at 1 scales nothing
             if np.all(np.asarray(jax.device_get(scale)) == 1):
                 return
@@ -213,41 +215,19 @@ def check_scale_read(ls: Any) -> None:
     )
 
 
-# optax.chain, MultiSteps, inject_hyperparams and multi_transform each add a frame or two.
-_FRAMES_UP = 12
-
-
-def check_flax_train_state(frame: FrameType | None) -> None:
-    """Warns if this ``tx.update`` runs inside Flax's own ``TrainState.apply_gradients``
-    that will also write model state (``batch_stats=``, fp8 metadata) on a skipped step.
-
-    ``frame`` is the caller's. Only Flax's own method is recognised (its code object),
-    so a subclass that overrides ``apply_gradients`` (``jaxamp.TrainState``, or the
-    user's own with ``jaxamp.where_stepped``) is never warned about.
-    """
-    if "flax_train_state" in _warned:
-        return
-    from flax.training import train_state
-
-    code = train_state.TrainState.apply_gradients.__code__
-    for _ in range(_FRAMES_UP):
-        if frame is None:
-            return
-        if frame.f_code is code:
-            _warn_flax_train_state(frame.f_locals)
-            return
-        frame = frame.f_back
-
-
 def _has_array(tree: Any) -> bool:
     # What jaxamp.TrainState keeps on a skip: array leaves (a tracer is a jax.Array).
     return any(isinstance(x, jax.Array | np.ndarray) for x in jax.tree.leaves(tree))
 
 
-def _warn_flax_train_state(local: dict[str, Any]) -> None:
+def warn_flax_train_state(local: dict[str, Any]) -> None:
+    """Warns if Flax's own ``TrainState.apply_gradients``, whose locals are ``local``,
+    will write model state (``batch_stats=``, fp8 metadata) on a skipped step."""
+    if "flax_train_state" in _warned:
+        return
     state, kwargs, grads = local.get("self"), local.get("kwargs") or {}, local.get("grads")
     written = [f"{name}=" for name, value in kwargs.items() if _has_array(value)]
-    if isinstance(grads, dict) and "_overwrite_with_gradient" in grads:
+    if isinstance(grads, dict) and OVERWRITE_WITH_GRADIENT in grads:
         written.append("the fp8 metadata (_overwrite_with_gradient)")
     if not written:
         return

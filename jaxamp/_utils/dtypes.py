@@ -36,6 +36,18 @@ def is_narrow_range(dtype: Any) -> bool:
     return is_float_dtype(dtype) and bool(jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp)
 
 
+@functools.cache
+def narrows(src: Any, dst: Any) -> bool:
+    """True when a cast from the real floating `src` to the real floating `dst` can
+    overflow: `dst`'s largest finite value is below `src`'s (float32 to float16 or
+    bfloat16, bfloat16 to float16). Otherwise the cast only rounds (or is exact)."""
+    return (
+        is_float_dtype(src)
+        and is_float_dtype(dst)
+        and float(jnp.finfo(dst).max) < float(jnp.finfo(src).max)
+    )
+
+
 def is_float(x: Any) -> bool:
     """True for a value (an array, a NumPy or Python scalar) of a real floating dtype."""
     dtype = getattr(x, "dtype", None)

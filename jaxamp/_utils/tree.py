@@ -37,7 +37,7 @@ def static_int(value: Any, name: str, fn: str, minimum: int) -> int:
     """A count fixed at construction (``every_k``) as a Python int: an int, a NumPy
     integer or a concrete integer scalar array; bools, floats and tracers are refused."""
     kind = getattr(getattr(value, "dtype", None), "kind", "i" if isinstance(value, int) else "")
-    if isinstance(value, jax.core.Tracer):
+    if is_tracer(value):
         raise TypeError(
             f"{fn}: {name} must be known when the transformation is built (it fixes the "
             f"program's shape), got a traced value. Pass a Python int; under "
@@ -118,6 +118,17 @@ def like(old: Any, new_types: Any) -> Any:
 def zeros_of(new_types: Any) -> Any:
     """Zeros of each abstract value's shape, dtype and (Explicit mesh) sharding."""
     return like(jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), new_types), new_types)
+
+
+def is_tracer(x: Any) -> bool:
+    """A value JAX is tracing (inside ``jit``, ``grad``, ``vmap``, ``scan``...), whose
+    value is not known on the host."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def holds_tracer(tree: Any) -> bool:
+    """Whether any leaf of ``tree`` is traced: then nothing of it can be read on the host."""
+    return any(is_tracer(x) for x in jax.tree.leaves(tree))
 
 
 def is_none(x: Any) -> bool:

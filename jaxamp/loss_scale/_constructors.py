@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from jaxamp._utils.deprecation import positional_deprecated, renamed_parameter
-from jaxamp._utils.errors import unnamed
+from jaxamp._utils.errors import named
 from jaxamp.loss_scale._state import LossScaleState, Mode, fixed_state, fresh_state
 
 __all__ = ["check_only", "dynamic_scale", "no_scale", "static_scale"]
@@ -160,10 +160,8 @@ def with_limit(state: LossScaleState, limit: Any, fn: str) -> LossScaleState:
     (an integer N, NumPy's and JAX's included, or math.inf), for every constructor."""
     if limit is None:
         return state
-    try:
+    with named(fn, (TypeError, ValueError)):
         return state.replace(max_consecutive_nonfinite=limit)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"jaxamp.{fn}: {unnamed(e)}") from None
 
 
 def no_scale() -> LossScaleState:

@@ -10,8 +10,8 @@ import numpy as np
 
 from jaxamp._utils.conversion_checks import mark_owned, mark_scale_read
 from jaxamp._utils.deprecation import renamed_parameter
-from jaxamp._utils.errors import named, with_article
-from jaxamp._utils.tree import find_one
+from jaxamp._utils.errors import NamedError, named, with_article
+from jaxamp._utils.tree import find_one, holds_tracer
 from jaxamp.loss_scale._placement import check_state
 from jaxamp.loss_scale._state import (
     DEFAULT_PINNED_STREAK,
@@ -22,7 +22,38 @@ from jaxamp.loss_scale._state import (
     Mode,
 )
 
-__all__ = ["check_health", "get_loss_scale"]
+__all__ = ["LossScaleNotFound", "check_health", "get_loss_scale"]
+
+
+class LossScaleNotFound(NamedError, ValueError):
+    """Raised where a loss-scale state is looked up in a tree that holds none.
+
+    By [`jaxamp.get_loss_scale`][jaxamp.get_loss_scale] and every function that reads
+    the loss scale out of an optimizer state (``metrics``, ``stepped``,
+    ``check_health``, ``value_and_grad``, ...): the optimizer was not built with
+    [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] (or
+    [`jaxamp.multi_transform`][jaxamp.multi_transform]), or another tree was passed in
+    its place. A ``ValueError``, so that ``except ValueError`` catches it too.
+
+    Attributes:
+      got: the object that was searched.
+      fn: the public function that looked, as its message names it
+        (``"jaxamp.get_loss_scale"``).
+      detail: the message without that name: what was found instead, and what to pass.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> opt_state = optax.sgd(0.1).init({"w": jnp.ones(2)})
+      >>> try:
+      ...     jaxamp.get_loss_scale(opt_state)
+      ... except jaxamp.LossScaleNotFound as e:
+      ...     print(type(e.got).__name__)
+      tuple
+    """
+
+    def __init__(self, detail: str, fn: str | None = None, *, got: Any = None) -> None:
+        super().__init__(detail, fn)
+        self.got = got
 
 
 @renamed_parameter("opt_state", "state", removed_in="0.5")
@@ -49,9 +80,10 @@ def get_loss_scale(state: Any, /) -> LossScaleState:
       The loss-scale state, with plain array fields; ``.scale`` is the scale.
 
     Raises:
-      ValueError: if there is none, or more than one (naming where each is), or the
-        guard sits inside a structure unsafe around it (``optax.MultiSteps``, a chain
-        with other members, ...: naming what to write instead).
+      LossScaleNotFound: if there is none (a ``ValueError``).
+      ValueError: if there is more than one (naming where each is), or the guard sits
+        inside a structure unsafe around it (``optax.MultiSteps``, a chain with other
+        members, ...: naming what to write instead).
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -80,10 +112,11 @@ def _find(x: Any) -> tuple[LossScaleState, bool]:
     if found is None:
         # The argument's name is that of every public function that reads the state
         # (their errors say `jaxamp.<fn>: ` in place of get_loss_scale's).
-        raise ValueError(
+        raise LossScaleNotFound(
             "no LossScaleState found in `opt_state_or_loss_scale_state` (got "
             f"{with_article(type(x).__name__)}). Build the optimizer with "
-            "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale()) and pass its state."
+            "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale()) and pass its state.",
+            got=x,
         )
     return found, check_state(x, "jaxamp.get_loss_scale")
 
@@ -149,7 +182,7 @@ def check_health(state: Any, /) -> None:
     """
     with named("check_health"):
         s = get_loss_scale(state)
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(s)):
+    if holds_tracer(s):
         raise TypeError(
             "jaxamp.check_health reads the loss-scale counters on the host, so it cannot run "
             "inside jax.jit (or another transformation): call it where you log, outside the "

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from jaxamp._utils.errors import NamedValueError
 from jaxamp.loss_scale._state import LossScaleState
 
 __all__: list[str] = []
@@ -133,10 +134,11 @@ def _judge(arounds: list[Around], fn: str, container_hint: bool) -> None:
                 if container_hint
                 else ""
             )
-            raise ValueError(
-                f"{fn}: the optimizer puts jaxamp.skip_nonfinite (or jaxamp.multi_transform) "
+            raise NamedValueError(
+                "the optimizer puts jaxamp.skip_nonfinite (or jaxamp.multi_transform) "
                 f"{side} other transformations in an {where}: {why}. Put them inside: "
-                f"{fix}.{mine}"
+                f"{fix}.{mine}",
+                fn,
             )
         maker = (
             f"the optax transformation whose state is {a.kind}"
@@ -153,9 +155,10 @@ def _judge(arounds: list[Around], fn: str, container_hint: bool) -> None:
                 "loss_scale)",
             ),
         )
-        raise ValueError(
-            f"{fn}: jaxamp.skip_nonfinite (or jaxamp.multi_transform) is wrapped in {name}: "
-            f"{why}. Write {fix} instead; the guard must be the outermost transformation."
+        raise NamedValueError(
+            f"jaxamp.skip_nonfinite (or jaxamp.multi_transform) is wrapped in {name}: "
+            f"{why}. Write {fix} instead; the guard must be the outermost transformation.",
+            fn,
         )
 
 

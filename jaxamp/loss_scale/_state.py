@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.errors import with_article
-from jaxamp._utils.tree import INT32_MAX
+from jaxamp._utils.tree import INT32_MAX, is_tracer
 
 __all__ = ["LossScaleState", "Mode"]
 
@@ -243,14 +243,14 @@ def _as_mode(value: Any, label: str) -> Mode:
 
 def _concrete(x: Any) -> float | None:
     """The Python number behind a scalar leaf, or None for a tracer."""
-    if isinstance(x, jax.core.Tracer):
+    if is_tracer(x):
         return None
     return np.asarray(jax.device_get(x)).item()
 
 
 def _concrete_all(leaves: dict[str, Any]) -> dict[str, float | None]:
     """Every leaf as a Python number (one transfer), tracers as None."""
-    host = jax.device_get({f: x for f, x in leaves.items() if not isinstance(x, jax.core.Tracer)})
+    host = jax.device_get({f: x for f, x in leaves.items() if not is_tracer(x)})
     return {f: np.asarray(host[f]).item() if f in host else None for f in leaves}
 
 
@@ -347,15 +347,18 @@ def fixed_state(mode: Mode, scale: Any, names: Mapping[str, str] | None = None) 
     )
 
 
+def holds_loss_scale(tree: Any) -> bool:
+    """Whether ``tree`` is or holds (at any depth) a LossScaleState."""
+    is_state = lambda x: isinstance(x, LossScaleState)  # noqa: E731
+    return any(map(is_state, jax.tree.leaves(tree, is_leaf=is_state)))
+
+
 def check_state(state: Any, fn: str) -> LossScaleState:
     """``state`` if it is a LossScaleState; else an error saying what to pass instead."""
     if isinstance(state, LossScaleState):
         return state
     got = type(state).__name__
-    holds = any(
-        isinstance(x, LossScaleState)
-        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, LossScaleState))
-    )
+    holds = holds_loss_scale(state)
     instead = (
         "pass the loss-scale state inside it: jaxamp.get_loss_scale(opt_state)"
         if holds

@@ -7,7 +7,6 @@ from jaxamp.skip._record import NonfiniteLeaves
 from jaxamp.skip._skip_nonfinite import SkipNonfiniteState, skip_nonfinite
 from jaxamp.skip._spikes import SpikeRule, SpikeState, spike_rule
 from jaxamp.skip._stepped import stepped, where_stepped
-from jaxamp.skip._train_state import TrainState
 from jaxamp.skip._transformation import step
 from jaxamp.skip._value_and_grad import value_and_grad
 
@@ -18,7 +17,6 @@ __all__ = [
     "SkipNonfiniteState",
     "SpikeRule",
     "SpikeState",
-    "TrainState",
     "explain",
     "metrics",
     "multi_transform",

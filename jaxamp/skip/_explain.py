@@ -14,19 +14,17 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.errors import named
-from jaxamp._utils.tree import find_one, is_array, is_float_array
+from jaxamp._utils.optional import OVERWRITE_WITH_GRADIENT, loaded
+from jaxamp._utils.tree import find_one, holds_tracer, is_array, is_float_array
 from jaxamp.loss_scale import LossScaleState, get_loss_scale
 from jaxamp.skip import _record
 from jaxamp.skip._multi_transform import MultiTransformState
-from jaxamp.skip._nnx_state import pure
 from jaxamp.skip._record import NonfiniteLeaves
 from jaxamp.skip._skip_nonfinite import SkipNonfiniteState
 from jaxamp.skip._spikes import SpikeState
-from jaxamp.skip._train_state import OVERWRITE_WITH_GRADIENT
 
 __all__ = ["Explanation", "explain"]
 
@@ -116,7 +114,10 @@ def _unpack(opt_state: Any, params: Any) -> tuple[Any, Any]:
     of Flax's fp8 layout, never its ``_overwrite_with_gradient`` metadata, which no
     optimizer sees (as in Flax's ``TrainState.create``).
     """
-    if isinstance(opt_state, nnx.Optimizer):
+    nnx = loaded("flax.nnx")
+    if nnx is not None and isinstance(opt_state, nnx.Optimizer):
+        from jaxamp.skip._nnx_state import pure
+
         if params is None:
             raise TypeError(
                 "jaxamp.explain(optimizer, model): pass the model the nnx optimizer updates."
@@ -236,7 +237,7 @@ def explain(state: Any, /, params: Any = None) -> Explanation:
             "jaxamp.explain: this optimizer state keeps no per-leaf record (it was built by "
             "hand, not by tx.init(params))."
         )
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(leaves)):
+    if holds_tracer(leaves):
         raise TypeError(
             "jaxamp.explain reads the optimizer state on the host: call it outside jax.jit "
             "(where you log), on the state the jitted step returned."

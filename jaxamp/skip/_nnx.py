@@ -27,7 +27,14 @@ from flax import nnx
 from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.errors import named
 from jaxamp._utils.tree import render_path
-from jaxamp.loss_scale import LossScaleState, Unscaled, get_loss_scale, select_tree, unwrap
+from jaxamp.loss_scale import (
+    LossScaleNotFound,
+    LossScaleState,
+    Unscaled,
+    get_loss_scale,
+    select_tree,
+    unwrap,
+)
 from jaxamp.skip._nnx_state import FORWARD_WRITTEN
 from jaxamp.skip._nnx_state import pure as _pure
 from jaxamp.skip._stepped import applied_calls, stepped
@@ -241,18 +248,18 @@ def _loss_scale_of(state: Any, args: tuple[Any, ...]) -> LossScaleState:
     try:
         with named("nnx.value_and_grad"):
             return get_loss_scale(_pure(state))
-    except ValueError as e:
-        if "no LossScaleState" not in str(e):
-            raise
+    except LossScaleNotFound as e:
         got = type(state).__name__
         got = f"the nnx.Module {got}" if isinstance(state, nnx.Module) else f"a {got}"
         later = [i + 2 for i, a in enumerate(args) if isinstance(a, Optimizer)]
-        raise ValueError(
-            "jaxamp.nnx.value_and_grad: the first argument must be the optimizer "
+        raise LossScaleNotFound(
+            "the first argument must be the optimizer "
             "(a jaxamp.nnx.Optimizer built with jaxamp.skip_nonfinite), then the loss's "
             "own arguments: jaxamp.nnx.value_and_grad(loss_fn)(optimizer, model, x, y). "
             f"Got {got} first, with no LossScaleState in it"
-            + (f"; the optimizer is argument {later[0]}: put it first." if later else ".")
+            + (f"; the optimizer is argument {later[0]}: put it first." if later else "."),
+            e.fn,
+            got=state,
         ) from None
 
 

@@ -8,7 +8,6 @@ hands a jaxamp ``tx`` the params alone.
 
 from __future__ import annotations
 
-from types import FrameType
 from typing import Any
 
 import jax
@@ -31,35 +30,9 @@ def pure(tree: Any) -> Any:
 FORWARD_WRITTEN = nnx.All(nnx.Not(nnx.Param), nnx.Not(nnx.Intermediate))
 
 
-def refuse_flax_optimizer(frame: FrameType | None) -> None:
-    """Raises if ``tx.update`` runs inside Flax's ``nnx.Optimizer.update`` for a model
-    that holds state a forward can write, which a skipped step would keep.
-
-    ``frame`` is the caller's. Flax's ``update(self, model, grads)`` has the optimizer
-    and the model in its locals; it may call this ``tx`` through wrappers
-    (``optax.chain``, ``MultiSteps``), so a few frames up are looked at. jaxamp's own
-    ``jaxamp.nnx.Optimizer`` never comes here: it runs the guarded step directly and
-    takes no wrapped ``tx``.
-    """
-    for _ in range(_FRAMES_UP):
-        if frame is None:
-            return
-        caller = frame.f_locals.get("self")
-        if isinstance(caller, nnx.Optimizer):
-            # Flax names it `model`; a subclass's own update may call it anything.
-            models = [v for v in frame.f_locals.values() if isinstance(v, nnx.Module)]
-            for model in models:
-                if model is not caller:
-                    _refuse(caller, model)
-            return
-        frame = frame.f_back
-
-
-# optax.chain, MultiSteps, inject_hyperparams and multi_transform each add a frame or two.
-_FRAMES_UP = 12
-
-
-def _refuse(optimizer: Any, model: nnx.Module) -> None:
+def refuse_written_state(model: nnx.Module) -> None:
+    """Raises if ``model`` holds state a forward can write: Flax's ``nnx.Optimizer``
+    updating it would keep a skipped step's writes."""
     written = pure(nnx.state(model, FORWARD_WRITTEN))
     paths = [render_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(written)[0]]
     if not paths:

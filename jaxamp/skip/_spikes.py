@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 
 from jaxamp._utils.dtypes import is_inexact
-from jaxamp._utils.tree import saturating_inc
+from jaxamp._utils.tree import is_tracer, saturating_inc
 
 __all__ = ["SpikeRule", "SpikeState", "spike_rule"]
 
@@ -167,7 +167,7 @@ def _number(fn: str, name: str, value: Any, wants: str, kinds: str) -> Any:
     """
     if isinstance(value, bool | np.bool_) or getattr(value, "dtype", None) == np.bool_:
         raise TypeError(f"{fn}: {name} must be {wants}, got the bool {value!r}.")
-    if isinstance(value, jax.core.Tracer):
+    if is_tracer(value):
         raise TypeError(
             f"{fn}: {name} must be a concrete number, got a traced value: the rule is static "
             "configuration, build it outside jit."

@@ -11,15 +11,12 @@ import numpy as np
 from flax.core import FrozenDict
 from flax.training import train_state
 
+from jaxamp._utils.optional import OVERWRITE_WITH_GRADIENT
 from jaxamp.loss_scale import LossScaleState, get_loss_scale, select_tree
 from jaxamp.skip._stepped import stepped, where_stepped
 from jaxamp.skip._transformation import step
 
 __all__ = ["TrainState"]
-
-# Flax's fp8 metadata collection (nn.Fp8DotGeneralOp, fp8 einsum): its "gradients"
-# are the new values of the fp8 scales and amax histories.
-OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
 
 def _is_array(x: Any) -> bool:

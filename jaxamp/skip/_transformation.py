@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxamp._utils.conversion_checks import check_flax_train_state
 from jaxamp._utils.dtypes import is_narrow_range
 from jaxamp._utils.tree import is_none, render_path
 from jaxamp.loss_scale import (
@@ -26,12 +25,13 @@ from jaxamp.loss_scale import (
     check_callers,
     check_only,
     check_state,
+    holds_loss_scale,
     unwrap,
     with_limit,
 )
 from jaxamp.skip import _spikes
+from jaxamp.skip._flax_callers import check_flax_callers
 from jaxamp.skip._guard import Call, Outcome
-from jaxamp.skip._nnx_state import refuse_flax_optimizer
 
 __all__ = ["step"]
 
@@ -47,8 +47,7 @@ class GuardedUpdate:
         **extra_args: Any,
     ) -> tuple[optax.Updates, Any]:
         check_callers(sys._getframe(1), state, "skip_nonfinite.update")
-        refuse_flax_optimizer(sys._getframe(1))
-        check_flax_train_state(sys._getframe(1))
+        check_flax_callers(sys._getframe(1))
         grads, marked = unwrap(updates)
         verdict, given = None, _GIVEN.get()
         if given is not None:  # jaxamp.step through a structure safe around the guard
@@ -174,14 +173,13 @@ def loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> 
             number = jnp.issubdtype(loss_scale.dtype, jnp.integer) or jnp.issubdtype(
                 loss_scale.dtype, jnp.floating
             )
-        is_state = lambda x: isinstance(x, LossScaleState)  # noqa: E731
         if number:
             fixed = loss_scale if isinstance(loss_scale, int | float) else float(loss_scale)
             hint = (
                 f" For a fixed scale of {fixed!r}, pass jaxamp.static_scale({fixed!r}); for one "
                 "that adapts, jaxamp.dynamic_scale()."
             )
-        elif any(map(is_state, jax.tree.leaves(loss_scale, is_leaf=is_state))):
+        elif holds_loss_scale(loss_scale):
             hint = (
                 " It holds one: to go on with its scale and counters, pass "
                 "jaxamp.get_loss_scale(opt_state)."
@@ -283,8 +281,7 @@ def restore_fields(new_params: Any, params: Any) -> Any:
 def refuse_nested(inner_state: Any, fn: str) -> None:
     """Raises for a guard inside a guard: the gradients would be unscaled twice (the
     outer guard hands the inner one unscaled gradients as if scaled)."""
-    is_ls = lambda x: isinstance(x, LossScaleState)  # noqa: E731
-    if any(map(is_ls, jax.tree.leaves(inner_state, is_leaf=is_ls))):
+    if holds_loss_scale(inner_state):
         raise ValueError(
             f"{fn}: the inner optimizer holds a jaxamp guard of its own (skip_nonfinite or "
             "multi_transform inside another): its gradients would be unscaled twice. Use "

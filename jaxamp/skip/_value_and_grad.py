@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxamp._utils.dtypes import is_inexact
-from jaxamp._utils.errors import unnamed
+from jaxamp._utils.errors import named
 from jaxamp._utils.tree import is_float_array, is_none, render_path
-from jaxamp.loss_scale import LossScaleState, get_loss_scale, scale
+from jaxamp.loss_scale import LossScaleNotFound, LossScaleState, get_loss_scale, scale
 
 __all__ = ["scaled_loss", "value_and_grad"]
 
@@ -112,7 +112,7 @@ def value_and_grad(
         does (it refuses a leaf that is not floating).
 
     Returns:
-      A function ``(opt_state_or_loss_scale_state, *args, **kwargs) -> (value, grads)``
+      A function ``(state, /, *args, **kwargs) -> (value, grads)``
       (``((value, aux), grads)`` with ``has_aux``): the loss as ``fun`` computed it and
       the gradients of the scaled loss, ready for [`jaxamp.step`][jaxamp.step] or ``tx.update``.
 
@@ -159,13 +159,12 @@ def value_and_grad(
     ) -> tuple[Any, Any]:
         state = opt_state_or_loss_scale_state
         try:
-            ls = get_loss_scale(state)
-        except ValueError as e:
-            if "no LossScaleState" not in str(e):
-                raise ValueError(f"jaxamp.value_and_grad: {unnamed(e)}") from None
+            with named("value_and_grad"):
+                ls = get_loss_scale(state)
+        except LossScaleNotFound as e:
             # The usual slip: the loss's own arguments passed with no state in front.
-            raise ValueError(
-                "jaxamp.value_and_grad: the first argument must be the optimizer state "
+            raise LossScaleNotFound(
+                "the first argument must be the optimizer state "
                 "(or a LossScaleState) that holds the loss scale, then the loss's own "
                 "arguments: jaxamp.value_and_grad(loss_fn)(opt_state, params, x, y). "
                 f"Got a {type(state).__name__} with no LossScaleState in it"
@@ -174,7 +173,9 @@ def value_and_grad(
                     "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale())."
                     if _looks_like_opt_state(state)
                     else "."
-                )
+                ),
+                e.fn,
+                got=state,
             ) from None
         positions = _positions(argnums, len(args)) if args else []
         if inexact_only:

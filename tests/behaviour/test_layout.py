@@ -2,10 +2,16 @@
 
 - A module of one subpackage imports another subpackage through its ``__init__`` (its
   public names) or from ``jaxamp/_utils/``, never from that subpackage's private modules.
-  The top-level public namespaces ``jaxamp.compat`` and ``jaxamp.nnx`` each re-export
-  from the one subpackage that implements them.
+  The top-level public namespace ``jaxamp.nnx`` re-exports from the one subpackage
+  that implements it, as ``jaxamp/_train_state.py`` does for ``jaxamp.TrainState``
+  (served on first use: it imports Flax); ``jaxamp.compat`` is a subpackage of its own.
 - Each subpackage's ``__init__`` is a one-line docstring saying what the concept is, and
   re-exports.
+- ``casting/`` is cut into rooms, one concept each, in a declared order
+  (``CASTING_ROOMS``): a module imports only from its own room or an earlier one (run-time,
+  ``TYPE_CHECKING`` and function-level imports alike), so the rooms stack without cycles and
+  a maintainer reads them bottom up; no casting module is in an import cycle, not even
+  a type-only one. Each room's ``__init__`` is its one-line docstring.
 - No module is over 400 lines.
 """
 
@@ -16,7 +22,10 @@ import jaxamp
 
 ROOT = pathlib.Path(jaxamp.__file__).parent
 SUBPACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
-FACADES = {"compat.py": "loss_scale", "nnx.py": "skip"}
+FACADES = {"nnx.py": "skip", "_train_state.py": "skip"}
+# casting's rooms, lowest first: what dtype each op takes; FP8 products; the jaxpr
+# interpreter; the autocast front end; the two tools that run autocast's program.
+CASTING_ROOMS = ("_rules", "_fp8", "_interpreter", "_autocast", "_find_overflow", "_audit")
 
 
 def _imported_modules(path: pathlib.Path) -> list[str]:
@@ -25,6 +34,8 @@ def _imported_modules(path: pathlib.Path) -> list[str]:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxamp"):
             out.append(node.module)
             out.extend(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.extend(a.name for a in node.names if a.name.startswith("jaxamp"))
     return out
 
 
@@ -37,7 +48,7 @@ def _private_part(module: str) -> tuple[str, str] | None:
 
 
 def test_the_subpackages_are_the_concepts():
-    assert SUBPACKAGES == ["_utils", "casting", "checkpoint", "loss_scale", "skip"]
+    assert SUBPACKAGES == ["_utils", "casting", "checkpoint", "compat", "loss_scale", "skip"]
 
 
 def test_subpackages_meet_through_their_init_or_utils():
@@ -50,13 +61,14 @@ def test_subpackages_meet_through_their_init_or_utils():
             if hit is None or hit[0] in (home, "_utils"):
                 continue
             if home is None and FACADES.get(rel.name) == hit[0]:
-                continue  # jaxamp.compat / jaxamp.nnx: the public namespace of one subpackage
+                continue  # jaxamp.nnx: the public namespace of one subpackage
             crossing.append(f"{rel} imports {module}")
     assert not crossing, "\n".join(sorted(set(crossing)))
 
 
 def test_each_subpackage_init_is_a_docstring_line_and_reexports():
-    for name in SUBPACKAGES:
+    rooms = [f"casting/{room}" for room in CASTING_ROOMS]
+    for name in SUBPACKAGES + rooms:
         tree = ast.parse((ROOT / name / "__init__.py").read_text())
         doc = ast.get_docstring(tree)
         assert doc and "\n" not in doc.strip(), f"{name}/__init__.py: one docstring line"
@@ -75,3 +87,68 @@ def test_no_module_is_over_400_lines():
         if (n := len(f.read_text().splitlines())) > 400
     }
     assert not long, long
+
+
+def _room(module: str) -> str | None:
+    """The casting room of ``jaxamp.casting.<room>...``; None outside casting or for its
+    ``__init__`` (``jaxamp.casting`` itself, which re-exports from the rooms)."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["jaxamp", "casting"] and len(parts) > 2 else None
+
+
+def test_casting_is_its_rooms():
+    casting = ROOT / "casting"
+    folders = sorted(p.name for p in casting.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(CASTING_ROOMS), "a new casting folder takes its place in CASTING_ROOMS"
+    loose = sorted(p.name for p in casting.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"each casting module lives in a room: {loose}"
+    assert all((casting / room / "__init__.py").is_file() for room in CASTING_ROOMS)
+
+
+def test_casting_rooms_import_only_their_own_or_earlier_rooms():
+    order = {room: i for i, room in enumerate(CASTING_ROOMS)}
+    upward = []
+    for f in (ROOT / "casting").rglob("*.py"):
+        home = _room("jaxamp." + ".".join(f.relative_to(ROOT).with_suffix("").parts))
+        if home is None or home == "__init__":
+            continue
+        for module in _imported_modules(f):
+            there = _room(module)
+            if there in order and order[there] > order[home]:
+                upward.append(f"{f.relative_to(ROOT)} ({home}) imports {module} ({there})")
+    assert not upward, "\n".join(sorted(set(upward)))
+
+
+def test_casting_modules_import_no_cycle():
+    """Within a room too the modules stack: no import cycle, not even a type-only one."""
+    casting = ROOT / "casting"
+    names = {
+        "jaxamp." + ".".join(f.relative_to(ROOT).with_suffix("").parts): f
+        for f in casting.rglob("_*.py")
+        if f.name != "__init__.py"
+    }
+    deps = {
+        name: {
+            m if m in names else m.rpartition(".")[0]
+            for m in _imported_modules(f)
+            if m in names or m.rpartition(".")[0] in names
+        }
+        - {name}
+        for name, f in names.items()
+    }
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+
+    def cycle_from(name: str, path: list[str]) -> list[str] | None:
+        state[name] = 1
+        for dep in sorted(deps[name]):
+            if state.get(dep) == 1:
+                return [*path, name, dep]
+            if dep not in state and (found := cycle_from(dep, [*path, name])):
+                return found
+        state[name] = 2
+        return None
+
+    for name in sorted(names):
+        if name not in state:
+            found = cycle_from(name, [])
+            assert found is None, " -> ".join(found)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxamp
-from jaxamp.casting import _hlo_text
+from jaxamp.casting._audit import _hlo_text
 
 BF16 = jnp.bfloat16
 

@@ -366,8 +366,8 @@ def test_a_call_it_cannot_enter_is_named_not_blamed(monkeypatch):
     # Without the jit handler (as for a higher-order primitive find_overflow does not
     # know), the float16 overflow inside comes out as a float32 inf of the call:
     # 0.3 then blamed the float32 program (issue 31: shard_map).
-    from jaxamp.casting import _overflow_eval
-    from jaxamp.casting._primitives import Kind
+    from jaxamp.casting._find_overflow import _overflow_eval
+    from jaxamp.casting._rules._primitives import Kind
 
     monkeypatch.delitem(_overflow_eval.HANDLERS, Kind.JIT)
 

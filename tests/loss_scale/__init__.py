@@ -1,1 +1,1 @@
-"""Tests of ``jaxamp/loss_scale/``: the state and its rule, and the compat constructors."""
+"""Tests of ``jaxamp/loss_scale/``: the state and its rule."""

@@ -1,4 +1,4 @@
-"""Tree helpers: all_finite and select_tree."""
+"""Tree helpers: all_finite, select_tree, the tracer checks."""
 
 import jax
 import jax.numpy as jnp
@@ -45,3 +45,21 @@ def test_all_finite_has_no_false_alarm_on_large_finite_values():
     big = {"f32": jnp.full((4,), 3e38), "f16": jnp.full((8,), 60000.0, jnp.float16)}
     assert bool(jaxamp.all_finite(big))
     assert bool(jax.jit(jaxamp.all_finite)(big))
+
+
+def test_is_tracer_and_holds_tracer_see_every_transformation_and_nothing_concrete():
+    from jaxamp._utils.tree import holds_tracer, is_tracer
+
+    concrete = {"w": jnp.ones(2), "n": np.ones(2), "x": 1.0, "s": "name", "none": None}
+    assert not any(is_tracer(x) for x in jax.tree.leaves(concrete)) and not holds_tracer(concrete)
+    seen = []
+
+    def probe(x):
+        seen.append((is_tracer(x), holds_tracer({"a": 1.0, "b": [x]})))
+        return x
+
+    jax.jit(probe)(1.0)
+    jax.grad(probe)(1.0)
+    jax.vmap(probe)(jnp.ones(2))
+    jax.lax.scan(lambda c, x: (probe(c), x), 0.0, jnp.ones(2))
+    assert seen == [(True, True)] * 4

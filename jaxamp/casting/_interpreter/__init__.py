@@ -1,0 +1,1 @@
+"""The autocast jaxpr interpreter: its trace context, casts, analysis, handlers and decision log."""

@@ -1,0 +1,1 @@
+"""What dtype each op takes: the op table and ``choose``, primitive kinds, scopes, policies."""

@@ -1,0 +1,1 @@
+"""Tests of ``jaxamp/compat/``: the constructors of other frameworks' loss scalers."""
