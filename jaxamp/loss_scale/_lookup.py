@@ -110,10 +110,10 @@ def _find(x: Any) -> tuple[LossScaleState, bool]:
         "jaxamp.multi_transform), or pass the sub-state you mean.",
     )
     if found is None:
-        # The argument's name is that of every public function that reads the state
+        # Every public function that reads the state takes it first, by position
         # (their errors say `jaxamp.<fn>: ` in place of get_loss_scale's).
         raise LossScaleNotFound(
-            "no LossScaleState found in `opt_state_or_loss_scale_state` (got "
+            "no LossScaleState found in the state passed (got "
             f"{with_article(type(x).__name__)}). Build the optimizer with "
             "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale()) and pass its state.",
             got=x,

@@ -1,11 +1,11 @@
 """One vocabulary for the states a user passes (behaviour across ``loss_scale/`` and ``skip/``).
 
-Every public function that takes an optimizer state and/or a loss-scale state names the
-parameter by what it accepts: ``opt_state_or_loss_scale_state`` where either works (and
-what holds an optimizer state: a ``TrainState``, an nnx optimizer), ``opt_state`` where
-only an optimizer state will do, ``loss_scale_state`` where only a ``LossScaleState``
-will. Each accepts what its name says, and given the other kind, says which argument is
-wrong and what to pass instead.
+Every public function whose subject is a state takes it first, by position
+(docs/api/decisions.md): either kind where either works (an optimizer state, what holds
+one: a ``TrainState``, an nnx optimizer, or a ``LossScaleState``), an optimizer state
+where only that will do, a ``LossScaleState`` where only that will. Each accepts what it
+documents, and given the other kind, says which argument is wrong and what to pass
+instead.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def test_a_state_with_no_loss_scale_is_named_by_the_function_called():
             call(plain)
         msg = str(e.value)
         assert msg.startswith(
-            f"jaxamp.{name}: no LossScaleState found in `opt_state_or_loss_scale_state` "
+            f"jaxamp.{name}: no LossScaleState found in the state passed "
             "(got a tuple)"
         ), msg
         assert "jaxamp.skip_nonfinite(inner, " in msg, msg
