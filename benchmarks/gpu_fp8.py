@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*state, batches[0]).compile()
         compile_s = time.perf_counter() - t0
         text = compiled.as_text()
-        report = jaxamp.audit(step, *state, batches[0]) if name.startswith("fp8") else None
+        report = jaxamp.audit(step)(*state, batches[0]) if name.startswith("fp8") else None
         entries.append({
             "name": name, "compiled": compiled, "state": state, "k": 0, "losses": [],
             "times": [], "compile_s": compile_s,

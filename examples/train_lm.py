@@ -698,7 +698,7 @@ def train_run(
     return history
 
 
-def _report_dict(report: jaxamp.OverflowReport) -> dict[str, Any]:
+def _report_dict(report: jaxamp.types.OverflowReport) -> dict[str, Any]:
     keys = ("found", "primitive", "pass_", "dtype", "module_path", "line", "magnitude")
     return {**{k: getattr(report, k) for k in keys}, "text": str(report)}
 
@@ -729,7 +729,7 @@ def find_overflows(
     planted["params"][up]["Dense_2"]["kernel"] = kernel * 1e5
     out = {
         "planted": _report_dict(
-            jaxamp.find_overflow(loss_fn, planted, batch_of(0), loss_scale=1.0, dtype=jnp.float16)
+            jaxamp.find_overflow(loss_fn, scale=1.0, dtype=jnp.float16)(planted, batch_of(0))
         )
     }
     skipped = np.flatnonzero(np.diff([0, *history["skipped"]]))
@@ -739,8 +739,8 @@ def find_overflows(
         step = int(history["step"][skipped[-1]]) - 1
         top = int(math.log2(max(history["loss_scale"])))
         for exponent in range(top, top + 4):
-            report = jaxamp.find_overflow(
-                loss_fn, params, batch_of(step), loss_scale=2.0**exponent, dtype=jnp.float16
+            report = jaxamp.find_overflow(loss_fn, scale=2.0**exponent, dtype=jnp.float16)(
+                params, batch_of(step)
             )
             if report.found:
                 break

@@ -1,23 +1,23 @@
 """jaxamp: automatic mixed precision for JAX, Flax and optax.
 
-Everything public is re-exported here from the subpackages, one per concept
-(``loss_scale``, ``skip``, ``casting``, ``checkpoint``), and in the ``jaxamp.compat``,
-``jaxamp.checkpoint`` and ``jaxamp.nnx`` namespaces. The Flax adapters
-(``jaxamp.TrainState``, ``jaxamp.nnx``) import Flax when first used: the rest of
-jaxamp (loss scaling, the optax guard, ``jaxamp.step``, ``autocast``) runs without it.
+The functions a user calls are re-exported here from the subpackages, one per concept
+(``loss_scale``, ``skip``, ``casting``, ``checkpoint``), with the three types a user builds
+or annotates most (``LossScaleState``, ``TrainState``, ``Policy``) and the error and
+warning a user catches; the types jaxamp's functions return or keep in a state are in
+``jaxamp.types``, and the ``jaxamp.compat``, ``jaxamp.checkpoint`` and ``jaxamp.nnx``
+namespaces hold the rest. The Flax adapters (``jaxamp.TrainState``, ``jaxamp.nnx``)
+import Flax when first used: the rest of jaxamp (loss scaling, the optax guard,
+``jaxamp.step``, ``autocast``) runs without it.
 """
 
 from typing import TYPE_CHECKING
 
-from jaxamp import checkpoint, compat
+from jaxamp import checkpoint, compat, types
 from jaxamp._utils.conversion_checks import ConversionWarning as ConversionWarning
 from jaxamp._utils.deprecation import deprecated_aliases
 from jaxamp._utils.optional import lazy_attributes
 from jaxamp.casting import (
     DEFAULT_RULES,
-    AuditReport,
-    Fp8Config,
-    OverflowReport,
     Policy,
     audit,
     autocast,
@@ -29,11 +29,10 @@ from jaxamp.casting import (
 from jaxamp.loss_scale import (
     LossScaleNotFound,
     LossScaleState,
-    Mode,
-    Unscaled,
     all_finite,
     check_health,
     check_in_sync,
+    check_only,
     dynamic_scale,
     get_loss_scale,
     no_scale,
@@ -44,19 +43,11 @@ from jaxamp.loss_scale import (
     update,
 )
 from jaxamp.low_precision_params import (
-    KahanSummationState,
-    StochasticRoundingState,
     apply_with_kahan_summation,
     apply_with_stochastic_rounding,
     stochastic_round,
 )
 from jaxamp.skip import (
-    Explanation,
-    MultiTransformState,
-    NonfiniteLeaves,
-    SkipNonfiniteState,
-    SpikeRule,
-    SpikeState,
     explain,
     metrics,
     multi_transform,
@@ -68,28 +59,15 @@ from jaxamp.skip import (
     where_stepped,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
-    "AuditReport",
     "ConversionWarning",
     "DEFAULT_RULES",
-    "Explanation",
-    "Fp8Config",
-    "KahanSummationState",
     "LossScaleNotFound",
     "LossScaleState",
-    "Mode",
-    "MultiTransformState",
-    "NonfiniteLeaves",
-    "OverflowReport",
     "Policy",
-    "SkipNonfiniteState",
-    "SpikeRule",
-    "SpikeState",
-    "StochasticRoundingState",
     "TrainState",
-    "Unscaled",
     "all_finite",
     "apply_with_kahan_summation",
     "apply_with_stochastic_rounding",
@@ -97,6 +75,7 @@ __all__ = [
     "autocast",
     "check_health",
     "check_in_sync",
+    "check_only",
     "checkpoint",
     "compat",
     "dynamic_scale",
@@ -118,16 +97,30 @@ __all__ = [
     "step",
     "stepped",
     "stochastic_round",
+    "types",
     "unscale_and_check",
     "update",
     "value_and_grad",
     "where_stepped",
 ]
 
-# The Flax adapters, imported on first use; then the deprecated spellings, served
-# with a DeprecationWarning until 0.5 (not in __all__). Hidden from type checkers: a
+# The Flax adapters, imported on first use; then jaxamp 0.3's names that moved, served
+# with a DeprecationWarning until 0.5 (not in __all__): the transformations renamed apart
+# from the array op, and the types, now in jaxamp.types. Hidden from type checkers: a
 # module `__getattr__` would make every unknown `jaxamp.x` type as Any; they see the
 # adapters' imports and the 0.4 names only.
+_MOVED_TYPES = (
+    "Explanation",
+    "KahanSummationState",
+    "Mode",
+    "MultiTransformState",
+    "NonfiniteLeaves",
+    "OverflowReport",
+    "SkipNonfiniteState",
+    "SpikeRule",
+    "SpikeState",
+    "StochasticRoundingState",
+)
 if TYPE_CHECKING:
     from jaxamp import nnx as nnx
     from jaxamp._train_state import TrainState as TrainState
@@ -146,6 +139,7 @@ if not TYPE_CHECKING:
                     "jaxamp.apply_with_kahan_summation",
                     apply_with_kahan_summation,
                 ),
+                **{name: (f"jaxamp.types.{name}", getattr(types, name)) for name in _MOVED_TYPES},
             },
             removed_in="0.5",
         ),

@@ -19,6 +19,9 @@ the value chosen (an error of at most ``2**-24 * |p|``), never farther.
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -26,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxamp._utils.deprecation import deprecated_aliases
+from jaxamp._utils.conversion_checks import _stacklevel
+from jaxamp._utils.deprecation import add_note, deprecated_aliases
 from jaxamp._utils.dtypes import HALF_DTYPES
 
 __all__ = [
@@ -44,7 +48,48 @@ def _is_low(x: Any) -> bool:
     return dtype is not None and np.dtype(dtype) in HALF_DTYPES
 
 
-def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+def _is_key(a: Any) -> bool:
+    """A PRNG key array: a typed key, or raw key data (a uint32 vector)."""
+    dtype = getattr(a, "dtype", None)
+    if dtype is None:
+        return False
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return np.dtype(dtype) == np.uint32 and np.ndim(a) == 1
+
+
+def _key_first(f: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """Takes 0.3's order ``(x, dtype, key)`` too, with a ``DeprecationWarning``, until
+    jaxamp 0.5: told apart by where the key is (a PRNG key array last, or ``key=``
+    beside positional arguments)."""
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> jax.Array:
+        old = ("key" in kwargs and 0 < len(args) <= 2) or (
+            len(args) == 3 and _is_key(args[2]) and not _is_key(args[0])
+        )
+        if old:
+            warnings.warn(
+                "jaxamp.stochastic_round(x, dtype, key) is deprecated and will be an error in "
+                "jaxamp 0.5: the key comes first, as in jax.random: "
+                "jaxamp.stochastic_round(key, x, dtype).",
+                DeprecationWarning,
+                stacklevel=_stacklevel(),
+            )
+            kwargs.update(zip(("x", "dtype", "key"), args, strict=False))
+            args = ()
+        return f(*args, **kwargs)
+
+    add_note(
+        wrapper,
+        "Until jaxamp 0.5 the order of jaxamp 0.3, ``stochastic_round(x, dtype, key)``, also "
+        "works, with a ``DeprecationWarning``.",
+    )
+    return wrapper
+
+
+@_key_first
+def stochastic_round(key: jax.Array, x: jax.Array, dtype: Any) -> jax.Array:
     """Array op: rounds float32 ``x`` to ``dtype`` (bfloat16 or float16) stochastically, unbiased.
 
     The optax transformation that applies updates to params with it is
@@ -63,9 +108,10 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     that flush subnormals to zero (XLA on CPU and GPU), so it rounds to 0.
 
     Args:
+      key: a PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``); first, as in
+        ``jax.random``.
       x: a float32 array.
       dtype: ``jnp.bfloat16`` or ``jnp.float16``.
-      key: a PRNG key (``jax.random.key`` or ``jax.random.PRNGKey``).
 
     Returns:
       An array of ``dtype`` and ``x``'s shape.
@@ -73,7 +119,7 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
     Examples:
       >>> import jax, jax.numpy as jnp, jaxamp
       >>> x = jnp.full(10_000, 1.0 + 2.0**-10)  # a quarter of the way to the next bfloat16
-      >>> r = jaxamp.stochastic_round(x, jnp.bfloat16, jax.random.key(0))
+      >>> r = jaxamp.stochastic_round(jax.random.key(0), x, jnp.bfloat16)
       >>> sorted(set(r.tolist())), round(float(r.astype(jnp.float32).mean()) - 1.0, 4)
       ([1.0, 1.0078125], 0.001)
     """
@@ -172,8 +218,6 @@ def apply_with_stochastic_rounding(key: jax.Array) -> optax.GradientTransformati
     """Optax transformation: applies updates to bfloat16 / float16 params with stochastic rounding.
 
     The array op it applies to each param is [`stochastic_round`][jaxamp.stochastic_round].
-    Until jaxamp 0.5 it is also reachable as ``jaxamp.stochastic_rounding``, with a
-    ``DeprecationWarning``.
 
     Place it last in the chain: it turns the update it receives into the one that
     lands on the rounded value, so a transformation after it (a scale, a schedule)
@@ -202,7 +246,7 @@ def apply_with_stochastic_rounding(key: jax.Array) -> optax.GradientTransformati
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a
-      [`StochasticRoundingState`][jaxamp.StochasticRoundingState].
+      [`StochasticRoundingState`][jaxamp.types.StochasticRoundingState].
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxamp
@@ -240,7 +284,7 @@ def apply_with_stochastic_rounding(key: jax.Array) -> optax.GradientTransformati
                 out.append(u)
                 continue
             x = p.astype(jnp.float32) + u.astype(jnp.float32)
-            new = stochastic_round(x, p.dtype, jax.random.fold_in(step_key, i))
+            new = stochastic_round(jax.random.fold_in(step_key, i), x, p.dtype)
             out.append(_exact_update(new, p))
         return treedef.unflatten(out), StochasticRoundingState(as_data(next_key))
 
@@ -268,9 +312,6 @@ class KahanSummationState(NamedTuple):
 def apply_with_kahan_summation() -> optax.GradientTransformation:
     """Optax transformation: applies updates to bfloat16 / float16 params with Kahan summation.
 
-    Until jaxamp 0.5 it is also reachable as ``jaxamp.kahan_summation``, with a
-    ``DeprecationWarning``.
-
     Place it last in the chain (as
     [`apply_with_stochastic_rounding`][jaxamp.apply_with_stochastic_rounding]: a
     transformation after it changes the update it chose, silently). The state holds a compensation
@@ -283,7 +324,7 @@ def apply_with_kahan_summation() -> optax.GradientTransformation:
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a
-      [`KahanSummationState`][jaxamp.KahanSummationState].
+      [`KahanSummationState`][jaxamp.types.KahanSummationState].
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -346,4 +387,6 @@ _RENAMED = {
 }
 # Hidden from type checkers, as in jaxamp/__init__.py: they see the 0.4 names only.
 if not TYPE_CHECKING:
-    __getattr__ = deprecated_aliases("jaxamp.low_precision_params", _RENAMED, removed_in="0.5")
+    __getattr__ = deprecated_aliases(
+        "jaxamp.low_precision_params", _RENAMED, removed_in="0.5", note=False
+    )

@@ -53,7 +53,7 @@ def _f16_neighbours(x: np.float32) -> tuple[float, float]:
 
 @functools.partial(jax.jit, static_argnums=1)
 def _round_many(x: jax.Array, dtype: np.dtype, key: jax.Array) -> jax.Array:
-    return jaxamp.stochastic_round(jnp.broadcast_to(x, (N_DRAWS,)), dtype, key)
+    return jaxamp.stochastic_round(key, jnp.broadcast_to(x, (N_DRAWS,)), dtype)
 
 
 def _float32_in(dtype: np.dtype) -> st.SearchStrategy[float]:
@@ -103,7 +103,7 @@ def test_stochastic_round_mean_over_keys() -> None:
     """The same element rounded under 4096 keys: the mean is the float32 value."""
     x = jnp.float32(1.0 + 2.0**-8 + 2.0**-10)  # 0.625 of a bfloat16 ulp (2**-7) above 1
     keys = jax.random.split(jax.random.key(7), 4096)
-    out = jax.vmap(lambda k: jaxamp.stochastic_round(x, jnp.bfloat16, k))(keys)
+    out = jax.vmap(lambda k: jaxamp.stochastic_round(k, x, jnp.bfloat16))(keys)
     frac = float(jnp.mean(out.astype(jnp.float32) == 1.0078125))
     assert abs(frac - 0.625) < 6 * np.sqrt(0.625 * 0.375 / 4096)
 
@@ -124,7 +124,7 @@ def test_stochastic_round_is_a_function_of_the_key(seed, dtype) -> None:
 
 def test_stochastic_round_edges() -> None:
     x = jnp.array([jnp.inf, -jnp.inf, jnp.nan, 3.4e38, -3.4e38, 0.0, -0.0, 1.0], jnp.float32)
-    out = jax.jit(jaxamp.stochastic_round, static_argnums=1)(x, jnp.bfloat16, jax.random.key(0))
+    out = jax.jit(jaxamp.stochastic_round, static_argnums=2)(jax.random.key(0), x, jnp.bfloat16)
     big = float(jnp.finfo(jnp.bfloat16).max)
     got = np.asarray(out.astype(jnp.float32))
     assert got[0] == np.inf and got[1] == -np.inf and np.isnan(got[2])
@@ -169,7 +169,7 @@ def test_stochastic_rounding_transform_applies_the_rounded_value(p, u, seed) -> 
     params = {"w": jnp.full((64,), p, jnp.bfloat16), "f": jnp.full((3,), p, jnp.float32)}
     updates = {"w": jnp.full((64,), u, jnp.float32), "f": jnp.full((3,), u, jnp.float32)}
     # One transformation (one compile); the seed goes in through the state.
-    state = jaxamp.StochasticRoundingState(jax.random.key_data(jax.random.key(seed)))
+    state = jaxamp.types.StochasticRoundingState(jax.random.key_data(jax.random.key(seed)))
     out, new_state = _SR_UPDATE(updates, state, params)
     new = optax.apply_updates(params, out)
     assert out["w"].dtype == jnp.float32 and new["w"].dtype == jnp.bfloat16
@@ -415,9 +415,9 @@ def test_kahan_state_for_other_params_is_an_error() -> None:
 
 def test_stochastic_round_rejects_other_dtypes() -> None:
     with pytest.raises(TypeError, match="`x`"):
-        jaxamp.stochastic_round(jnp.ones(2, jnp.bfloat16), jnp.bfloat16, jax.random.key(0))
+        jaxamp.stochastic_round(jax.random.key(0), jnp.ones(2, jnp.bfloat16), jnp.bfloat16)
     with pytest.raises(TypeError, match="`dtype`"):
-        jaxamp.stochastic_round(jnp.ones(2), jnp.float32, jax.random.key(0))
+        jaxamp.stochastic_round(jax.random.key(0), jnp.ones(2), jnp.float32)
 
 
 def test_ml_dtypes_bfloat16_is_jax_bfloat16() -> None:

@@ -1,4 +1,7 @@
-"""Keeping an old spelling working, with a ``DeprecationWarning``, for one release."""
+"""Keeping an old spelling working, with a ``DeprecationWarning``, for one release.
+
+Each decorator also says so in the docstring it decorates (one sentence, appended),
+so that no docstring carries the deprecation by hand."""
 
 from __future__ import annotations
 
@@ -13,6 +16,18 @@ from jaxamp._utils.conversion_checks import _stacklevel
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def add_note(obj: Any, text: str) -> None:
+    """Appends the paragraph ``text`` to ``obj``'s docstring (once), indented as the
+    docstring is, so that ``inspect.getdoc`` and ``help`` show it as written."""
+    doc = obj.__doc__ or ""
+    if " ".join(text.split()) in " ".join(doc.split()):
+        return
+    lines = doc.expandtabs().splitlines()[1:]
+    indents = [len(s) - len(s.lstrip()) for s in lines if s.strip()]
+    pad = " " * min(indents, default=0)
+    obj.__doc__ = f"{doc.rstrip()}\n\n{pad}{text}\n"
+
+
 def positional_deprecated(*formerly_positional: str, removed_in: str) -> Callable[[F], F]:
     """Lets the keyword-only parameters ``formerly_positional`` of the decorated
     function still be passed by position, in that order after its positional ones,
@@ -21,7 +36,7 @@ def positional_deprecated(*formerly_positional: str, removed_in: str) -> Callabl
 
     def wrap(f: F) -> F:
         params = inspect.signature(f).parameters
-        n = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in params.values())
+        n = sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params.values())
         assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in formerly_positional)
         keyword_only = list(formerly_positional)
         name = f"jaxamp.{f.__name__}"
@@ -50,6 +65,12 @@ def positional_deprecated(*formerly_positional: str, removed_in: str) -> Callabl
                 args = args[:n]
             return f(*args, **kwargs)
 
+        listed = ", ".join(f"``{k}``" for k in keyword_only)
+        add_note(
+            wrapper,
+            f"Until jaxamp {removed_in} the keyword-only {listed} can also be passed by "
+            "position, after the positional arguments, with a ``DeprecationWarning``.",
+        )
         return wrapper  # type: ignore[return-value]
 
     return wrap
@@ -69,15 +90,44 @@ class _Marker:
 REQUIRED = _Marker("<required>")
 
 
-def renamed_parameter(old: str, new: str, *, removed_in: str) -> Callable[[F], F]:
+def _publish(
+    sig: inspect.Signature, old: str, default: _Marker, at: int | None
+) -> inspect.Signature:
+    """``sig`` with ``old`` appended, keyword-only, whose default says what to write
+    instead; the required positional parameters from index ``at`` on get the default
+    ``<required>``, so that a binding given ``old`` in their place (jax.jit's argnames,
+    ``Signature.bind``, ``functools.partial``, equinox.filter_jit) binds as in 0.3."""
+    names = [
+        p.name
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    later = set() if at is None else set(names[at:])
+    published = [
+        p.replace(default=REQUIRED) if p.name in later and p.default is p.empty else p
+        for p in sig.parameters.values()
+    ]
+    extra = inspect.Parameter(old, inspect.Parameter.KEYWORD_ONLY, default=default)
+    if published and published[-1].kind is inspect.Parameter.VAR_KEYWORD:
+        published.insert(len(published) - 1, extra)
+    else:
+        published.append(extra)
+    return sig.replace(parameters=published)
+
+
+def renamed_parameter(
+    old: str, new: str, *, removed_in: str, module: str = "jaxamp"
+) -> Callable[[F], F]:
     """Lets the parameter ``new`` of the decorated function still be passed by its old
-    keyword ``old``, with a ``DeprecationWarning``, until jaxamp ``removed_in``. By
-    position nothing changes.
+    keyword ``old`` (a name jaxamp 0.3 shipped), with a ``DeprecationWarning``, until
+    jaxamp ``removed_in``. By position nothing changes. ``new`` may be positional-only
+    (the subject of a function: the state, given by position so that its name can never
+    need this again), positional-or-keyword or keyword-only.
 
     The published signature (``inspect.signature``, what ``jax.jit``'s
     ``donate_argnames`` / ``static_argnames``, ``Signature.bind``, ``functools.partial``
     and ``equinox.filter_jit`` read) lists ``old`` as a keyword-only parameter whose
-    default reads ``<deprecated: use new=>``, and shows ``new`` and the required
+    default says what to write instead, and shows ``new`` and the required positional
     parameters after it with the default ``<required>``: given ``old`` instead, they
     bind as they did when ``old`` was the name. The docs read the source, which has the
     new name only; a call missing a required argument is still Python's error.
@@ -85,53 +135,121 @@ def renamed_parameter(old: str, new: str, *, removed_in: str) -> Callable[[F], F
 
     def wrap(f: F) -> F:
         sig = inspect.signature(f)
-        names = [p.name for p in sig.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
-        assert new in names and old not in sig.parameters
-        assert all(
-            p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in sig.parameters.values()
-        )
-        name = f"jaxamp.{f.__name__}"
-        at = names.index(new)
+        params = sig.parameters
+        names = [
+            p.name
+            for p in params.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        only = [p.name for p in params.values() if p.kind is p.POSITIONAL_ONLY]
+        assert new in params and old not in params
+        assert params[new].kind is not inspect.Parameter.VAR_POSITIONAL
+        name = f"{module}.{f.__name__}"
+        at = names.index(new) if new in names else None
+        by_position = new in only
+        instead = f"pass {new} by position" if by_position else f"use {new}="
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if any(isinstance(a, _Marker) for a in (*args, *kwargs.values())):
                 # A wrapper filled in the published defaults (``BoundArguments.apply_defaults``):
                 # the markers are the arguments not given.
-                kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
-                kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, _Marker)}
-                args = args[len(names) :]
+                given = {**dict(zip(names, args, strict=False)), **kwargs}
+                given = {k: v for k, v in given.items() if not isinstance(v, _Marker)}
+                args, kwargs = args[len(names) :], given
             if old in kwargs:
-                if new in kwargs or len(args) > at:
+                if new in kwargs or (at is not None and len(args) > at):
                     how = "" if new in kwargs else f" (by position: {new} is argument {at + 1})"
-                    raise TypeError(f"{name}() got both {old}= and {new}={how}; pass {new}= only.")
+                    raise TypeError(
+                        f"{name}() got both {old}= and {new}{how}; {instead} only."
+                        if by_position
+                        else f"{name}() got both {old}= and {new}={how}; pass {new}= only."
+                    )
+                what = (
+                    f"the keyword {old}= is deprecated and will be an error in jaxamp "
+                    f"{removed_in}; pass it by position ({new})"
+                    if by_position
+                    else f"the argument {old}= is now called {new}=; {old}= is deprecated "
+                    f"and will be an error in jaxamp {removed_in}"
+                )
+                warnings.warn(f"{name}: {what}.", DeprecationWarning, stacklevel=_stacklevel())
+                kwargs[new] = kwargs.pop(old)
+            if any(k in kwargs for k in only):
+                # Positional-only parameters go by position, in order.
+                args = list(args)
+                for k in only[len(args) :]:
+                    if k not in kwargs:
+                        break
+                    args.append(kwargs.pop(k))
+            return f(*args, **kwargs)
+
+        default = _Marker(f"<deprecated: {instead}>")
+        wrapper.__signature__ = _publish(sig, old, default, at)  # type: ignore[attr-defined]
+        add_note(
+            wrapper,
+            f"Until jaxamp {removed_in} the keyword ``{old}=`` also works"
+            + (f" (for ``{new}``, now given by position)" if by_position else f" (now ``{new}=``)")
+            + ", with a ``DeprecationWarning``.",
+        )
+        return wrapper  # type: ignore[return-value]
+
+    return wrap
+
+
+def deprecated_parameter(old: str, instead: str, *, removed_in: str) -> Callable[[F], F]:
+    """The keyword-only parameter ``old`` of the decorated function (a name jaxamp 0.3
+    shipped, whose setting now lives elsewhere) still works, with a
+    ``DeprecationWarning`` saying ``instead`` (what to write), until jaxamp
+    ``removed_in``. The function still receives it; its published signature shows it
+    with a default that says it is deprecated, and its docstring says so."""
+
+    def wrap(f: F) -> F:
+        sig = inspect.signature(f)
+        assert sig.parameters[old].kind is inspect.Parameter.KEYWORD_ONLY
+        assert sig.parameters[old].default is None
+        name = f"jaxamp.{f.__name__}"
+
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if isinstance(kwargs.get(old), _Marker):
+                kwargs.pop(old)
+            if kwargs.get(old) is not None:
                 warnings.warn(
-                    f"{name}: the argument {old}= is now called {new}=; {old}= is deprecated "
-                    f"and will be an error in jaxamp {removed_in}.",
+                    f"{name}: {old}= is deprecated and will be an error in jaxamp "
+                    f"{removed_in}; {instead}.",
                     DeprecationWarning,
                     stacklevel=_stacklevel(),
                 )
-                kwargs[new] = kwargs.pop(old)
             return f(*args, **kwargs)
 
         published = [
-            p.replace(default=REQUIRED) if p.name in names[at:] and p.default is p.empty else p
+            p.replace(default=_Marker(f"<deprecated: {instead}>")) if p.name == old else p
             for p in sig.parameters.values()
         ]
-        deprecated = _Marker(f"<deprecated: use {new}=>")
-        published.append(inspect.Parameter(old, inspect.Parameter.KEYWORD_ONLY, default=deprecated))
         wrapper.__signature__ = sig.replace(parameters=published)  # type: ignore[attr-defined]
+        add_note(
+            wrapper,
+            f"Until jaxamp {removed_in} the keyword ``{old}=`` also works, with a "
+            f"``DeprecationWarning``: {instead}.",
+        )
         return wrapper  # type: ignore[return-value]
 
     return wrap
 
 
 def deprecated_aliases(
-    module: str, aliases: dict[str, tuple[str, Any]], removed_in: str
+    module: str, aliases: dict[str, tuple[str, Any]], removed_in: str, *, note: bool = True
 ) -> Callable[[str], Any]:
     """A module ``__getattr__`` serving each old name in ``aliases`` (old -> (new
     spelling, the object)) with a ``DeprecationWarning`` naming the new spelling;
-    the old names are not in the module's ``__all__``."""
+    the old names are not in the module's ``__all__``. With ``note``, each object's
+    docstring says that the old spelling works until jaxamp ``removed_in``."""
+    for old, (_, obj) in aliases.items() if note else ():
+        add_note(
+            obj,
+            f"Until jaxamp {removed_in} it is also reachable as ``{module}.{old}``, with a "
+            "``DeprecationWarning``.",
+        )
 
     def __getattr__(name: str) -> Any:
         if name in aliases:
@@ -145,4 +263,5 @@ def deprecated_aliases(
             return obj
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
+    __getattr__.aliases = aliases  # type: ignore[attr-defined]  # read by the API's golden file
     return __getattr__

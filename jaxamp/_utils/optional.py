@@ -45,4 +45,5 @@ def lazy_attributes(
         setattr(sys.modules[module], name, value)  # later reads find it without this hook
         return value
 
+    __getattr__.aliases = getattr(fallback, "aliases", {})  # type: ignore[attr-defined]
     return __getattr__

@@ -5,7 +5,8 @@ whose counters and numeric configuration (``growth_factor``, ``hysteresis``,
 ``min_scale``, ``max_scale``, ...) are all array leaves, so ``ocp.StandardCheckpointer``
 and ``ocp.CheckpointManager`` with ``ocp.args.StandardSave`` write it with the rest of
 the optimizer state, and a restored state continues bit for bit. Only the
-[`jaxamp.Mode`][jaxamp.Mode] (``"dynamic"``, ``"static"``, ...) is static: it is not stored
+[`jaxamp.types.Mode`][jaxamp.types.Mode] (``"dynamic"``, ``"static"``, ...) is static: it is not
+stored
 and comes from the restore target.
 
 **Restoring into another configuration.** Every number comes from the

@@ -1,4 +1,5 @@
-"""Restoring a spike history ([`jaxamp.SpikeState`][jaxamp.SpikeState]) saved with another window.
+"""Restoring a spike history ([`jaxamp.types.SpikeState`][jaxamp.types.SpikeState]) saved with
+another window.
 
 A [`jaxamp.spike_rule`][jaxamp.spike_rule]'s window shapes its state (two rings of ``window``
 values), so a checkpoint written with ``window=8`` does not fit an optimizer built
@@ -8,7 +9,8 @@ history is configuration the user may change on resume, like ``growth_interval``
 moves their newest values into rings of the target's window (:func:`resize`). When that cannot
 be done, the error names the spike history and both windows.
 
-Spike states are found by their fields, as a [`SpikeState`][jaxamp.SpikeState] or as a mapping of
+Spike states are found by their fields, as a [`SpikeState`][jaxamp.types.SpikeState] or as a
+mapping of
 its fields (``nnx.state`` of an optimizer), so both forms are handled alike.
 """
 

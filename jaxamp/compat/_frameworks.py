@@ -97,9 +97,9 @@ def megengine_grad_scaler(
       False
     """
     if growth_interval == 0:
-        return static_scale(init_scale, skip_nonfinite=False)
+        return static_scale(init_scale, check_finite=False)
     if growth_factor == 0:
-        return static_scale(init_scale, skip_nonfinite=True)
+        return static_scale(init_scale, check_finite=True)
     if growth_interval < 0:
         raise ValueError(f"growth_interval must be >= 0, got {growth_interval!r}.")
     return system_state(
@@ -130,7 +130,7 @@ def mindspore_fixed(loss_scale: float = 128.0, drop_overflow_update: bool = True
     """
     if loss_scale < 1:
         raise ValueError(f"loss_scale must be >= 1 (as in MindSpore), got {loss_scale!r}.")
-    return static_scale(loss_scale, skip_nonfinite=bool(drop_overflow_update))
+    return static_scale(loss_scale, check_finite=bool(drop_overflow_update))
 
 
 @checked_args("MindSpore")

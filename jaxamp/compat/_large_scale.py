@@ -276,7 +276,7 @@ def apex_loss_scaler(
     accepted (and type-checked) but unused.
 
     ``loss_scale=<number>``: a fixed scale, and, as in Apex, nothing is checked and
-    no step is skipped (``static_scale(loss_scale, skip_nonfinite=False)``).
+    no step is skipped (``static_scale(loss_scale, check_finite=False)``).
 
     Deviations: with ``min_loss_scale=None`` the scale stops shrinking at ``2**-126``
     (Apex's Python float goes on to 0). ``amp.initialize`` turns a numeric string

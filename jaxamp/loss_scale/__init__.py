@@ -2,7 +2,8 @@
 
 from jaxamp._utils.finite import all_finite
 from jaxamp._utils.tree import select_tree
-from jaxamp.loss_scale._constructors import dynamic_scale, no_scale, static_scale
+from jaxamp.loss_scale._constructors import check_only, dynamic_scale, no_scale, static_scale
+from jaxamp.loss_scale._constructors import with_limit as with_limit
 from jaxamp.loss_scale._lookup import LossScaleNotFound, check_health, get_loss_scale
 from jaxamp.loss_scale._placement import check_callers as check_callers
 from jaxamp.loss_scale._placement import check_state as check_state
@@ -24,6 +25,7 @@ __all__ = [
     "all_finite",
     "check_health",
     "check_in_sync",
+    "check_only",
     "dynamic_scale",
     "get_loss_scale",
     "no_scale",

@@ -1,13 +1,16 @@
-"""The loss-scale constructors: dynamic, static, and no scaling."""
+"""The loss-scale constructors: dynamic, static, check-only, and no scaling."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from jaxamp._utils.deprecation import positional_deprecated
+from jaxamp._utils.deprecation import positional_deprecated, renamed_parameter
+from jaxamp._utils.errors import named
 from jaxamp.loss_scale._state import LossScaleState, Mode, fixed_state, fresh_state
 
-__all__ = ["dynamic_scale", "no_scale", "static_scale"]
+__all__ = ["check_only", "dynamic_scale", "no_scale", "static_scale"]
 
 
 @positional_deprecated(
@@ -35,8 +38,7 @@ def dynamic_scale(
 ) -> LossScaleState:
     """Dynamic loss scaling: grow after clean stretches, back off on overflow.
 
-    Every argument but ``init_scale`` is keyword-only. Passed by position (0.3's
-    signature) they still work, with a ``DeprecationWarning``, until jaxamp 0.5.
+    Every argument but ``init_scale`` is keyword-only.
 
     Args:
       init_scale: the starting scale; within [min_scale, max_scale] and ``[2**-126, 2**126]``.
@@ -51,7 +53,10 @@ def dynamic_scale(
       max_consecutive_nonfinite: more than this many non-finite steps in a row make
         [`check_health`][jaxamp.check_health] raise. ``None``: the default rule, more than 100 in a
         row once the scale is at its floor (``max(min_scale, 2**-126)``), where
-        backing off cannot help any more. ``math.inf`` (or ``2**31 - 1``): never.
+        backing off cannot help any more. ``math.inf`` (or ``2**31 - 1``): never. The
+        step itself is always skipped: a non-finite update is never applied. This is
+        the one place the limit is set (with [`static_scale`][jaxamp.static_scale]'s
+        and [`check_only`][jaxamp.check_only]'s).
       hysteresis_refill: what restores the hysteresis allowance:
         ``"finite_and_backoff"`` (every finite step and every backoff: only
         consecutive overflows count; Paddle), ``"finite"`` (every finite step, not a
@@ -88,18 +93,23 @@ def dynamic_scale(
     )
 
 
-@positional_deprecated("skip_nonfinite", removed_in="0.5")
-def static_scale(scale: float = 2.0**15, *, skip_nonfinite: bool = True) -> LossScaleState:
+@positional_deprecated("check_finite", removed_in="0.5")
+@renamed_parameter("skip_nonfinite", "check_finite", removed_in="0.5")
+def static_scale(
+    scale: float = 2.0**15,
+    *,
+    check_finite: bool = True,
+    max_consecutive_nonfinite: int | float | None = None,
+) -> LossScaleState:
     """A fixed loss scale that never changes.
-
-    ``skip_nonfinite`` is keyword-only; passed by position it still works, with a
-    ``DeprecationWarning``, until jaxamp 0.5.
 
     Args:
       scale: the loss scale, in ``[2**-126, 2**126]``.
-      skip_nonfinite: if True, gradients are checked and non-finite steps skipped;
+      check_finite: if True, gradients are checked and non-finite steps skipped;
         if False, nothing is checked and every step is applied (MindSpore's
         ``drop_overflow_update=False``).
+      max_consecutive_nonfinite: as in [`dynamic_scale`][jaxamp.dynamic_scale]; with
+        a fixed scale the default rule raises after more than 100 in a row.
 
     Returns:
       A [`LossScaleState`][jaxamp.LossScaleState] whose [`update`][jaxamp.update] moves only the
@@ -110,9 +120,48 @@ def static_scale(scale: float = 2.0**15, *, skip_nonfinite: bool = True) -> Loss
       >>> float(jaxamp.update(jaxamp.static_scale(128.0), False).scale)
       128.0
     """
-    if not isinstance(skip_nonfinite, bool | np.bool_):
-        raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}.")
-    return fixed_state(Mode.STATIC if skip_nonfinite else Mode.STATIC_UNCHECKED, scale)
+    if not isinstance(check_finite, bool | np.bool_):
+        raise TypeError(f"check_finite must be a bool, got {check_finite!r}.")
+    state = fixed_state(Mode.STATIC if check_finite else Mode.STATIC_UNCHECKED, scale)
+    return with_limit(state, max_consecutive_nonfinite, "static_scale")
+
+
+def check_only(*, max_consecutive_nonfinite: int | float | None = None) -> LossScaleState:
+    """No loss scale, but gradients checked and non-finite steps skipped.
+
+    For bfloat16 and FP8 training, whose range needs no scaling but whose steps can
+    still overflow: ``jaxamp.skip_nonfinite(tx, jaxamp.check_only())`` unscales
+    nothing, checks every gradient, and skips a non-finite step as a whole (under
+    ``pmap`` / ``shard_map`` add ``axis_name=``, so every device skips together).
+    ``skip_nonfinite(tx)`` / ``skip_nonfinite(tx, None)`` is short for it.
+
+    Args:
+      max_consecutive_nonfinite: as in [`dynamic_scale`][jaxamp.dynamic_scale]; with
+        no scale to lower, the default rule raises after more than 100 in a row.
+
+    Returns:
+      A [`LossScaleState`][jaxamp.LossScaleState] of mode ``"check_only"``, scale 1.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.check_only())
+      >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+      >>> grads = {"w": jnp.array([jnp.nan, 1.0], jnp.bfloat16)}
+      >>> params, state = jaxamp.step(tx, grads, tx.init(params), params)
+      >>> params["w"], bool(jaxamp.stepped(state))
+      (Array([1, 1], dtype=bfloat16), False)
+    """
+    state = fixed_state(Mode.CHECK_ONLY, 1.0)
+    return with_limit(state, max_consecutive_nonfinite, "check_only")
+
+
+def with_limit(state: LossScaleState, limit: Any, fn: str) -> LossScaleState:
+    """``state`` with ``max_consecutive_nonfinite=limit``: the state's own rule reads it
+    (an integer N, NumPy's and JAX's included, or math.inf), for every constructor."""
+    if limit is None:
+        return state
+    with named(fn, (TypeError, ValueError)):
+        return state.replace(max_consecutive_nonfinite=limit)
 
 
 def no_scale() -> LossScaleState:

@@ -56,8 +56,8 @@ class LossScaleNotFound(NamedError, ValueError):
         self.got = got
 
 
-@renamed_parameter("opt_state", "opt_state_or_loss_scale_state", removed_in="0.5")
-def get_loss_scale(opt_state_or_loss_scale_state: Any) -> LossScaleState:
+@renamed_parameter("opt_state", "state", removed_in="0.5")
+def get_loss_scale(state: Any, /) -> LossScaleState:
     """The [`LossScaleState`][jaxamp.LossScaleState] inside an optimizer state: read the scale here.
 
     ``jaxamp.get_loss_scale(opt_state).scale`` is the loss scale the next step
@@ -71,11 +71,10 @@ def get_loss_scale(opt_state_or_loss_scale_state: Any) -> LossScaleState:
     the dict it returns for logging, as ``"loss_scale"``.
 
     Args:
-      opt_state_or_loss_scale_state: an optax state that contains exactly one loss-scale
+      state: an optax state that contains exactly one loss-scale
         state (from [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] or
         [`jaxamp.multi_transform`][jaxamp.multi_transform]), what holds it, or a
-        ``LossScaleState``. Until jaxamp 0.5 the keyword ``opt_state=`` also works,
-        with a ``DeprecationWarning``.
+        ``LossScaleState``; positional-only.
 
     Returns:
       The loss-scale state, with plain array fields; ``.scale`` is the scale.
@@ -94,7 +93,7 @@ def get_loss_scale(opt_state_or_loss_scale_state: Any) -> LossScaleState:
     """
     mark_scale_read()  # the scale handed out: a loss may be multiplied by it by hand
     with named("get_loss_scale"):
-        found, owned = _find(opt_state_or_loss_scale_state)
+        found, owned = _find(state)
     plain = _plain(found)
     if owned:
         mark_owned(plain)  # jaxamp.update of it would be lost: warned there
@@ -111,10 +110,10 @@ def _find(x: Any) -> tuple[LossScaleState, bool]:
         "jaxamp.multi_transform), or pass the sub-state you mean.",
     )
     if found is None:
-        # The argument's name is that of every public function that reads the state
+        # Every public function that reads the state takes it first, by position
         # (their errors say `jaxamp.<fn>: ` in place of get_loss_scale's).
         raise LossScaleNotFound(
-            "no LossScaleState found in `opt_state_or_loss_scale_state` (got "
+            "no LossScaleState found in the state passed (got "
             f"{with_article(type(x).__name__)}). Build the optimizer with "
             "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale()) and pass its state.",
             got=x,
@@ -136,7 +135,8 @@ def _plain(state: LossScaleState) -> LossScaleState:
     return dataclasses.replace(state, **plain)
 
 
-def check_health(opt_state_or_loss_scale_state: Any) -> None:
+@renamed_parameter("opt_state_or_loss_scale_state", "state", removed_in="0.5")
+def check_health(state: Any, /) -> None:
     """Raises if training stopped recovering from non-finite gradients.
 
     A non-finite step is skipped as a whole, so during a streak of them nothing
@@ -160,8 +160,9 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
     ``pmap``) are checked on every replica.
 
     Args:
-      opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
-        containing one, or what holds that (a ``TrainState``, an nnx optimizer).
+      state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
+        containing one, or what holds that (a ``TrainState``, an nnx optimizer);
+        positional-only.
 
     Raises:
       FloatingPointError: saying how many steps in a row were skipped and what the
@@ -180,7 +181,7 @@ def check_health(opt_state_or_loss_scale_state: Any) -> None:
       FloatingPointError: 102 steps in a row were skipped ... scale is now 1, at its floor, ...
     """
     with named("check_health"):
-        s = get_loss_scale(opt_state_or_loss_scale_state)
+        s = get_loss_scale(state)
     if holds_tracer(s):
         raise TypeError(
             "jaxamp.check_health reads the loss-scale counters on the host, so it cannot run "

@@ -77,7 +77,7 @@ _FIX = {
     "apply_if_finite": (
         "optax.apply_if_finite",
         "it withholds non-finite steps from the guard, so the loss scale never backs off",
-        "jaxamp.skip_nonfinite(inner, loss_scale, max_consecutive_nonfinite=N) alone",
+        "jaxamp.skip_nonfinite(inner, jaxamp.dynamic_scale(max_consecutive_nonfinite=N)) alone",
     ),
     "masked": (
         "optax.masked",

@@ -57,21 +57,20 @@ from jaxamp.loss_scale._unscaled import Unscaled
 __all__ = ["scale", "unscale_and_check", "update"]
 
 
-@renamed_parameter("state", "loss_scale_state", removed_in="0.5")
-def scale(loss_scale_state: LossScaleState, tree: Any = REQUIRED) -> Any:
+@renamed_parameter("state", "loss_scale", removed_in="0.5")
+def scale(loss_scale: LossScaleState, /, tree: Any = REQUIRED) -> Any:
     """Multiplies every floating leaf of ``tree`` by the loss scale.
 
     Each leaf keeps its dtype; the product is computed in float32 (or wider), so a
     float16 loss is scaled without the scale itself overflowing float16.
 
     Args:
-      loss_scale_state: the [`LossScaleState`][jaxamp.LossScaleState]; inside an
-        optimizer state, ``jaxamp.get_loss_scale(opt_state)``. Until jaxamp 0.5 the
-        keyword ``state=`` also works, with a ``DeprecationWarning``.
+      loss_scale: the [`LossScaleState`][jaxamp.LossScaleState] (positional-only); inside
+        an optimizer state, ``jaxamp.get_loss_scale(opt_state)``.
       tree: a loss or any pytree; non-floating leaves pass through.
 
     Returns:
-      ``tree`` with floating leaves multiplied by ``loss_scale_state.scale``.
+      ``tree`` with floating leaves multiplied by ``loss_scale.scale``.
 
     Examples:
       >>> import jax.numpy as jnp, jaxamp
@@ -84,23 +83,22 @@ def scale(loss_scale_state: LossScaleState, tree: Any = REQUIRED) -> Any:
             "scaler.scale(loss) keeps the state in the scaler): jaxamp.scale("
             "jaxamp.get_loss_scale(opt_state), loss)."
         )
-    state = check_state(loss_scale_state, "scale")
+    state = check_state(loss_scale, "scale")
     mark_loss_scaled()
     if not state.mode.scales:
         return tree
     return jax.tree.map(lambda x: times_wide(x, state.scale) if is_inexact(x) else x, tree)
 
 
-@renamed_parameter("state", "loss_scale_state", removed_in="0.5")
+@renamed_parameter("state", "loss_scale", removed_in="0.5")
 def unscale_and_check(
-    loss_scale_state: LossScaleState, grads: Any, *, axis_name: Any = None
+    loss_scale: LossScaleState, /, grads: Any, *, axis_name: Any = None
 ) -> tuple[Any, jax.Array]:
     """Divides gradients by the loss scale and checks them for inf / NaN.
 
     Args:
-      loss_scale_state: the [`LossScaleState`][jaxamp.LossScaleState] the gradients
-        were scaled with. Until jaxamp 0.5 the keyword ``state=`` also works, with a
-        ``DeprecationWarning``.
+      loss_scale: the [`LossScaleState`][jaxamp.LossScaleState] the gradients were
+        scaled with (positional-only).
       grads: a pytree of (scaled) gradients. Non-floating leaves (ints, bools,
         ``float0``, ``None``) pass through; each leaf keeps its dtype (float8 too).
       axis_name: a mapped axis name (``pmap`` / ``shard_map``) over which the
@@ -108,10 +106,10 @@ def unscale_and_check(
 
     Returns:
       ``(grads, finite)``: the unscaled gradients, marked as such (an
-      [`Unscaled`][jaxamp.Unscaled]: edit them with ``jax.tree.map`` or optax, hand them
+      [`Unscaled`][jaxamp.types.Unscaled]: edit them with ``jax.tree.map`` or optax, hand them
       to [`jaxamp.step`][jaxamp.step], read the plain tree as ``grads.tree``), and a
       ``bool[]`` that is False if any unscaled floating leaf holds an inf or NaN. A
-      state that checks nothing (``static_scale(..., skip_nonfinite=False)``,
+      state that checks nothing (``static_scale(..., check_finite=False)``,
       [`no_scale`][jaxamp.no_scale]) returns True.
 
     Examples:
@@ -120,7 +118,7 @@ def unscale_and_check(
       >>> g.tree, bool(finite)
       (Array([0.5, 2. ], dtype=float32), True)
     """
-    state = check_state(loss_scale_state, "unscale_and_check")
+    state = check_state(loss_scale, "unscale_and_check")
     is_mark = lambda x: isinstance(x, Unscaled)  # noqa: E731
     if any(map(is_mark, jax.tree.leaves(grads, is_leaf=is_mark))):
         raise TypeError(
@@ -136,8 +134,8 @@ def unscale_and_check(
     return Unscaled(unscaled(grads, scale)), agree(jnp.all(flags), axis_name)
 
 
-@renamed_parameter("state", "loss_scale_state", removed_in="0.5")
-def update(loss_scale_state: LossScaleState, finite: Any) -> LossScaleState:
+@renamed_parameter("state", "loss_scale", removed_in="0.5")
+def update(loss_scale: LossScaleState, /, finite: Any) -> LossScaleState:
     """Advances the loss-scale state by one step (the rule is in the module docstring).
 
     Finite step: ``growth_tracker += 1``, ``nonfinite_streak = 0``, the hysteresis
@@ -152,11 +150,10 @@ def update(loss_scale_state: LossScaleState, finite: Any) -> LossScaleState:
 
     The scale stays within ``[2**-126, 2**126]``. A static or disabled state moves only
     the counters. Every leaf of the result is a new array (none is shared with
-    ``loss_scale_state``), so either may be donated.
+    ``loss_scale``), so either may be donated.
 
     Args:
-      loss_scale_state: the current [`LossScaleState`][jaxamp.LossScaleState]. Until
-        jaxamp 0.5 the keyword ``state=`` also works, with a ``DeprecationWarning``.
+      loss_scale: the current [`LossScaleState`][jaxamp.LossScaleState] (positional-only).
       finite: a bool scalar (usually from [`unscale_and_check`][jaxamp.unscale_and_check]).
 
     Returns:
@@ -168,8 +165,8 @@ def update(loss_scale_state: LossScaleState, finite: Any) -> LossScaleState:
       >>> float(jaxamp.update(s, True).scale), float(jaxamp.update(s, False).scale)
       (8.0, 2.0)
     """
-    check_update_owned(loss_scale_state)
-    return advance(loss_scale_state, finite)
+    check_update_owned(loss_scale)
+    return advance(loss_scale, finite)
 
 
 def advance(loss_scale_state: LossScaleState, finite: Any) -> LossScaleState:

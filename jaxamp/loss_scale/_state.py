@@ -4,7 +4,7 @@ The state is a frozen dataclass registered as a pytree. Every number in it, the
 configuration included, is an array *leaf*: it survives ``jit``, ``scan`` and
 orbax checkpoints with the counters, and ``state.replace(growth_factor=4.0)``
 changes it at run time without recompiling (unlike jmp, whose ``min_loss_scale``
-is aux data and is lost through ``jit``). Only the [`Mode`][jaxamp.Mode] is static, because
+is aux data and is lost through ``jit``). Only the [`Mode`][jaxamp.types.Mode] is static, because
 it changes the program; nothing static is derived from the leaves, so nothing can
 go stale through ``replace``, unflattening or a checkpoint restore.
 
@@ -147,7 +147,7 @@ class LossScaleState:
         rule), ``2**31 - 1`` is ``math.inf`` (never raise).
       raise_at_min_scale: bool; [`check_health`][jaxamp.check_health] raises once a backoff found
         the scale at its floor (DeepSpeed's ``raise_error_at_min_scale``).
-      mode: static, a [`Mode`][jaxamp.Mode].
+      mode: static, a [`Mode`][jaxamp.types.Mode].
 
     Examples:
       >>> import jaxamp
@@ -206,7 +206,7 @@ class LossScaleState:
         the constructors' arguments and stored as a fresh array of the field's
         dtype, so the state keeps its leaf types through ``jit`` and ``scan``; the
         result must be a consistent state (``min_scale <= max_scale``, the scale
-        within its bounds, counters >= 0). ``mode=`` switches the [`Mode`][jaxamp.Mode].
+        within its bounds, counters >= 0). ``mode=`` switches the [`Mode`][jaxamp.types.Mode].
 
         Raises:
           TypeError: an unknown field, or a value of the wrong type.
@@ -365,7 +365,7 @@ def check_state(state: Any, fn: str) -> LossScaleState:
         else "make one with jaxamp.dynamic_scale / static_scale / no_scale"
     )
     raise TypeError(
-        f"jaxamp.{fn}: `loss_scale_state` must be a LossScaleState, got {with_article(got)}"
+        f"jaxamp.{fn}: `loss_scale` must be a LossScaleState, got {with_article(got)}"
         + (", which holds one" if holds else "")
         + f"; {instead}."
     )

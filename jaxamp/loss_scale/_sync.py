@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.errors import named
 from jaxamp._utils.tree import render_path
 from jaxamp.loss_scale._lookup import get_loss_scale
@@ -38,7 +39,8 @@ def _show(row: np.ndarray, dtype: np.dtype | None) -> str:
     return str(np.frombuffer(row[: dtype.itemsize].tobytes(), dtype)[0].item())
 
 
-def check_in_sync(opt_state_or_loss_scale_state: Any) -> None:
+@renamed_parameter("opt_state_or_loss_scale_state", "state", removed_in="0.5")
+def check_in_sync(state: Any, /) -> None:
     """Raises if the loss-scale state differs between devices or between processes.
 
     The skip decision and the loss scale must be the same everywhere, or the
@@ -56,7 +58,7 @@ def check_in_sync(opt_state_or_loss_scale_state: Any) -> None:
     raises the same error, so none is left waiting.
 
     Args:
-      opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
+      state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
         containing one (or what holds that: a ``TrainState``, an nnx optimizer); replicated, or
         stacked along a leading device axis (pmap).
 
@@ -70,7 +72,7 @@ def check_in_sync(opt_state_or_loss_scale_state: Any) -> None:
       >>> jaxamp.check_in_sync(tx.init({"w": jnp.ones(2)}))  # one process, one device: quiet
     """
     with named("check_in_sync"):
-        state = get_loss_scale(opt_state_or_loss_scale_state)
+        state = get_loss_scale(state)
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     names = [render_path(path) for path, _ in flat]
     dtypes: list[np.dtype | None] = []

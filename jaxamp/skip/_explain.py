@@ -1,7 +1,8 @@
 """``jaxamp.explain``: why steps were skipped, in words, from the optimizer state alone.
 
 Host side, like [`jaxamp.check_health`][jaxamp.check_health]: it reads the small per-leaf record
-([`jaxamp.NonfiniteLeaves`][jaxamp.NonfiniteLeaves]) and the spike counters the guarded step keeps
+([`jaxamp.types.NonfiniteLeaves`][jaxamp.types.NonfiniteLeaves]) and the spike counters the guarded
+step keeps
 on the device, and names leaves by their key paths in ``params``.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.errors import named
 from jaxamp._utils.optional import OVERWRITE_WITH_GRADIENT, loaded
 from jaxamp._utils.tree import find_one, holds_tracer, is_array, is_float_array
@@ -29,7 +31,7 @@ __all__ = ["Explanation", "explain"]
 _STATES = (SkipNonfiniteState, MultiTransformState)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Explanation:
     """What [`jaxamp.explain`][jaxamp.explain] found; ``str()`` of it says it in words.
 
@@ -181,7 +183,8 @@ def _check_layout(record: NonfiniteLeaves, lead: tuple[int, ...], params: Any) -
     return [path for path, _ in got]
 
 
-def explain(opt_state: Any, params: Any = None) -> Explanation:
+@renamed_parameter("opt_state", "state", removed_in="0.5")
+def explain(state: Any, /, params: Any = None) -> Explanation:
     """Which gradient leaves overflowed on the last skipped step, and how often each has.
 
     Reads what [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite] /
@@ -190,17 +193,18 @@ def explain(opt_state: Any, params: Any = None) -> Explanation:
     ``jit``.
 
     Args:
-      opt_state: an optimizer state containing one ``skip_nonfinite`` or
+      state: an optimizer state containing one ``skip_nonfinite`` or
         ``multi_transform`` state (any nesting), a ``TrainState`` (then leave out
-        ``params``), or a [`jaxamp.nnx.Optimizer`][jaxamp.nnx.Optimizer] (then pass the model).
+        ``params``), or a [`jaxamp.nnx.Optimizer`][jaxamp.nnx.Optimizer] (then pass the model);
+        positional-only.
       params: the params the optimizer updates (names the leaves by key path);
         for an nnx optimizer, the model.
 
     Returns:
-      An [`Explanation`][jaxamp.Explanation]; ``print`` it for the sentence.
+      An [`Explanation`][jaxamp.types.Explanation]; ``print`` it for the sentence.
 
     Raises:
-      TypeError: ``opt_state`` is a bare ``LossScaleState`` (it keeps no record).
+      TypeError: ``state`` is a bare ``LossScaleState`` (it keeps no record).
       ValueError: no such state, or ``params`` other than the optimizer was
         initialised with (another number of leaves, or other key paths or shapes),
         naming the first leaf that differs.
@@ -216,9 +220,10 @@ def explain(opt_state: Any, params: Any = None) -> Explanation:
       On the last one, 1 of 2 gradient leaves held inf or NaN: dense.kernel.
       Non-finite so far, most often first: dense.kernel (1x).
     """
+    opt_state = state
     if isinstance(opt_state, LossScaleState):
         raise TypeError(
-            "jaxamp.explain: `opt_state` is a LossScaleState, which holds the scale and its "
+            "jaxamp.explain: the state is a LossScaleState, which holds the scale and its "
             "counters only; the per-leaf record is in the optimizer state. Pass the state of "
             "the jaxamp.skip_nonfinite / jaxamp.multi_transform optimizer (what tx.init and "
             "the step return), a TrainState, or the nnx optimizer and its model."

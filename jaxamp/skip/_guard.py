@@ -45,7 +45,7 @@ class Call(NamedTuple):
       verdict: ``None``: the gradients are scaled, unscale and check them here;
         a bool scalar: the user's ``finite=`` (already unscaled and checked).
       to_params: ``jaxamp.step``: return the new params instead of updates.
-      unscaled: the gradients came as a ``jaxamp.Unscaled`` (already divided by the
+      unscaled: the gradients came as a ``jaxamp.types.Unscaled`` (already divided by the
         scale): check them, never unscale them again.
     """
 

@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.errors import named
 from jaxamp._utils.tree import find_one
 from jaxamp.loss_scale import LossScaleState, get_loss_scale
@@ -15,13 +16,14 @@ from jaxamp.skip._spikes import SpikeState
 __all__ = ["metrics"]
 
 
-def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
+@renamed_parameter("opt_state_or_loss_scale_state", "state", removed_in="0.5")
+def metrics(state: Any, /) -> dict[str, jax.Array]:
     """Scalars to log: loss scale, counters and whether the last step was skipped.
 
     Jit-safe: returns arrays, never pulls them to the host.
 
     Args:
-      opt_state_or_loss_scale_state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
+      state: a [`LossScaleState`][jaxamp.LossScaleState] or an optax state
         containing one (from [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite]), or what holds
         that: a ``TrainState``, a [`jaxamp.nnx.Optimizer`][jaxamp.nnx.Optimizer].
 
@@ -43,7 +45,7 @@ def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
       ['growth_tracker', 'loss_scale', 'nonfinite_streak', 'skipped', 'skipped_steps']
     """
     with named("metrics"):
-        s = get_loss_scale(opt_state_or_loss_scale_state)
+        s = get_loss_scale(state)
     out = {
         "loss_scale": s.scale,
         "growth_tracker": s.growth_tracker,
@@ -52,7 +54,7 @@ def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
         # streak != 0 without a Python constant: eagerly, that would be a host transfer.
         "skipped": s.nonfinite_streak.astype(jnp.bool_),
     }
-    spikes = find_spike_state(opt_state_or_loss_scale_state)
+    spikes = find_spike_state(state)
     if spikes is not None:
         out["spike_skipped_steps"] = jnp.asarray(spikes.skips)
         out["spike_skipped"] = jnp.asarray(spikes.skipped)
@@ -61,7 +63,8 @@ def metrics(opt_state_or_loss_scale_state: Any) -> dict[str, jax.Array]:
 
 
 def find_spike_state(opt_state: Any) -> SpikeState | None:
-    """The one [`jaxamp.SpikeState`][jaxamp.SpikeState] inside an optimizer state, or None."""
+    """The one [`jaxamp.types.SpikeState`][jaxamp.types.SpikeState] inside an optimizer state, or
+    None."""
     if isinstance(opt_state, LossScaleState):
         return None
     return find_one(opt_state, SpikeState, what="SpikeStates", hint="pass the sub-state you mean.")

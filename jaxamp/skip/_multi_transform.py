@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp._utils.deprecation import deprecated_parameter
 from jaxamp._utils.tree import check_axis_name
 from jaxamp.loss_scale import LossScaleState
 from jaxamp.skip import _record, _spikes
 from jaxamp.skip._guard import Call, Part, Spikes, guarded
 from jaxamp.skip._transformation import (
+    MOVED_LIMIT,
     GuardedUpdate,
     check_grads,
     check_inner,
@@ -43,8 +45,10 @@ class MultiTransformState(NamedTuple):
     Attributes:
       inner_states: label -> that label's optimizer state.
       loss_scale: the shared [`jaxamp.LossScaleState`][jaxamp.LossScaleState].
-      nonfinite_leaves: a [`jaxamp.NonfiniteLeaves`][jaxamp.NonfiniteLeaves] over all the params.
-      spikes: with ``spikes=``, the [`jaxamp.SpikeState`][jaxamp.SpikeState] (``None`` otherwise).
+      nonfinite_leaves: a [`jaxamp.types.NonfiniteLeaves`][jaxamp.types.NonfiniteLeaves] over all
+        the params.
+      spikes: with ``spikes=``, the [`jaxamp.types.SpikeState`][jaxamp.types.SpikeState] (``None``
+        otherwise).
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -156,6 +160,7 @@ class _MultiTransformUpdate(GuardedUpdate):
         )
 
 
+@deprecated_parameter("max_consecutive_nonfinite", MOVED_LIMIT, removed_in="0.5")
 def multi_transform(
     transforms: Mapping[Any, optax.GradientTransformation],
     param_labels: Any,
@@ -179,15 +184,15 @@ def multi_transform(
       transforms: a mapping from label to optax transformation.
       param_labels: a tree of labels with the params' structure (or a prefix of
         it), or a function of the params returning one.
-      loss_scale: the shared [`LossScaleState`][jaxamp.LossScaleState]; ``None`` only skips.
-      max_consecutive_nonfinite: as in [`skip_nonfinite`][jaxamp.skip_nonfinite].
+      loss_scale: the shared [`LossScaleState`][jaxamp.LossScaleState], as in
+        [`skip_nonfinite`][jaxamp.skip_nonfinite]; ``None`` is ``jaxamp.check_only()``.
       axis_name: as in [`skip_nonfinite`][jaxamp.skip_nonfinite].
       spikes: as in [`skip_nonfinite`][jaxamp.skip_nonfinite]: a spike skips every partition.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
-      [`MultiTransformState`][jaxamp.MultiTransformState]; extra arguments are forwarded to every
-      transformation.
+      [`MultiTransformState`][jaxamp.types.MultiTransformState]; extra arguments are forwarded to
+      every transformation.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp

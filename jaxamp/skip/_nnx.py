@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.errors import named
 from jaxamp._utils.tree import render_path
 from jaxamp.loss_scale import (
@@ -262,20 +263,21 @@ def _loss_scale_of(state: Any, args: tuple[Any, ...]) -> LossScaleState:
         ) from None
 
 
+@renamed_parameter("f", "fun", removed_in="0.5", module="jaxamp.nnx")
 def value_and_grad(
-    f: Callable[..., Any], argnums: Any = 0, has_aux: bool = False
+    fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = False
 ) -> Callable[..., Any]:
-    """``nnx.value_and_grad`` of the *scaled* loss, returning the loss as ``f`` computed it.
+    """``nnx.value_and_grad`` of the *scaled* loss, returning the loss as ``fun`` computed it.
 
     The returned function takes the [`Optimizer`][jaxamp.nnx.Optimizer] (or an optimizer state /
-    ``LossScaleState``) first, then ``f``'s arguments; ``argnums`` (ints or
+    ``LossScaleState``) first, then ``fun``'s arguments; ``argnums`` (ints or
     ``nnx.DiffState``) and ``has_aux`` mean what they mean to ``nnx.value_and_grad``.
 
     Args:
-      f: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
-      argnums: which of ``f``'s arguments to differentiate: an int, a sequence of
+      fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with ``has_aux``.
+      argnums: which of ``fun``'s arguments to differentiate: an int, a sequence of
         ints or an ``nnx.DiffState`` (as in ``nnx.value_and_grad``).
-      has_aux: whether ``f`` returns ``(loss, aux)``.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
 
     Returns:
       ``(optimizer, *args, **kwargs) -> (loss, grads)`` (``((loss, aux), grads)``
@@ -292,8 +294,8 @@ def value_and_grad(
       >>> float(grads["bias"][...][0])  # the gradient of 4 * loss
       4.0
     """
-    if not callable(f):
-        raise TypeError(f"jaxamp.nnx.value_and_grad: `f` must be callable, got {type(f)}.")
+    if not callable(fun):
+        raise TypeError(f"jaxamp.nnx.value_and_grad: `fun` must be callable, got {type(fun)}.")
 
     def wrapped(optimizer: Any, /, *args: Any, **kwargs: Any) -> Any:
         if isinstance(optimizer, Optimizer):
@@ -303,7 +305,7 @@ def value_and_grad(
                 optimizer.keep(trained)
         else:
             ls = _loss_scale_of(optimizer, args)
-        scaled = functools.wraps(f)(scaled_loss(f, has_aux, ls, "jaxamp.nnx.value_and_grad"))
+        scaled = functools.wraps(fun)(scaled_loss(fun, has_aux, ls, "jaxamp.nnx.value_and_grad"))
         grad_fn = nnx.value_and_grad(scaled, argnums=argnums, has_aux=True)
         (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
         return ((loss, aux) if has_aux else loss), grads

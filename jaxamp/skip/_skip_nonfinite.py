@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxamp._utils.deprecation import deprecated_parameter
 from jaxamp._utils.tree import check_axis_name, static_int
 from jaxamp.loss_scale import LossScaleState
 from jaxamp.skip import _record, _spikes
 from jaxamp.skip._every_k import accumulate
 from jaxamp.skip._guard import Call, Part, Spikes, guarded
 from jaxamp.skip._transformation import (
+    MOVED_LIMIT,
     GuardedUpdate,
     check_grads,
     check_inner,
@@ -43,10 +45,12 @@ class SkipNonfiniteState(NamedTuple):
         (``None`` otherwise).
       mini_step: with ``every_k > 1``, an int32 count of the calls in this window
         so far (``None`` otherwise).
-      nonfinite_leaves: a [`jaxamp.NonfiniteLeaves`][jaxamp.NonfiniteLeaves]: which gradient leaves
+      nonfinite_leaves: a [`jaxamp.types.NonfiniteLeaves`][jaxamp.types.NonfiniteLeaves]: which
+        gradient leaves
         were non-finite on the last skipped step, and how often each has been
         (read it with [`jaxamp.explain`][jaxamp.explain]).
-      spikes: with ``spikes=``, the [`jaxamp.SpikeState`][jaxamp.SpikeState] (``None`` otherwise).
+      spikes: with ``spikes=``, the [`jaxamp.types.SpikeState`][jaxamp.types.SpikeState] (``None``
+        otherwise).
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxamp
@@ -129,6 +133,7 @@ class _SkipNonfiniteUpdate(GuardedUpdate):
         return out, state
 
 
+@deprecated_parameter("max_consecutive_nonfinite", MOVED_LIMIT, removed_in="0.5")
 def skip_nonfinite(
     inner: optax.GradientTransformation,
     loss_scale: LossScaleState | None = None,
@@ -157,14 +162,12 @@ def skip_nonfinite(
 
     Args:
       inner: the optimizer to protect (any optax transformation or chain).
-      loss_scale: a [`LossScaleState`][jaxamp.LossScaleState]; ``None`` skips non-finite steps
-        without scaling (the bfloat16 case).
+      loss_scale: a [`LossScaleState`][jaxamp.LossScaleState]: how the loss is scaled, and
+        when [`jaxamp.check_health`][jaxamp.check_health] calls a streak of skipped steps a failure
+        (its ``max_consecutive_nonfinite``). [`jaxamp.check_only`][jaxamp.check_only]
+        checks and skips without scaling (bfloat16, FP8); ``None`` is short for
+        ``jaxamp.check_only()``.
       every_k: micro-batches per optimizer step (an int >= 1).
-      max_consecutive_nonfinite: more than this many skipped steps in a row make
-        [`jaxamp.check_health`][jaxamp.check_health] raise ``FloatingPointError``; ``None`` keeps
-        the loss-scale state's setting (by default: more than 100 in a row once the scale can go no
-        lower), ``math.inf`` never raises. The step itself is always skipped: a non-finite update is
-        never applied.
       axis_name: mapped axis name(s) (``pmap`` / ``shard_map``) over which the
         finiteness check is agreed, so every device skips together. Not needed
         under ``jax.jit`` with sharded arrays, where the check is a global reduction.
@@ -175,7 +178,7 @@ def skip_nonfinite(
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra arguments (``value=``,
       ...) are forwarded to ``inner``. Its state is a
-      [`SkipNonfiniteState`][jaxamp.SkipNonfiniteState]; after a skipped step
+      [`SkipNonfiniteState`][jaxamp.types.SkipNonfiniteState]; after a skipped step
       [`jaxamp.explain`][jaxamp.explain] names the non-finite leaves.
 
     Examples:

@@ -46,7 +46,7 @@ __all__ = ["SpikeRule", "SpikeState", "spike_rule"]
 _STD_FLOOR = 1e-4
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SpikeRule:
     """When a finite step is a spike; build it with [`jaxamp.spike_rule`][jaxamp.spike_rule].
 
@@ -62,7 +62,7 @@ class SpikeRule:
 
 
 class SpikeState(NamedTuple):
-    """The history a [`SpikeRule`][jaxamp.SpikeRule] decides from, and its counters.
+    """The history a [`SpikeRule`][jaxamp.types.SpikeRule] decides from, and its counters.
 
     Attributes:
       losses: float32[window], a ring of the last finite steps' losses.
@@ -124,7 +124,7 @@ def spike_rule(
       grad_norm: judge the global gradient norm.
 
     Returns:
-      A [`SpikeRule`][jaxamp.SpikeRule].
+      A [`SpikeRule`][jaxamp.types.SpikeRule].
 
     Raises:
       TypeError: an argument of the wrong type, named.
@@ -154,7 +154,9 @@ def spike_rule(
     loss, grad_norm = bool(loss), bool(grad_norm)
     if not (loss or grad_norm):
         raise ValueError(f"{fn}: judge at least one of loss and grad_norm (both are False).")
-    return SpikeRule(window, float(sigmas), warmup, loss, grad_norm)
+    return SpikeRule(
+        window=window, sigmas=float(sigmas), warmup=warmup, loss=loss, grad_norm=grad_norm
+    )
 
 
 def _number(fn: str, name: str, value: Any, wants: str, kinds: str) -> Any:

@@ -35,8 +35,8 @@ def _window(opt_state: Any) -> SkipNonfiniteState | None:
     return found if found is not None and found.mini_step is not None else None
 
 
-@renamed_parameter("opt_state", "opt_state_or_loss_scale_state", removed_in="0.5")
-def stepped(opt_state_or_loss_scale_state: Any) -> jax.Array:
+@renamed_parameter("opt_state", "state", removed_in="0.5")
+def stepped(state: Any, /) -> jax.Array:
     """Whether the last call's step was taken: a bool scalar, no host sync.
 
     False after a skipped step. With ``every_k > 1``, a call that ends a window
@@ -47,12 +47,11 @@ def stepped(opt_state_or_loss_scale_state: Any) -> jax.Array:
     (``jaxamp.no_scale()``) never skips.
 
     Args:
-      opt_state_or_loss_scale_state: the optimizer state after the step (or what
-        holds it: a [`jaxamp.TrainState`][jaxamp.TrainState], a
+      state: the optimizer state after the step (or what holds it: a
+        [`jaxamp.TrainState`][jaxamp.TrainState], a
         [`jaxamp.nnx.Optimizer`][jaxamp.nnx.Optimizer]), or the
-        [`LossScaleState`][jaxamp.LossScaleState] after [`jaxamp.update`][jaxamp.update].
-        Until jaxamp 0.5 the keyword ``opt_state=`` also works, with a
-        ``DeprecationWarning``.
+        [`LossScaleState`][jaxamp.LossScaleState] after [`jaxamp.update`][jaxamp.update];
+        positional-only.
 
     Returns:
       A bool scalar array: True if the step was taken.
@@ -66,7 +65,7 @@ def stepped(opt_state_or_loss_scale_state: Any) -> jax.Array:
       False
     """
     with named("stepped"):
-        return _taken(opt_state_or_loss_scale_state)
+        return _taken(state)
 
 
 def _taken(opt_state: Any) -> jax.Array:
@@ -106,8 +105,8 @@ def applied_calls(before: Any, after: Any) -> jax.Array:
     return jnp.where(ended & taken, old.mini_step + 1, 0).astype(jnp.int32)
 
 
-@renamed_parameter("opt_state", "opt_state_or_loss_scale_state", removed_in="0.5")
-def where_stepped(opt_state_or_loss_scale_state: Any, new: Any, old: Any) -> Any:
+@renamed_parameter("opt_state", "state", removed_in="0.5")
+def where_stepped(state: Any, /, new: Any, old: Any) -> Any:
     """``new`` if the last step was taken, ``old`` if it was skipped: model state.
 
     What a train step writes besides params and optimizer state (BatchNorm
@@ -121,10 +120,9 @@ def where_stepped(opt_state_or_loss_scale_state: Any, new: Any, old: Any) -> Any
     the model state is kept).
 
     Args:
-      opt_state_or_loss_scale_state: the optimizer state *after* the step (or what
-        holds it), or the ``LossScaleState`` after [`jaxamp.update`][jaxamp.update], as
-        in [`stepped`][jaxamp.stepped]. Until jaxamp 0.5 the keyword ``opt_state=`` also works,
-        with a ``DeprecationWarning``.
+      state: the optimizer state *after* the step (or what holds it), or the
+        ``LossScaleState`` after [`jaxamp.update`][jaxamp.update], as in
+        [`stepped`][jaxamp.stepped]; positional-only.
       new: the model state the step computed.
       old: the model state before the step; the same tree structure, shapes and dtypes.
 
@@ -141,7 +139,7 @@ def where_stepped(opt_state_or_loss_scale_state: Any, new: Any, old: Any) -> Any
       {'mean': Array([0., 0.], dtype=float32)}
     """
     with named("where_stepped"):
-        taken = _taken(opt_state_or_loss_scale_state)
+        taken = _taken(state)
     try:
         return select_tree(taken, new, old)
     except ValueError as e:

@@ -19,16 +19,15 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._utils.dtypes import is_narrow_range
-from jaxamp._utils.errors import named
 from jaxamp._utils.tree import is_none, render_path
 from jaxamp.loss_scale import (
     LossScaleState,
-    Mode,
     check_callers,
+    check_only,
     check_state,
     holds_loss_scale,
-    no_scale,
     unwrap,
+    with_limit,
 )
 from jaxamp.skip import _spikes
 from jaxamp.skip._flax_callers import check_flax_callers
@@ -84,7 +83,7 @@ def step(
     Args:
       tx: the optimizer, ideally one [`skip_nonfinite`][jaxamp.skip_nonfinite] or
         [`multi_transform`][jaxamp.multi_transform] returned.
-      grads: the (scaled) gradients, or the [`jaxamp.Unscaled`][jaxamp.Unscaled] ones
+      grads: the (scaled) gradients, or the [`jaxamp.types.Unscaled`][jaxamp.types.Unscaled] ones
         [`jaxamp.unscale_and_check`][jaxamp.unscale_and_check] returned (checked, not
         unscaled again).
       opt_state: ``tx``'s state.
@@ -155,12 +154,19 @@ class _Given(NamedTuple):
 _GIVEN: contextvars.ContextVar[_Given | None] = contextvars.ContextVar("jaxamp_step", default=None)
 
 
+# What skip_nonfinite's and multi_transform's deprecated max_consecutive_nonfinite= says
+# to write instead: the limit is the loss-scale state's, set where it is built.
+MOVED_LIMIT = (
+    "pass it to the loss-scale state's constructor (jaxamp.dynamic_scale(..., "
+    "max_consecutive_nonfinite=N), jaxamp.static_scale, jaxamp.check_only)"
+)
+
+
 def loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> LossScaleState:
     if loss_scale is None:
-        # Check and skip, never scale: the bfloat16 case.
-        loss_scale = no_scale().replace(mode=Mode.CHECK_ONLY)
+        loss_scale = check_only()
     elif not isinstance(loss_scale, LossScaleState):
-        # The two usual slips: the scale as a number (find_overflow's loss_scale takes
+        # The two usual slips: the scale as a number (find_overflow's scale= takes
         # one), and the optimizer state that holds the loss-scale state.
         number = isinstance(loss_scale, int | float) and not isinstance(loss_scale, bool)
         if getattr(loss_scale, "shape", None) == () and not number:
@@ -182,15 +188,10 @@ def loss_scale_arg(loss_scale: Any, max_consecutive_nonfinite: Any, fn: str) -> 
             hint = ""
         raise TypeError(
             f"jaxamp.{fn}: `loss_scale` must be a LossScaleState (jaxamp.dynamic_scale(), "
-            "jaxamp.static_scale(...), jaxamp.no_scale()) or None, got "
+            "jaxamp.static_scale(...), jaxamp.check_only(), jaxamp.no_scale()) or None, got "
             f"{type(loss_scale).__name__}.{hint}"
         )
-    if max_consecutive_nonfinite is not None:
-        # The loss-scale state's own rule reads it (an integer N, NumPy's and JAX's
-        # included, or math.inf): one rule for every constructor that takes it.
-        with named(fn, (TypeError, ValueError)):
-            loss_scale = loss_scale.replace(max_consecutive_nonfinite=max_consecutive_nonfinite)
-    return loss_scale
+    return with_limit(loss_scale, max_consecutive_nonfinite, fn)
 
 
 def check_inner(inner: Any, fn: str, what: str = "inner") -> optax.GradientTransformationExtraArgs:

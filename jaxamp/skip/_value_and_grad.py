@@ -112,7 +112,7 @@ def value_and_grad(
         does (it refuses a leaf that is not floating).
 
     Returns:
-      A function ``(opt_state_or_loss_scale_state, *args, **kwargs) -> (value, grads)``
+      A function ``(state, /, *args, **kwargs) -> (value, grads)``
       (``((value, aux), grads)`` with ``has_aux``): the loss as ``fun`` computed it and
       the gradients of the scaled loss, ready for [`jaxamp.step`][jaxamp.step] or ``tx.update``.
 

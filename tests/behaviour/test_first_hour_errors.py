@@ -77,7 +77,7 @@ def test_nnx_value_and_grad_without_the_optimizer_first_says_so(slip: str) -> No
 
 
 def test_check_health_on_a_run_without_loss_scaling_names_no_scale() -> None:
-    tx = jaxamp.skip_nonfinite(optax.adam(1e-2), max_consecutive_nonfinite=5)
+    tx = jaxamp.skip_nonfinite(optax.adam(1e-2), jaxamp.check_only(max_consecutive_nonfinite=5))
     params = {"w": jnp.ones(2)}
     state = tx.init(params)
     for _ in range(6):

@@ -125,7 +125,7 @@ def test_replace_validates_and_speaks_field_names(updates, error, match):
 
 
 def test_meaningless_mode_combinations_cannot_be_built():
-    assert {m.value for m in jaxamp.Mode} == {
+    assert {m.value for m in jaxamp.types.Mode} == {
         "dynamic",
         "static",
         "static_unchecked",

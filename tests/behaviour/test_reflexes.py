@@ -256,7 +256,7 @@ def test_unscaled_gradients_step_once_unscaled() -> None:
         np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(ref["w"]))
     clip = optax.clip_by_global_norm(0.1)
     clipped = clip.update(g, clip.init(P))[0]
-    assert isinstance(clipped, jaxamp.Unscaled)
+    assert isinstance(clipped, jaxamp.types.Unscaled)
     ref_clipped = {"w": P["w"] - 1.0 * clip.update(G, clip.init(P))[0]["w"]}
     np.testing.assert_allclose(
         np.asarray(jaxamp.step(tx, clipped, st, P)[0]["w"]),

@@ -1,11 +1,11 @@
 """One vocabulary for the states a user passes (behaviour across ``loss_scale/`` and ``skip/``).
 
-Every public function that takes an optimizer state and/or a loss-scale state names the
-parameter by what it accepts: ``opt_state_or_loss_scale_state`` where either works (and
-what holds an optimizer state: a ``TrainState``, an nnx optimizer), ``opt_state`` where
-only an optimizer state will do, ``loss_scale_state`` where only a ``LossScaleState``
-will. Each accepts what its name says, and given the other kind, says which argument is
-wrong and what to pass instead.
+Every public function whose subject is a state takes it first, by position
+(docs/api/decisions.md): either kind where either works (an optimizer state, what holds
+one: a ``TrainState``, an nnx optimizer, or a ``LossScaleState``), an optimizer state
+where only that will do, a ``LossScaleState`` where only that will. Each accepts what it
+documents, and given the other kind, says which argument is wrong and what to pass
+instead.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from flax import nnx
 
 import jaxamp
 
-EITHER = "opt_state_or_loss_scale_state"
 PARAMS = {"w": jnp.ones(2)}
 
 
@@ -57,7 +56,8 @@ TAKES_EITHER = {
 @pytest.mark.filterwarnings("ignore::jaxamp.ConversionWarning")  # made-up gradients
 def test_what_takes_either_takes_every_form_and_reads_the_same_state():
     for name in TAKES_EITHER:
-        assert list(inspect.signature(getattr(jaxamp, name)).parameters)[0] == EITHER, name
+        first = next(iter(inspect.signature(getattr(jaxamp, name)).parameters.values()))
+        assert (first.name, first.kind) == ("state", first.POSITIONAL_ONLY), name
     for name, call in TAKES_EITHER.items():
         got = {form: call(state) for form, state in forms().items()}
         assert len(set(got.values())) == 1, (name, got)  # the same skipped step, the same state
@@ -71,7 +71,7 @@ def test_value_and_grad_and_find_overflow_take_every_form():
     for form, state in forms().items():
         _, grads = jaxamp.value_and_grad(loss_fn)(state, jnp.ones(2))
         assert grads.tolist() == [8.0, 8.0], form  # d(4 * w**2) at the scale of 4
-        report = jaxamp.find_overflow(loss_fn, jnp.ones(2), loss_scale=state)
+        report = jaxamp.find_overflow(loss_fn, scale=state)(jnp.ones(2))
         assert report.loss_scale == 4.0, form
 
 
@@ -83,11 +83,12 @@ def test_what_needs_a_loss_scale_state_names_it_and_says_where_to_find_it():
         "update": lambda s: jaxamp.update(s, True),
     }
     for name, call in calls.items():
-        assert list(inspect.signature(getattr(jaxamp, name)).parameters)[0] == "loss_scale_state"
+        first = next(iter(inspect.signature(getattr(jaxamp, name)).parameters.values()))
+        assert (first.name, first.kind) == ("loss_scale", first.POSITIONAL_ONLY), name
         with pytest.raises(TypeError) as e:
             call(opt_state)
         assert str(e.value) == (
-            f"jaxamp.{name}: `loss_scale_state` must be a LossScaleState, got a "
+            f"jaxamp.{name}: `loss_scale` must be a LossScaleState, got a "
             "SkipNonfiniteState, which holds one; pass the loss-scale state inside it: "
             "jaxamp.get_loss_scale(opt_state)."
         )
@@ -99,11 +100,11 @@ def test_what_needs_a_loss_scale_state_names_it_and_says_where_to_find_it():
 
 def test_what_needs_an_optimizer_state_says_a_loss_scale_state_is_not_enough():
     ls = forms()["LossScaleState"]
-    assert list(inspect.signature(jaxamp.explain).parameters)[0] == "opt_state"
+    assert list(inspect.signature(jaxamp.explain).parameters)[0] == "state"
     with pytest.raises(TypeError) as e:
         jaxamp.explain(ls, PARAMS)
     msg = str(e.value)
-    assert msg.startswith("jaxamp.explain: `opt_state` is a LossScaleState"), msg
+    assert msg.startswith("jaxamp.explain: the state is a LossScaleState"), msg
     assert "Pass the state of the jaxamp.skip_nonfinite / jaxamp.multi_transform" in msg
     tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
     assert list(inspect.signature(jaxamp.step).parameters)[2] == "opt_state"
@@ -118,7 +119,8 @@ def test_a_state_with_no_loss_scale_is_named_by_the_function_called():
             call(plain)
         msg = str(e.value)
         assert msg.startswith(
-            f"jaxamp.{name}: no LossScaleState found in `{EITHER}` (got a tuple)"
+            f"jaxamp.{name}: no LossScaleState found in the state passed "
+            "(got a tuple)"
         ), msg
         assert "jaxamp.skip_nonfinite(inner, " in msg, msg
         assert "`new` and `old`" not in msg, msg  # where_stepped blamed its other arguments
@@ -137,12 +139,12 @@ def test_several_loss_scale_states_are_named_by_where_they_are_and_by_the_functi
     with pytest.raises(ValueError) as e:
         jaxamp.value_and_grad(loss_fn)(two, jnp.ones(2))
     assert str(e.value).startswith(f"jaxamp.value_and_grad: {where} "), str(e.value)
-    with pytest.raises(ValueError, match=rf"^find_overflow: loss_scale: {where} "):
-        jaxamp.find_overflow(loss_fn, jnp.ones(2), loss_scale=two)
+    with pytest.raises(ValueError, match=rf"^find_overflow: scale: {where} "):
+        jaxamp.find_overflow(loss_fn, scale=two)(jnp.ones(2))
 
 
 def test_skip_nonfinite_given_a_number_or_an_optimizer_state_says_what_to_write():
-    """``find_overflow``'s ``loss_scale`` takes a number or the optimizer state; the
+    """``find_overflow``'s ``scale`` takes a number or the optimizer state; the
     ``loss_scale`` a transformation is built with is a LossScaleState only."""
     sgd = optax.sgd(0.1)
     partitioned = lambda t, ls: jaxamp.multi_transform({"a": t}, {"w": "a"}, ls)  # noqa: E731

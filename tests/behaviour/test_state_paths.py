@@ -272,7 +272,7 @@ def _retree(state, mode):
     donor = {
         "dynamic": jaxamp.dynamic_scale(),
         "static": jaxamp.static_scale(),
-        "static_unchecked": jaxamp.static_scale(skip_nonfinite=False),
+        "static_unchecked": jaxamp.static_scale(check_finite=False),
         "check_only": jaxamp.no_scale().replace(mode="check_only"),
         "disabled": jaxamp.no_scale(),
     }[mode]

@@ -47,7 +47,7 @@ def test_an_fp8_training_step_lists_each_fp8_product_and_where_it_runs():
     def loss(params, x):
         return jnp.mean(fwd(params, x).astype(jnp.float32) ** 2)
 
-    report = jaxamp.audit(jax.grad(loss), params, x)
+    report = jaxamp.audit(jax.grad(loss))(params, x)
     fp8 = [r for r in report.matmuls if r.requested.startswith("f8")]
     # layer1 and layer2: forward, dgrad and wgrad each.
     assert len(fp8) == 6
@@ -69,21 +69,21 @@ def test_an_fp8_training_step_lists_each_fp8_product_and_where_it_runs():
 def test_a_planted_float32_product_inside_autocast_is_flagged():
     model, params, x = _setup()
     fwd = jaxamp.autocast(model.apply, dtype=BF16, modules={"layer2": "float32"})
-    report = jaxamp.audit(fwd, params, x)
+    report = jaxamp.audit(fwd)(params, x)
     flagged = [r for r in report.matmuls if any("float32 product inside" in f for f in r.flags)]
     assert [r.requested for r in flagged] == ["f32 x f32 -> f32"]
     assert [r.shape for r in flagged] == ["f32[32,80]"]  # layer2's output
-    plain = jaxamp.audit(model.apply, params, x)  # no autocast: nothing to say
+    plain = jaxamp.audit(model.apply)(params, x)  # no autocast: nothing to say
     assert not plain.flagged and len(plain.matmuls) == 4
 
 
 def test_a_large_standalone_convert_is_listed():
-    report = jaxamp.audit(lambda x: x.astype(BF16), jnp.ones((64, 64)))
+    report = jaxamp.audit(lambda x: x.astype(BF16))(jnp.ones((64, 64)))
     assert "bf16[64,64]" in report.converts_of_at_least(1024)[0]
     assert not report.large_converts  # 4096 elements < 2**20
-    big = jaxamp.audit(lambda x: x.astype(BF16), jnp.ones((1024, 1024)))
+    big = jaxamp.audit(lambda x: x.astype(BF16))(jnp.ones((1024, 1024)))
     assert "bf16[1024,1024]" in big.large_converts[0]
-    small = jaxamp.audit(lambda x: x.astype(BF16), jnp.ones((8, 8)))
+    small = jaxamp.audit(lambda x: x.astype(BF16))(jnp.ones((8, 8)))
     assert not small.converts_of_at_least(1024)
 
 
@@ -95,8 +95,8 @@ def test_every_keyword_goes_to_fn():
         seen.append(large)
         return (x @ w) * (2.0 if large else 1.0)
 
-    jaxamp.audit(
-        jax.jit(h, static_argnames="large"), jnp.ones((16, 32)), jnp.ones((32, 16)), large=True
+    jaxamp.audit(jax.jit(h, static_argnames="large"))(
+        jnp.ones((16, 32)), jnp.ones((32, 16)), large=True
     )
     assert seen == [True]
 
@@ -134,7 +134,7 @@ def test_products_in_a_scan_body_and_a_nested_jit_are_matched_to_their_request()
 
     fwd = jaxamp.autocast(f, dtype=BF16)
     x, ws, w2 = jnp.ones((32, 64)), jnp.ones((3, 64, 64)) * 0.01, jnp.ones((64, 64)) * 0.01
-    report = jaxamp.audit(jax.grad(fwd, argnums=(1, 2)), x, ws, w2)
+    report = jaxamp.audit(jax.grad(fwd, argnums=(1, 2)))(x, ws, w2)
     src, start = inspect.getsourcelines(_layer)
     line = start + next(i for i, s in enumerate(src) if "# LAYER" in s)
     assert len(report.matmuls) >= 9  # forward, dgrad, wgrad of three call sites
@@ -153,7 +153,7 @@ def test_each_product_names_its_own_line():
 
     src, start = inspect.getsourcelines(f)
     lines = [start + i for i, s in enumerate(src) if "# FIRST" in s or "# SECOND" in s]
-    report = jaxamp.audit(jaxamp.autocast(f, dtype=BF16), jnp.ones((16, 16)), jnp.ones((16, 16)))
+    report = jaxamp.audit(jaxamp.autocast(f, dtype=BF16))(jnp.ones((16, 16)), jnp.ones((16, 16)))
     got = sorted(r.source for r in report.matmuls)
     assert got == [f"test_audit.py:{n} ({f.__qualname__})" for n in lines], got
     assert sorted(o.source for o in report.ops if o.primitive == "dot_general") == got

@@ -60,7 +60,7 @@ def _jaxpr_dtypes(fn, *args, primitive):
 
 def test_a_user_rule_shows_its_class_and_where_it_comes_from():
     model, params, x = _setup()
-    plain = jaxamp.audit(jaxamp.autocast(model.apply, dtype=BF16), params, x)
+    plain = jaxamp.audit(jaxamp.autocast(model.apply, dtype=BF16))(params, x)
     tanh = _rows(plain, "tanh")
     assert len(tanh) == 3
     # The table's class: tanh follows its bfloat16 activation.
@@ -68,7 +68,7 @@ def test_a_user_rule_shows_its_class_and_where_it_comes_from():
         ("bfloat16", "elementwise", "DEFAULT_RULES")
     }
     ruled = jaxamp.autocast(model.apply, dtype=BF16, rules={"tanh": "float32"})
-    report = jaxamp.audit(ruled, params, x)
+    report = jaxamp.audit(ruled)(params, x)
     tanh = _rows(report, "tanh")
     assert {(r.dtype, r.op_class, r.rule) for r in tanh} == {("float32", "float32", "rules=")}
     assert all(r.reason == "a float32-list op" for r in tanh)
@@ -81,7 +81,7 @@ def test_a_user_rule_shows_its_class_and_where_it_comes_from():
 def test_a_modules_rule_names_its_pattern():
     model, params, x = _setup()
     fwd = jaxamp.autocast(model.apply, dtype=BF16, modules={"layer2": "float32"})
-    (dot,) = _rows(jaxamp.audit(fwd, params, x), "dot_general", "layer2")
+    (dot,) = _rows(jaxamp.audit(fwd)(params, x), "dot_general", "layer2")
     assert (dot.dtype, dot.op_class, dot.rule) == (
         "float32",
         "as_written",
@@ -91,7 +91,7 @@ def test_a_modules_rule_names_its_pattern():
     assert dot.source == f"test_decisions.py:{_line('# DENSE')} (MLP.__call__)"
     fwd = jaxamp.autocast(model.apply, dtype=BF16, modules={"layer1": {"tanh": "float32"}})
     # The Dense's own ops are under layer1; tanh is the MLP's, so the rule does not reach it.
-    assert {r.rule for r in _rows(jaxamp.audit(fwd, params, x), "tanh")} == {"DEFAULT_RULES"}
+    assert {r.rule for r in _rows(jaxamp.audit(fwd)(params, x), "tanh")} == {"DEFAULT_RULES"}
 
 
 def test_full_precision_regions_say_so():
@@ -100,7 +100,7 @@ def test_full_precision_regions_say_so():
         return jaxamp.full_precision(lambda h: jnp.sin(h) @ w)(h)
 
     x, w = jnp.ones((16, 16)), jnp.ones((16, 16))
-    report = jaxamp.audit(jaxamp.autocast(f, dtype=BF16), x, w)
+    report = jaxamp.audit(jaxamp.autocast(f, dtype=BF16))(x, w)
     first, second = _rows(report, "dot_general")
     assert (first.dtype, first.op_class) == ("bfloat16", "lower")
     assert (second.dtype, second.op_class, second.rule) == (
@@ -118,7 +118,7 @@ def test_fp8_first_and_last_layers_say_why_they_stay_bfloat16():
         return jnp.mean(fwd(params, x).astype(jnp.float32) ** 2)
 
     step = jax.jit(jax.grad(loss))
-    report = jaxamp.audit(step, params, x)
+    report = jaxamp.audit(step)(params, x)
     dots = {r.module: r for r in _rows(report, "dot_general")}
     assert sorted(dots) == [f"MLP/layer{i}" for i in range(4)]
     assert dots["MLP/layer0"].dtype == "bfloat16"
@@ -137,7 +137,7 @@ def test_fp8_first_and_last_layers_say_why_they_stay_bfloat16():
 def test_fp8_module_overrides_show_their_pattern():
     model, params, x = _setup()
     cfg = jaxamp.fp8("rowwise", modules={"layer0": True, "layer1": False})
-    report = jaxamp.audit(jaxamp.autocast(model.apply, dtype=BF16, fp8=cfg), params, x)
+    report = jaxamp.audit(jaxamp.autocast(model.apply, dtype=BF16, fp8=cfg))(params, x)
     dots = {r.module: r for r in _rows(report, "dot_general")}
     assert dots["MLP/layer0"].dtype == "float8_e4m3fn"
     assert dots["MLP/layer0"].reason.endswith("(jaxamp.fp8(modules={'layer0': True}))")
@@ -149,7 +149,7 @@ def test_fp8_module_overrides_show_their_pattern():
 def test_a_gemm_whose_dims_are_not_multiples_of_16_says_why():
     model, params, x = _setup((48, 40, 80, 16))
     cfg = jaxamp.fp8(first_last_bf16=False)
-    report = jaxamp.audit(jaxamp.autocast(model.apply, dtype=BF16, fp8=cfg), params, x)
+    report = jaxamp.audit(jaxamp.autocast(model.apply, dtype=BF16, fp8=cfg))(params, x)
     dots = {r.module: r for r in _rows(report, "dot_general")}
     # layer1: (32 x 48) @ (48 x 40); layer2: (32 x 40) @ (40 x 80).
     for name, mnk in (("MLP/layer1", "32, 40, 48"), ("MLP/layer2", "32, 80, 40")):
@@ -164,7 +164,7 @@ def test_float32_list_ops_show_their_class():
         return jax.nn.softmax(logits), jnp.exp(logits), jax.nn.log_softmax(logits)
 
     x, w = jnp.ones((16, 32)), jnp.ones((32, 16)) * 0.01
-    report = jaxamp.audit(jaxamp.autocast(f, dtype=jnp.float16), x, w)
+    report = jaxamp.audit(jaxamp.autocast(f, dtype=jnp.float16))(x, w)
     exps = _rows(report, "exp")
     assert len(exps) == 3 and {(r.dtype, r.op_class) for r in exps} == {("float32", "float32")}
     assert {r.rule for r in exps} == {"DEFAULT_RULES"}
@@ -181,7 +181,7 @@ def test_an_activation_meeting_a_float32_input_is_promoted():
         return ((x @ w) - target) @ w  # not the output: else it is float32 anyway
 
     x, w = jnp.ones((16, 16)), jnp.ones((16, 16))
-    report = jaxamp.audit(jaxamp.autocast(f, dtype=BF16), x, w, jnp.ones((16, 16)))
+    report = jaxamp.audit(jaxamp.autocast(f, dtype=BF16))(x, w, jnp.ones((16, 16)))
     (sub,) = _rows(report, "sub")
     assert sub.dtype == "float32" and sub.reason.startswith("promoted")
 
@@ -191,15 +191,15 @@ def test_a_step_jax_traced_before_is_traced_again_for_the_log():
     fwd = jaxamp.autocast(model.apply, dtype=BF16)
     step = jax.jit(jax.grad(lambda p, x: jnp.sum(fwd(p, x).astype(jnp.float32))))
     step(params, x)  # traced, compiled and cached by JAX
-    first = jaxamp.audit(step, params, x)
-    again = jaxamp.audit(step, params, x)
+    first = jaxamp.audit(step)(params, x)
+    again = jaxamp.audit(step)(params, x)
     assert len(first.ops) == len(again.ops) > 0
     assert [r.primitive for r in first.ops] == [r.primitive for r in again.ops]
 
 
 def test_without_autocast_there_is_nothing_to_explain():
     model, params, x = _setup()
-    report = jaxamp.audit(model.apply, params, x)
+    report = jaxamp.audit(model.apply)(params, x)
     assert report.ops == () and "autocast's choices" not in str(report)
 
 
@@ -209,7 +209,7 @@ def test_the_log_matches_the_program_for_every_equation(dtype):
     operands have in the autocast program, in order."""
     model, params, x = _setup()
     fwd = jaxamp.autocast(model.apply, dtype=dtype)
-    report = jaxamp.audit(fwd, params, x)
+    report = jaxamp.audit(fwd)(params, x)
     for prim in ("dot_general", "tanh"):
         logged = [r.dtype for r in _rows(report, prim)]
         ran = [d[0] for d in _jaxpr_dtypes(fwd, params, x, primitive=prim)]
@@ -228,7 +228,7 @@ def test_audit_lists_a_product_inside_a_loop_or_branch_once(loop):
             lambda c: c[1] < 3, lambda c: (jnp.tanh(c[0] @ w), c[1] + 1), (x, 0)
         )[0],
     }[loop]
-    ops = jaxamp.audit(jaxamp.autocast(fn, dtype=BF16), x, w).ops
+    ops = jaxamp.audit(jaxamp.autocast(fn, dtype=BF16))(x, w).ops
     assert [o.primitive for o in ops if o.primitive in ("dot_general", "tanh")] == [
         "dot_general",
         "tanh",

@@ -1,4 +1,4 @@
-"""``find_overflow(..., loss_scale=...)`` takes the loss scale in every form the step holds it.
+"""``find_overflow(..., scale=...)`` takes the loss scale in every form the step holds it.
 
 ``loss_scale`` is "the loss scale the step uses" everywhere in jaxamp: the object given to
 ``skip_nonfinite`` and the optimizer state that holds it are accepted as they are, so the
@@ -26,7 +26,7 @@ def loss_fn(w, x):
 
 
 def scale_tested(loss_scale) -> float:
-    return jaxamp.find_overflow(loss_fn, W, X, loss_scale=loss_scale).loss_scale
+    return jaxamp.find_overflow(loss_fn, scale=loss_scale)(W, X).loss_scale
 
 
 def test_every_form_the_step_holds_tests_that_scale():
@@ -80,7 +80,7 @@ def test_anything_else_is_refused_with_the_forms_listed(bad, shown):
     with pytest.raises(TypeError) as e:
         scale_tested(bad)
     msg = str(e.value)
-    assert msg.startswith("find_overflow: loss_scale must be the loss scale the step uses"), msg
+    assert msg.startswith("find_overflow: scale must be the loss scale the step uses"), msg
     for form in ("jaxamp.LossScaleState", "optimizer state", "positive number"):
         assert form in msg, msg
     assert msg.endswith(f"got {shown}"), msg
@@ -88,13 +88,13 @@ def test_anything_else_is_refused_with_the_forms_listed(bad, shown):
 
 def test_two_loss_scale_states_are_named_not_guessed():
     two = (jaxamp.dynamic_scale(), jaxamp.static_scale(8.0))
-    with pytest.raises(ValueError, match=r"find_overflow: loss_scale: found 2 LossScaleStates"):
+    with pytest.raises(ValueError, match=r"find_overflow: scale: found 2 LossScaleStates"):
         scale_tested(two)
 
 
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
 def test_a_number_must_be_positive_and_finite(bad):
-    with pytest.raises(ValueError, match="loss_scale must be positive and finite"):
+    with pytest.raises(ValueError, match="scale must be positive and finite"):
         scale_tested(bad)
 
 
@@ -108,7 +108,7 @@ def test_a_replicated_state_is_one_scale():
 def test_a_number_must_be_a_normal_float32_as_the_step_multiplies_by_it(bad):
     """1e39 is inf as the float32 the program multiplies by, and 1e-45 a subnormal
     (flushed to 0 on most accelerators): neither is a scale a step can use."""
-    with pytest.raises(ValueError, match=r"^find_overflow: loss_scale must be .* normal float32"):
+    with pytest.raises(ValueError, match=r"^find_overflow: scale must be .* normal float32"):
         scale_tested(bad)
 
 
@@ -129,13 +129,13 @@ def test_a_traced_loss_scale_is_the_clear_error_naming_it():
     }
     for form, state in traced.items():
         with pytest.raises(TypeError) as e:
-            jax.jit(lambda s: jaxamp.find_overflow(loss_fn, W, X, loss_scale=s))(state)
+            jax.jit(lambda s: jaxamp.find_overflow(loss_fn, scale=s)(W, X))(state)
         assert str(e.value).startswith(
-            "find_overflow: loss_scale is a traced value; call it outside jax.jit"
+            "find_overflow: scale is a traced value; call it outside jax.jit"
         ), (form, str(e.value))
         # Both traced: the arguments are named first, as the usual case.
         with pytest.raises(TypeError, match=r"^find_overflow: the arguments must be concrete"):
-            jax.jit(lambda w, s: jaxamp.find_overflow(loss_fn, w, X, loss_scale=s))(W, state)
+            jax.jit(lambda w, s: jaxamp.find_overflow(loss_fn, scale=s)(w, X))(W, state)
 
 
 def test_the_docstring_says_which_scale_to_pass_after_a_skip():

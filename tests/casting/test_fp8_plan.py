@@ -76,13 +76,13 @@ def test_attention_products_stay_bfloat16_unless_batched():
         return np.linalg.norm(got - ref) / np.linalg.norm(ref)
 
     default = jaxamp.fp8(first_last_bf16=False)
-    rows = jaxamp.audit(jaxamp.autocast(_attention, dtype=BF16, fp8=default), q, k, v).ops
+    rows = jaxamp.audit(jaxamp.autocast(_attention, dtype=BF16, fp8=default))(q, k, v).ops
     dots = [r for r in rows if r.primitive == "dot_general"]
     assert [r.dtype for r in dots] == ["bfloat16", "bfloat16"]
     assert all("a batched product (attention)" in r.reason for r in dots)
     assert err(default) < bound
     opted = jaxamp.fp8(first_last_bf16=False, batched=True)
-    rows = jaxamp.audit(jaxamp.autocast(_attention, dtype=BF16, fp8=opted), q, k, v).ops
+    rows = jaxamp.audit(jaxamp.autocast(_attention, dtype=BF16, fp8=opted))(q, k, v).ops
     assert [r.dtype for r in rows if r.primitive == "dot_general"] == ["float8_e4m3fn"] * 2
     assert err(opted) > bound  # what the default avoids
 

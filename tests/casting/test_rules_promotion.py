@@ -115,7 +115,7 @@ def test_an_input_beyond_float16_reaching_a_dense_layer_overflows():
     grads = jax.grad(jaxamp.autocast(loss, dtype=F16))(params, x)
     # The skip sees it: a non-finite gradient (0.3: finite, from the clipped input).
     assert not all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
-    report = jaxamp.find_overflow(loss, params, x, loss_scale=1.0)
+    report = jaxamp.find_overflow(loss, scale=1.0)(params, x)
     assert report.found and report.low_precision and report.pass_ == "forward", report
     assert report.magnitude == pytest.approx(2e5)
 

@@ -326,7 +326,7 @@ def test_audit_of_autocast_of_a_module_that_writes_state_compiles_it_purely():
     model = _BnNet(nnx.Rngs(0))
     x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
     before = jax.tree.map(np.asarray, nnx.state(model, nnx.BatchStat))
-    report = jaxamp.audit(jaxamp.autocast(model, dtype=F16), x)
+    report = jaxamp.audit(jaxamp.autocast(model, dtype=F16))(x)
     assert [r.requested for r in report.matmuls] == ["f16 x f16 -> f16"]
     after = nnx.state(model, nnx.BatchStat)
     for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):

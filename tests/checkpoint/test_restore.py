@@ -53,7 +53,7 @@ def _advanced_dynamic() -> LossScaleState:
     "make",
     [
         _advanced_dynamic,
-        lambda: jaxamp.update(jaxamp.static_scale(64.0, skip_nonfinite=False), jnp.array(False)),
+        lambda: jaxamp.update(jaxamp.static_scale(64.0, check_finite=False), jnp.array(False)),
         jaxamp.no_scale,
         lambda: jaxamp.compat.paddle_grad_scaler(decr_every_n_nan_or_inf=3),
     ],

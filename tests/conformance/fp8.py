@@ -95,7 +95,7 @@ def _bf16(name: str, built: models.Built, ref: dict[str, Any], steps: int) -> di
 def _products(apply: Any, built: models.Built) -> dict[str, Any]:
     """The forward pass's ``dot_general``s as ``jaxamp.audit`` lists them: how many ran
     in FP8, and for the others, why not (the reason after "not FP8: ", counted)."""
-    report = jaxamp.audit(apply, built.params, built.state, built.batch)
+    report = jaxamp.audit(apply)(built.params, built.state, built.batch)
     dots = [r for r in report.ops if r.primitive == "dot_general"]
     kept: collections.Counter[str] = collections.Counter()
     for r in dots:

@@ -70,7 +70,7 @@ def test_raw_features_past_float16_are_reported_not_clipped() -> None:
     def loss(params: Any, batch: dict[str, Any]) -> jax.Array:
         return built.loss(built.apply(params, None, batch)[0], batch)
 
-    report = jaxamp.find_overflow(loss, built.params, built.batch, loss_scale=1.0)
+    report = jaxamp.find_overflow(loss, scale=1.0)(built.params, built.batch)
     assert report.found and report.low_precision and report.pass_ == "forward", str(report)
     assert report.dtype == "float16" and report.magnitude > float(jnp.finfo(jnp.float16).max)
     assert report.module_path is not None and report.module_path.startswith("GraphConvNet")

@@ -212,11 +212,11 @@ def test_float64_leaves_unscale_in_float64():
 
 def test_no_scale_and_unchecked_static_are_pass_through():
     g = {"w": jnp.array([jnp.inf, 1.0])}
-    for s in (jaxamp.no_scale(), jaxamp.static_scale(1.0, skip_nonfinite=False)):
+    for s in (jaxamp.no_scale(), jaxamp.static_scale(1.0, check_finite=False)):
         out, finite = jaxamp.unscale_and_check(s, g)
         assert bool(finite)
     out, _ = jaxamp.unscale_and_check(jaxamp.no_scale(), g)
-    assert isinstance(out, jaxamp.Unscaled) and out.tree is g
+    assert isinstance(out, jaxamp.types.Unscaled) and out.tree is g
 
 
 def test_update_rejects_bad_finite_and_wrong_state():
@@ -344,10 +344,10 @@ def test_check_reads_the_unscaled_values_whatever_the_configuration_says():
 
 # check_health's default rule: more than 100 non-finite steps in a row once the scale
 # can go no lower (at its floor, or fixed).
-def _all_nan_run(ls, n, **kw):
+def _all_nan_run(ls, n):
     import optax
 
-    tx = jaxamp.skip_nonfinite(optax.adam(1e-3), ls, **kw)
+    tx = jaxamp.skip_nonfinite(optax.adam(1e-3), ls)
     params = {"w": jnp.ones(4)}
     nan = {"w": jnp.full(4, jnp.nan)}
     body = lambda _, carry: jaxamp.step(tx, nan, carry[1], carry[0])
@@ -417,13 +417,15 @@ def test_a_healthy_run_with_overflows_never_trips_the_default_rule():
 
 
 def test_the_default_rule_can_be_turned_off_or_replaced():
-    for ls, kw in [
-        (jaxamp.dynamic_scale(max_consecutive_nonfinite=math.inf), {}),
-        (jaxamp.compat.torch_grad_scaler().replace(max_consecutive_nonfinite=math.inf), {}),
-        (jaxamp.dynamic_scale(), {"max_consecutive_nonfinite": 2**31 - 1}),
-        (jaxamp.dynamic_scale(max_consecutive_nonfinite=500), {}),
+    for ls in [
+        jaxamp.dynamic_scale(max_consecutive_nonfinite=math.inf),
+        jaxamp.compat.torch_grad_scaler().replace(max_consecutive_nonfinite=math.inf),
+        jaxamp.dynamic_scale(max_consecutive_nonfinite=2**31 - 1),
+        jaxamp.dynamic_scale(max_consecutive_nonfinite=500),
+        jaxamp.static_scale(max_consecutive_nonfinite=math.inf),
+        jaxamp.check_only(max_consecutive_nonfinite=math.inf),
     ]:
-        _, state = _all_nan_run(ls, 300, **kw)
+        _, state = _all_nan_run(ls, 300)
         jaxamp.check_health(state)
     assert (
         int(jaxamp.dynamic_scale(max_consecutive_nonfinite=math.inf).max_consecutive_nonfinite)

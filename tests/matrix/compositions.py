@@ -120,7 +120,7 @@ REFUSED: dict[str, tuple[Callable[[Guard], Any], str]] = {
     ),
     "apply_if_finite": (
         lambda g: optax.apply_if_finite(g(_adam()), 3),
-        r"wrapped in optax\.apply_if_finite.*max_consecutive_nonfinite=N\) alone",
+        r"wrapped in optax\.apply_if_finite.*max_consecutive_nonfinite=N\)\) alone",
     ),
     "mechanize": (
         lambda g: optax.contrib.mechanize(g(_adam())),
@@ -157,7 +157,7 @@ def inner_leaves(opt_state: Any, always: tuple[str, ...], *, reference: bool) ->
         return jax.tree.leaves(opt_state)
     get = lambda s: s["inner_state"] if isinstance(s, dict) else s.inner_state  # noqa: E731
     is_guard = lambda s: (
-        isinstance(s, jaxamp.SkipNonfiniteState)
+        isinstance(s, jaxamp.types.SkipNonfiniteState)
         or (  # noqa: E731
             isinstance(s, dict) and "inner_state" in s and "loss_scale" in s
         )

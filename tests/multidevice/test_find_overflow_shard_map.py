@@ -46,7 +46,7 @@ def _one_big_block(value: float, device: int = 5) -> jax.Array:
 def test_float16_matmul_on_one_device_is_reported():
     w, x = jnp.full((4, 4), 300.0), _one_big_block(100.0)  # 4 * 300 * 100 = 120000 there
     assert np.isfinite(sharded_loss(w, x))  # the float32 program is finite
-    report = jaxamp.find_overflow(sharded_loss, w, x, loss_scale=1.0)
+    report = jaxamp.find_overflow(sharded_loss, scale=1.0)(w, x)
     assert report.found and report.low_precision, str(report)
     assert (report.primitive, report.pass_, report.dtype) == ("dot_general", "forward", "float16")
     assert report.line == marker_line(sharded_loss)
@@ -58,7 +58,7 @@ def test_float16_matmul_on_one_device_is_reported():
     (after,) = assert_advice_works(report, sharded_loss, w, x)
     assert not after.found
     # A finite program inside shard_map: nothing, not even a float32 op.
-    assert not jaxamp.find_overflow(sharded_loss, w, _one_big_block(1.0), loss_scale=1.0).found
+    assert not jaxamp.find_overflow(sharded_loss, scale=1.0)(w, _one_big_block(1.0)).found
 
 
 def test_gradient_overflow_in_shard_map_gets_a_checked_loss_scale():
@@ -66,7 +66,7 @@ def test_gradient_overflow_in_shard_map_gets_a_checked_loss_scale():
     # The gradient of every h is loss_scale * 1e-6 (psum's transpose hands each
     # device its cotangent): 2**40 * 1e-6 = 1.1e6 overflows where it is cast back
     # to float16 (the transpose of h.astype(jnp.float32)).
-    report = jaxamp.find_overflow(sharded_loss, w, x, loss_scale=2.0**40)
+    report = jaxamp.find_overflow(sharded_loss, scale=2.0**40)(w, x)
     assert report.found and report.low_precision and report.pass_ == "backward", str(report)
     assert report.primitive == "convert_element_type"
     assert report.line == marker_line(sharded_loss, "# CAST")
@@ -75,7 +75,7 @@ def test_gradient_overflow_in_shard_map_gets_a_checked_loss_scale():
     assert scale is not None and scale < 2.0**40
     assert_advice_works(report, sharded_loss, w, x)
     # ... and it is not needlessly small: 4x larger overflows again.
-    assert jaxamp.find_overflow(sharded_loss, w, x, loss_scale=4 * scale).found
+    assert jaxamp.find_overflow(sharded_loss, scale=4 * scale)(w, x).found
 
 
 MESH2 = _mesh((2, 4), ("a", "b"))
@@ -103,7 +103,7 @@ def test_scan_inside_unchecked_shard_map_on_a_2d_mesh():
     x[12:] = 100.0
     w, x = jnp.full((4, 4), 300.0), jnp.asarray(x)
     assert np.isfinite(scan_loss(w, x))
-    report = jaxamp.find_overflow(scan_loss, w, x, loss_scale=1.0)
+    report = jaxamp.find_overflow(scan_loss, scale=1.0)(w, x)
     assert report.found and report.low_precision, str(report)
     assert (report.primitive, report.pass_) == ("dot_general", "forward")
     assert report.line == marker_line(scan_loss)

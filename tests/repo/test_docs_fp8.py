@@ -16,7 +16,7 @@ def test_fp8_page_runs_and_its_mlp_has_fp8_products():
     for i, code in enumerate(blocks):
         exec(compile(code, f"docs/fp8.md[python block {i}]", "exec"), namespace)
     jaxamp, ns = namespace["jaxamp"], namespace
-    report = jaxamp.audit(jax.grad(ns["loss_fn"]), ns["params"], ns["x"], ns["y"])
+    report = jaxamp.audit(jax.grad(ns["loss_fn"]))(ns["params"], ns["x"], ns["y"])
     fp8 = {(r.module, r.pass_) for r in report.matmuls if r.requested.startswith("f8")}
     # "Dense_1 and Dense_2 in FP8; the first and the last layer stay bfloat16"
     assert {m for m, _ in fp8} == {"MLP/Dense_1", "MLP/Dense_2"}

@@ -361,7 +361,7 @@ def test_guide_find_overflow_after_a_skip_tests_the_scale_the_step_used(capsys):
     assert "dot_general" in capsys.readouterr().out
     after = ns["w_state"]
     assert float(jaxamp.get_loss_scale(after).scale) == 2.0**14
-    assert not jaxamp.find_overflow(ns["sum_loss"], ns["w"], ns["batch"], loss_scale=after).found
+    assert not jaxamp.find_overflow(ns["sum_loss"], scale=after)(ns["w"], ns["batch"]).found
     kept = jaxamp.get_loss_scale(after)  # no copy
     ns["w_step"](ns["w"], after, ns["batch"])
     assert kept.scale.is_deleted() and not ns["used"].is_deleted()

@@ -45,7 +45,8 @@ EXTERNAL = re.compile(r"^([a-z][a-z0-9+.-]*:|//)", re.I)
 
 DOCS = ROOT / "docs"
 NAMESPACES = {
-    "jaxamp": [n for n in jaxamp.__all__ if n not in ("checkpoint", "compat", "nnx")],
+    "jaxamp": [n for n in jaxamp.__all__ if n not in ("checkpoint", "compat", "nnx", "types")],
+    "jaxamp.types": jaxamp.types.__all__,
     "jaxamp.nnx": jaxamp.nnx.__all__,
     "jaxamp.compat": jaxamp.compat.__all__,
     "jaxamp.checkpoint": jaxamp.checkpoint.__all__,

@@ -94,7 +94,7 @@ def test_step_equals_update_then_apply_bit_for_bit_under_jit():
 
 def test_train_state_get_loss_scale_and_check_health():
     tx = jaxamp.multi_transform(
-        transforms(), LABELS, jaxamp.dynamic_scale(init_scale=4.0), max_consecutive_nonfinite=1
+        transforms(), LABELS, jaxamp.dynamic_scale(init_scale=4.0, max_consecutive_nonfinite=1)
     )
     ts = jaxamp.TrainState.create(apply_fn=None, params=PARAMS, tx=tx)
     assert float(ts.loss_scale.scale) == 4.0

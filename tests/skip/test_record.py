@@ -207,7 +207,7 @@ def test_explain_errors_name_what_to_pass() -> None:
         jaxamp.explain(state, {"w": jnp.ones(2)})
     with pytest.raises(ValueError, match="found no jaxamp.skip_nonfinite"):
         jaxamp.explain(optax.sgd(0.1).init(params), params)
-    hand = jaxamp.SkipNonfiniteState(state.inner_state, state.loss_scale)
+    hand = jaxamp.types.SkipNonfiniteState(state.inner_state, state.loss_scale)
     with pytest.raises(ValueError, match="keeps no per-leaf record"):
         jaxamp.explain(hand, params)
     with pytest.raises(TypeError, match="call it outside jax.jit"):
@@ -217,7 +217,7 @@ def test_explain_errors_name_what_to_pass() -> None:
 def test_a_hand_built_state_still_steps_without_a_record() -> None:
     tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
     params = _params()
-    hand = jaxamp.SkipNonfiniteState(tx.init(params).inner_state, jaxamp.dynamic_scale())
+    hand = jaxamp.types.SkipNonfiniteState(tx.init(params).inner_state, jaxamp.dynamic_scale())
     _, state = jaxamp.step(tx, _grads({"head"}), hand, params)
     assert state.nonfinite_leaves is None and int(state.loss_scale.skipped_steps) == 1
 

@@ -290,7 +290,7 @@ def test_init_returns_fresh_buffers():
 def test_max_consecutive_nonfinite_never_applies_a_bad_update():
     """optax.apply_if_finite applies the NaN update after N failures; we keep skipping."""
     params = {"w": jnp.ones(2)}
-    tx = jaxamp.skip_nonfinite(optax.adam(0.1), jaxamp.dynamic_scale(), max_consecutive_nonfinite=3)
+    tx = jaxamp.skip_nonfinite(optax.adam(0.1), jaxamp.dynamic_scale(max_consecutive_nonfinite=3))
     state = tx.init(params)
     bad = {"w": jnp.array([jnp.nan, 1.0])}
     step = jax.jit(lambda p, s: jaxamp.step(tx, bad, s, p))
@@ -387,7 +387,7 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="loss_scale"):
         jaxamp.skip_nonfinite(optax.sgd(0.1), 2.0**15)
     with pytest.raises(ValueError, match="max_consecutive_nonfinite"):
-        jaxamp.skip_nonfinite(optax.sgd(0.1), max_consecutive_nonfinite=-1)
+        jaxamp.check_only(max_consecutive_nonfinite=-1)
     tx = jaxamp.skip_nonfinite(optax.sgd(0.1))
     with pytest.raises(TypeError, match="SkipNonfiniteState"):
         jaxamp.step(
@@ -403,7 +403,7 @@ def test_step_is_bit_identical_to_update_then_apply_without_a_check():
     """No check (no_scale, unchecked static scale): neither form has a cond to round through."""
     params = mlp_init(jax.random.PRNGKey(10), sizes=(16, 64, 8))
     g = jax.tree.map(lambda p: jnp.sin(p * 3.0), params)
-    for ls in (jaxamp.no_scale(), jaxamp.static_scale(4.0, skip_nonfinite=False)):
+    for ls in (jaxamp.no_scale(), jaxamp.static_scale(4.0, check_finite=False)):
         tx = jaxamp.skip_nonfinite(optax.adamw(1e-2, weight_decay=0.1), ls)
 
         @jax.jit
@@ -520,7 +520,7 @@ def test_max_consecutive_nonfinite_takes_the_loss_scale_states_spellings() -> No
     import math
 
     tx = jaxamp.skip_nonfinite(
-        optax.sgd(1.0), jaxamp.dynamic_scale(), max_consecutive_nonfinite=math.inf
+        optax.sgd(1.0), jaxamp.dynamic_scale(max_consecutive_nonfinite=math.inf)
     )
     params = {"w": jnp.ones(2)}
     state = tx.init(params)
@@ -530,4 +530,4 @@ def test_max_consecutive_nonfinite_takes_the_loss_scale_states_spellings() -> No
         params, state = step(params, state)
     jaxamp.check_health(state)
     with pytest.raises(ValueError, match=r"math\.inf \(never raise\)"):
-        jaxamp.skip_nonfinite(optax.sgd(1.0), max_consecutive_nonfinite=2.5)
+        jaxamp.check_only(max_consecutive_nonfinite=2.5)

@@ -67,7 +67,7 @@ class MatmulRow:
     flags: tuple[str, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AuditReport:
     """What ``jaxamp.audit`` found: ``matmuls``, ``converts`` and ``ops``;
     ``str()`` is a table of each (converts of at least ``LARGE`` elements).
@@ -235,8 +235,27 @@ def _flags(requested: str, executed: str, kernel: str, op_name: str, platform: s
     return flags
 
 
-def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
-    """Compiles ``fn(*args, **kwargs)`` and lists every matrix product as XLA will run it.
+def _function_only(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Arguments of the audited function given to ``audit`` itself (0.4's interim call
+    form): a ``TypeError`` saying what to write, not Python's count of arguments."""
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if len(args) != 1 or kwargs:
+            raise TypeError(
+                "jaxamp.audit takes the function only and returns the function to call with "
+                "its arguments, as jax.make_jaxpr does: write "
+                "jaxamp.audit(fun)(*args, **kwargs)."
+            )
+        return f(*args)
+
+    return wrapper
+
+
+@_function_only
+def audit(fun: Callable[..., Any]) -> Callable[..., AuditReport]:
+    """``jaxamp.audit(fun)(*args, **kwargs)`` compiles ``fun(*args, **kwargs)`` and lists
+    every matrix product as XLA will run it.
 
     For each ``dot`` / convolution (and the GEMM custom calls XLA makes of
     them) of the optimized HLO: the dtypes in the program JAX gave XLA (what
@@ -253,26 +272,41 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
     ``autocast`` inside `fn` evaluated, the dtype it chose, the op class in
     force and where it comes from (``DEFAULT_RULES``, ``rules=``, a
     ``modules=`` pattern, ``full_precision``), and why (a promotion, a float32
-    region, an FP8 product or the FP8 exclusion that kept it out). `fn` is
+    region, an FP8 product or the FP8 exclusion that kept it out). `fun` is
     traced afresh for it, even if JAX has traced it before.
 
+    The function comes first and its arguments in a second call, as in
+    ``jax.make_jaxpr(fun)(*args)``.
+
     Args:
-      fn: the function, e.g. a training step (jitted or not).
-      *args: its arguments (arrays, or ``jax.ShapeDtypeStruct``s).
-      **kwargs: its keyword arguments, every one passed to `fn` (audit has no
-        keyword of its own to collide with them).
+      fun: the function, e.g. a training step (jitted or not).
 
     Returns:
-      An ``AuditReport``; print it for a table.
+      A function of ``fun``'s arguments (arrays, or ``jax.ShapeDtypeStruct``s)
+      returning an [`AuditReport`][jaxamp.types.AuditReport]; print it for a table.
+
+    Raises:
+      TypeError: if arguments of ``fun`` are given to ``audit`` itself.
 
     Examples:
       >>> f = jaxamp.autocast(lambda x, w: x @ w, dtype=jnp.bfloat16)
-      >>> report = jaxamp.audit(f, jnp.ones((16, 32)), jnp.ones((32, 16)))
+      >>> report = jaxamp.audit(f)(jnp.ones((16, 32)), jnp.ones((32, 16)))
       >>> report.matmuls[0].requested
       'bf16 x bf16 -> bf16'
       >>> report.ops[0].primitive, report.ops[0].dtype, report.ops[0].op_class
       ('dot_general', 'bfloat16', 'lower')
     """
+    if not callable(fun):
+        raise TypeError(f"jaxamp.audit: fun must be callable, got {type(fun).__name__}")
+
+    @functools.wraps(fun)
+    def run(*args: Any, **kwargs: Any) -> AuditReport:
+        return _audit(fun, args, kwargs)
+
+    return run
+
+
+def _audit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> AuditReport:
     lower = getattr(fn, "lower", None) or _nnx_lower(fn) or jax.jit(fn).lower
     with recording() as ops, fresh_trace():
         lowered = lower(*args, **kwargs)
@@ -318,7 +352,9 @@ def audit(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> AuditReport:
                 f"{_module_path(ins.attr('op_name') or '') or '-'} "
                 f"({user_frame(post.frames_of(ins))})"
             ))  # fmt: skip
-    return AuditReport(platform, tuple(rows), tuple(converts), tuple(ops))
+    return AuditReport(
+        platform=platform, matmuls=tuple(rows), converts=tuple(converts), ops=tuple(ops)
+    )
 
 
 def _nnx_lower(fn: Callable[..., Any]) -> Callable[..., Any] | None:

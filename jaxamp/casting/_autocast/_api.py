@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._autocast._config import build_config
 from jaxamp.casting._autocast._wrapper import make_wrapper
@@ -21,8 +22,9 @@ from jaxamp.casting._rules._scopes import FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCO
 __all__ = ["autocast", "debugging_autocast", "full_precision", "keep_float32"]
 
 
+@renamed_parameter("f", "fun", removed_in="0.5")
 def autocast(
-    f: Callable[..., Any] | None = None,
+    fun: Callable[..., Any] | None = None,
     dtype: Any = None,
     *,
     policy: Policy | str | None = None,
@@ -33,7 +35,7 @@ def autocast(
     fp8: Fp8Config | bool | None = None,
     device_type: None = None,
 ) -> Callable[..., Any]:
-    """Runs `f` in mixed precision, choosing each operation's dtype by op class.
+    """Runs `fun` in mixed precision, choosing each operation's dtype by op class.
 
     Like ``torch.autocast``: matrix products and convolutions run in `dtype`;
     numerically sensitive ops (exp, log, division, sums, softmax, norm
@@ -47,11 +49,11 @@ def autocast(
     a matmul. Only trace-time constants saturate when cast down
     (``finfo(float32).min`` masks stay finite); a run-time value beyond the
     dtype's range overflows to inf, where the loss scale and
-    [`jaxamp.find_overflow`][jaxamp.find_overflow] see it. The result depends only on `f`'s
-    program and these arguments; nothing in JAX or in `f` is patched.
-    Parameters stay in their own dtype and outputs come back in the dtypes `f`
+    [`jaxamp.find_overflow`][jaxamp.find_overflow] see it. The result depends only on `fun`'s
+    program and these arguments; nothing in JAX or in `fun` is patched.
+    Parameters stay in their own dtype and outputs come back in the dtypes `fun`
     returns without autocast (or the policy's ``output_dtype``), so
-    ``autocast(f)`` is a drop-in for `f`. It
+    ``autocast(fun)`` is a drop-in for `fun`. It
     composes with ``jit``, ``grad`` (backward ops run in the dtype of their
     forward ops), ``vmap``, control flow, ``remat``, custom derivatives, Flax
     linen (also as a decorator on a ``@nn.compact`` method) and nnx modules
@@ -60,23 +62,23 @@ def autocast(
 
     Arrays among the arguments are traced; every other argument (Python
     scalars, strings, modules) is fixed at trace time, like a static argument.
-    With `f` a plain Python object (or one of its methods), its attributes are
+    With `fun` a plain Python object (or one of its methods), its attributes are
     read at each call the same way: ``model.w = new`` is seen by the next call.
-    What `f` reads from a closure or a global is fixed when `f` is traced, as
+    What `fun` reads from a closure or a global is fixed when `fun` is traced, as
     for ``jax.jit``: an array rebound there later is not seen by an eager call
     already cached; pass it as an argument instead. ``autocast(nnx_module)``
     is the module's forward, bound to it (attribute reads go to the module);
     give the module itself to ``jaxamp.nnx.Optimizer`` and the nnx transforms.
 
     Args:
-      f: the function to transform, e.g. a Flax ``model.apply``, an nnx module
+      fun: the function to transform, e.g. a Flax ``model.apply``, an nnx module
         or a linen method. Without it, returns a decorator.
       dtype: the lower-precision dtype (``jnp.float16`` or ``jnp.bfloat16``).
         Defaults to float16 (bfloat16 on TPU).
       policy: a [`jaxamp.Policy`][jaxamp.Policy] (or policy string) instead of `dtype`:
         its ``compute_dtype`` is the lower-precision dtype and floating
         outputs are cast to its ``output_dtype``.
-      enabled: if False, return `f` itself.
+      enabled: if False, return `fun` itself.
       rules: per-call overrides of ``jaxamp.DEFAULT_RULES``: primitive name
         (or primitive) -> ``"lower"``, ``"float32"``, ``"elementwise"``,
         ``"follow"``, ``"widest"`` or ``"as_written"``. E.g.
@@ -102,10 +104,10 @@ def autocast(
         its default device. Given, it raises a ``TypeError`` saying what to write.
 
     Returns:
-      A function with the signature of `f`.
+      A function with the signature of `fun`.
 
     Raises:
-      TypeError: if `f` is not callable.
+      TypeError: if `fun` is not callable.
       ValueError: if `dtype` is not floating, both `dtype` and `policy` are
         given, or a rule names an unknown primitive or op class.
 
@@ -123,12 +125,12 @@ def autocast(
             "type (torch.autocast's 'cuda' / 'cpu'): JAX runs on its default device. It wraps "
             f"the function to run in mixed precision: write {write}"
         )
-    if f is None:
+    if fun is None:
         return _Decorator(functools.partial(
             autocast, dtype=dtype, policy=policy, enabled=enabled, rules=rules,
             modules=modules, unknown_higher_order=unknown_higher_order, fp8=fp8,
         ))  # fmt: skip
-    named = _dtype_named(f)  # torch.autocast(torch.float16)'s spelling: a dtype first
+    named = _dtype_named(fun)  # torch.autocast(torch.float16)'s spelling: a dtype first
     if named is not None:
         raise TypeError(
             f"autocast: the first argument is the function to run in mixed precision, got "
@@ -136,18 +138,18 @@ def autocast(
             f"write jaxamp.autocast(f, dtype=jnp.{named}) (or @jaxamp.autocast(dtype=jnp."
             f"{named}) on f)."
         )
-    if isinstance(f, str):
+    if isinstance(fun, str):
         raise TypeError(
             f"autocast: the first argument is the function to run in mixed precision, got "
-            f"the string {f!r}. jaxamp.autocast takes no device type (torch.autocast's "
+            f"the string {fun!r}. jaxamp.autocast takes no device type (torch.autocast's "
             f"'cuda' / 'cpu'): JAX runs on its default device. Write {write}"
         )
-    if not callable(f):
-        raise TypeError(f"autocast: f must be callable, got {type(f).__name__}")
+    if not callable(fun):
+        raise TypeError(f"autocast: fun must be callable, got {type(fun).__name__}")
     cfg = build_config(dtype, policy, rules, modules, unknown_higher_order, fp8=fp8)
     if not enabled:
-        return f
-    return make_wrapper(f, cfg)
+        return fun
+    return make_wrapper(fun, cfg)
 
 
 def _dtype_named(x: Any) -> str | None:
@@ -205,37 +207,38 @@ def debugging_autocast(
     return make_wrapper(f, build_config(dtype, None, rules, modules, "warn", debug=True))
 
 
-def full_precision(g: Callable[..., Any]) -> Callable[..., Any]:
-    """Marks `g` as a region that runs in full precision inside autocast.
+@renamed_parameter("g", "fun", removed_in="0.5")
+def full_precision(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks `fun` as a region that runs in full precision inside autocast.
 
     PyTorch's ``custom_fwd(cast_inputs=torch.float32)`` and
-    ``autocast(enabled=False)``: `g` gets its inputs in the dtypes it has
-    without autocast (float32 for a float32 model) and every operation of `g`,
-    forward and backward, runs as written. An ``autocast`` nested inside `g`
+    ``autocast(enabled=False)``: `fun` gets its inputs in the dtypes it has
+    without autocast (float32 for a float32 model) and every operation of `fun`,
+    forward and backward, runs as written. An ``autocast`` nested inside `fun`
     switches lower precision back on for its own function. Outside autocast,
-    ``full_precision(g)`` behaves exactly like `g`.
+    ``full_precision(fun)`` behaves exactly like `fun`.
 
     Args:
-      g: the function to protect.
+      fun: the function to protect.
 
     Returns:
-      A function with the signature of `g`.
+      A function with the signature of `fun`.
 
     Raises:
-      TypeError: if `g` is not callable.
+      TypeError: if `fun` is not callable.
 
     Examples:
       >>> @jaxamp.full_precision
       ... def loss_fn(logits, labels):
       ...   return optax.softmax_cross_entropy(logits, labels).mean()
     """
-    if not callable(g):
-        raise TypeError(f"full_precision: g must be callable, got {type(g).__name__}")
+    if not callable(fun):
+        raise TypeError(f"full_precision: fun must be callable, got {type(fun).__name__}")
 
-    @functools.wraps(g)
+    @functools.wraps(fun)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         with jax.named_scope(FULL_PRECISION_SCOPE):
-            return g(*args, **kwargs)
+            return fun(*args, **kwargs)
 
     return wrapper
 

@@ -12,7 +12,9 @@ each piece of advice by tracing and running the loss again with it.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -20,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._utils.conversion_checks import _stacklevel
+from jaxamp._utils.deprecation import add_note
 from jaxamp._utils.dtypes import HALF_DTYPES, is_float, times_wide
 from jaxamp._utils.errors import unnamed, with_article
 from jaxamp.casting._autocast._api import debugging_autocast
@@ -32,23 +36,77 @@ from jaxamp.loss_scale import LossScaleState, get_loss_scale
 __all__ = ["OverflowReport", "find_overflow"]
 
 
+# find_overflow's own options; in jaxamp 0.3's call form every other keyword was the loss's.
+_OPTIONS = ("scale", "dtype", "argnums", "rules", "modules", "autocast")
+
+
+def _call_form_of_0_3(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Takes jaxamp 0.3's ``find_overflow(loss_fn, *args, loss_scale=..., **kwargs)`` too,
+    with a ``DeprecationWarning``, until jaxamp 0.5: told apart by arguments of the loss
+    given with the options (positional ones after the function, or keywords that are no
+    option), or 0.3's keywords ``loss_fn=`` and ``loss_scale=``."""
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "loss_fn" in kwargs:
+            if args:
+                raise TypeError("jaxamp.find_overflow() got both loss_fn= and fun; pass fun only.")
+            args = (kwargs.pop("loss_fn"),)
+            old = True
+        else:
+            old = len(args) > 1 or any(k not in (*_OPTIONS, "loss_scale") for k in kwargs)
+        if "loss_scale" in kwargs:
+            if "scale" in kwargs:
+                raise TypeError("jaxamp.find_overflow() got both loss_scale= and scale=.")
+            kwargs["scale"] = kwargs.pop("loss_scale")
+            if not old:
+                warnings.warn(
+                    "jaxamp.find_overflow: the argument loss_scale= is now called scale=; "
+                    "loss_scale= is deprecated and will be an error in jaxamp 0.5.",
+                    DeprecationWarning,
+                    stacklevel=_stacklevel(),
+                )
+        if not old:
+            return f(*args, **kwargs)
+        warnings.warn(
+            "jaxamp.find_overflow(loss_fn, *args, loss_scale=..., **kwargs) is deprecated and "
+            "will be an error in jaxamp 0.5: the options come first and the loss's arguments "
+            "in a second call, as in jax.make_jaxpr: "
+            "jaxamp.find_overflow(fun, scale=...)(*args, **kwargs).",
+            DeprecationWarning,
+            stacklevel=_stacklevel(),
+        )
+        options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
+        return f(args[0], **options)(*args[1:], **kwargs)
+
+    add_note(
+        wrapper,
+        "Until jaxamp 0.5 the call form of jaxamp 0.3, ``find_overflow(loss_fn, *args, "
+        "loss_scale=..., **kwargs)``, also works (returning the report), with a "
+        "``DeprecationWarning``.",
+    )
+    return wrapper
+
+
+@_call_form_of_0_3
 def find_overflow(
-    loss_fn: Callable[..., Any],
-    *args: Any,
-    loss_scale: float | LossScaleState | Any = 2.0**15,
+    fun: Callable[..., Any],
+    *,
+    scale: float | LossScaleState | Any = 2.0**15,
     dtype: Any = jnp.float16,
     argnums: int | Sequence[int] = 0,
     rules: Mapping[Any, str] | None = None,
     modules: Mapping[str, Any] | None = None,
     autocast: bool = True,
-    **kwargs: Any,
-) -> OverflowReport:
+) -> Callable[..., OverflowReport]:
     """Finds the first op whose float16 / bfloat16 result overflowed, forward or backward.
 
-    Runs ``loss_fn(*args, **kwargs)`` once more as mixed-precision training
-    does: under ``jaxamp.autocast(loss_fn, dtype=dtype, rules=rules,
-    modules=modules)``, the loss multiplied by the loss scale, and its gradient
-    with respect to ``args[argnums]``. It evaluates that program eagerly, one
+    ``jaxamp.find_overflow(fun, ...)(*args, **kwargs)`` runs ``fun(*args, **kwargs)``
+    once more as mixed-precision training does: under ``jaxamp.autocast(fun,
+    dtype=dtype, rules=rules, modules=modules)``, the loss multiplied by the loss
+    scale, and its gradient with respect to ``args[argnums]``. Its options come first
+    and the loss's arguments in a second call, as in ``jax.make_jaxpr(fun)(*args)``, so
+    that no argument of the loss is taken for an option. It evaluates that program eagerly, one
     op at a time (entering ``jit``, ``scan``, ``while``, ``cond``, ``remat``,
     custom derivatives and ``shard_map`` bodies, each op of a body on every
     device's block), and reports the first op, in execution order (forward
@@ -69,10 +127,9 @@ def find_overflow(
     program's own overflow only if the program without autocast makes it too.
 
     Args:
-      loss_fn: the loss function as the train step calls it (returns a scalar
+      fun: the loss function as the train step calls it (returns a scalar
         floating loss).
-      *args: its positional arguments (parameters, batch, ...).
-      loss_scale: the loss scale the step uses, in any form the step holds it: the
+      scale: the loss scale the step uses, in any form the step holds it: the
         [`jaxamp.LossScaleState`][jaxamp.LossScaleState] given to
         [`jaxamp.skip_nonfinite`][jaxamp.skip_nonfinite], the optimizer state holding one (or a
         [`jaxamp.TrainState`][jaxamp.TrainState] or [`jaxamp.nnx.Optimizer`][jaxamp.nnx.Optimizer]),
@@ -87,59 +144,65 @@ def find_overflow(
         to (an int or a sequence of ints, negative ones counted from the end).
       rules: autocast's per-primitive rules (as in [`jaxamp.autocast`][jaxamp.autocast]).
       modules: autocast's per-module rules (as in [`jaxamp.autocast`][jaxamp.autocast]).
-      autocast: False runs `loss_fn` as written, without ``jaxamp.autocast``:
+      autocast: False runs `fun` as written, without ``jaxamp.autocast``:
         for a loss that casts itself (a model built with ``dtype=jnp.float16``,
         ``x.astype(jnp.float16)`` by hand), whose overflows autocast would move
         (it runs sums, ``exp`` and norms in float32). `dtype`, `rules` and
         `modules` then only name the report's compute dtype.
-      **kwargs: keyword arguments of `loss_fn` (not differentiated).
 
     Returns:
-      An [`OverflowReport`][jaxamp.OverflowReport]; ``report.found`` is False when nothing
-      overflowed, and ``print(report)`` explains the finding.
+      A function of ``fun``'s arguments (positional: parameters, batch, ...; keyword:
+      not differentiated) returning an
+      [`OverflowReport`][jaxamp.types.OverflowReport]; ``report.found`` is False when
+      nothing overflowed, and ``print(report)`` explains the finding.
 
     Raises:
-      TypeError: if `loss_fn` is not callable, returns something other than a
+      TypeError: if `fun` is not callable, returns something other than a
         scalar floating loss, `argnums` is not an int or a sequence of ints,
-        `loss_scale` is none of the forms above, or an argument or `loss_scale` is a
+        `scale` is none of the forms above, or an argument or `scale` is a
         tracer (``find_overflow`` called inside ``jit``).
       ValueError: if `dtype` is not float16 or bfloat16, `argnums` is out of
-        range, `loss_scale` is not a positive normal float32 number (or holds several
+        range, `scale` is not a positive normal float32 number (or holds several
         loss-scale states), or `rules` / `modules` are invalid (as in ``autocast``).
 
     Examples:
       >>> def loss_fn(w, x):
       ...   return jnp.mean(x @ w)
       >>> w = jnp.full((4, 4), 300.0)
-      >>> report = jaxamp.find_overflow(loss_fn, w, jnp.full((2, 4), 100.0))
+      >>> report = jaxamp.find_overflow(loss_fn)(w, jnp.full((2, 4), 100.0))
       >>> report.found, report.primitive, report.pass_, report.dtype
       (True, 'dot_general', 'forward', 'float16')
-      >>> jaxamp.find_overflow(loss_fn, w / 1000, jnp.ones((2, 4)), loss_scale=1.0).found
+      >>> jaxamp.find_overflow(loss_fn, scale=1.0)(w / 1000, jnp.ones((2, 4))).found
       False
     """
-    if not callable(loss_fn):
-        raise TypeError(f"find_overflow: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not callable(fun):
+        raise TypeError(f"find_overflow: fun must be callable, got {type(fun).__name__}")
     low = _check_dtype(dtype)
-    _check_concrete(args, kwargs)  # first: a traced loss_scale usually comes with traced args
-    loss_scale = _check_loss_scale(loss_scale)
     if not isinstance(autocast, bool):
         raise TypeError(f"find_overflow: autocast must be a bool, got {autocast!r}")
-    loss = _Loss.of(loss_fn, args, kwargs, _check_argnums(argnums, len(args)))
-    settings = _Settings(low, rules, modules, autocast)
-    closed, cache = loss.trace(settings, loss_scale), {}
 
-    def probe(scale: float, **overrides: Any) -> OverflowReport:
-        """The loss run again at `scale`, with `overrides` (dtype=, rules=, modules=,
-        autocast=) in place of the caller's: the report, without advice."""
-        if not overrides:
-            return loss.report(closed, settings, scale, cache)
-        again = settings._replace(**overrides)
-        again = again._replace(dtype=np.dtype(again.dtype))
-        return loss.report(loss.trace(again, loss_scale), again, scale, {})
+    @functools.wraps(fun)
+    def run(*args: Any, **kwargs: Any) -> OverflowReport:
+        _check_concrete(args, kwargs)  # first: a traced scale usually comes with traced args
+        loss_scale = _check_loss_scale(scale)
+        loss = _Loss.of(fun, args, kwargs, _check_argnums(argnums, len(args)))
+        settings = _Settings(low, rules, modules, autocast)
+        closed, cache = loss.trace(settings, loss_scale), {}
 
-    finding = loss.find(closed, loss_scale, cache)
-    report = _overflow_report.build(finding, low, loss_scale)
-    return advise(report, finding, probe, rules, modules, autocast)
+        def probe(at: float, **overrides: Any) -> OverflowReport:
+            """The loss run again at scale `at`, with `overrides` (dtype=, rules=, modules=,
+            autocast=) in place of the caller's: the report, without advice."""
+            if not overrides:
+                return loss.report(closed, settings, at, cache)
+            again = settings._replace(**overrides)
+            again = again._replace(dtype=np.dtype(again.dtype))
+            return loss.report(loss.trace(again, loss_scale), again, at, {})
+
+        finding = loss.find(closed, loss_scale, cache)
+        report = _overflow_report.build(finding, low, loss_scale)
+        return advise(report, finding, probe, rules, modules, autocast)
+
+    return run
 
 
 class _Settings(NamedTuple):
@@ -222,7 +285,7 @@ def _scalar_loss(loss: Any) -> jax.Array:
             if isinstance(loss, jax.Array)
             else type(loss).__name__
         )
-        raise TypeError(f"find_overflow: loss_fn must return a scalar floating loss, got {got}")
+        raise TypeError(f"find_overflow: fun must return a scalar floating loss, got {got}")
     return loss
 
 
@@ -244,7 +307,7 @@ def _check_dtype(dtype: Any) -> np.dtype:
 
 
 _LOSS_SCALE_FORMS = (
-    "find_overflow: loss_scale must be the loss scale the step uses: a jaxamp.LossScaleState, "
+    "find_overflow: scale must be the loss scale the step uses: a jaxamp.LossScaleState, "
     "the optimizer state holding one (as tx.init / the step returns it, a TrainState, a "
     "jaxamp.nnx.Optimizer) or a positive number"
 )
@@ -268,7 +331,7 @@ def _check_loss_scale(loss_scale: Any) -> float:
             state = get_loss_scale(loss_scale)
         except ValueError as e:
             if "no LossScaleState" not in str(e):  # several: name them, as metrics does
-                raise ValueError(f"find_overflow: loss_scale: {unnamed(e)}") from None
+                raise ValueError(f"find_overflow: scale: {unnamed(e)}") from None
             raise TypeError(
                 f"{_LOSS_SCALE_FORMS}, got {with_article(type(loss_scale).__name__)} with no "
                 "LossScaleState in it"
@@ -279,10 +342,10 @@ def _check_loss_scale(loss_scale: Any) -> float:
             # holds one equal copy per device.
             loss_scale = np.max(jax.device_get(loss_scale))
     if isinstance(loss_scale, jax.core.Tracer):
-        raise TypeError(f"find_overflow: loss_scale is a traced value; {_EAGER}")
+        raise TypeError(f"find_overflow: scale is a traced value; {_EAGER}")
     if np.size(loss_scale) != 1:
         raise ValueError(
-            f"find_overflow: loss_scale must be one number, got shape {np.shape(loss_scale)}"
+            f"find_overflow: scale must be one number, got shape {np.shape(loss_scale)}"
         )
     if not isinstance(loss_scale, int | float):  # a Python int may be too large for numpy
         loss_scale = np.asarray(jax.device_get(loss_scale)).reshape(())
@@ -297,7 +360,7 @@ def _check_loss_scale(loss_scale: Any) -> float:
     # (flushed to 0 on most accelerators), neither a scale a state can hold.
     if not (math.isfinite(value) and _F32_TINY <= value <= _F32_MAX):
         raise ValueError(
-            "find_overflow: loss_scale must be positive and finite as a normal float32 "
+            "find_overflow: scale must be positive and finite as a normal float32 "
             f"(2**-126 ~ {_F32_TINY:.3g} to {_F32_MAX:.3g}: the step multiplies by it in "
             f"float32), got {value:g}"
         )
@@ -316,7 +379,7 @@ def _check_argnums(argnums: Any, nargs: int) -> set[int]:
         if not -nargs <= n < nargs:
             raise ValueError(
                 f"find_overflow: argnums={argnums!r} is out of range for {nargs} positional "
-                f"argument{'s' if nargs != 1 else ''} of loss_fn"
+                f"argument{'s' if nargs != 1 else ''} of fun"
             )
         out.add(n % nargs)
     return out

@@ -125,8 +125,8 @@ def _checked_scale(r: OverflowReport, probe: Probe) -> tuple[float | None, float
 def _scale_advice(r: OverflowReport, scale: float) -> str:
     s = f"{scale:g}"
     return (
-        f"The loss scale is too large: with loss_scale={r.loss_scale:.9g} this gradient "
-        f"op exceeds {r.dtype}'s range; run again at loss_scale={s}, no gradient op "
+        f"The loss scale is too large: with a scale of {r.loss_scale:.9g} this gradient "
+        f"op exceeds {r.dtype}'s range; run again at scale={s}, no gradient op "
         f"overflows because of the scale. Start from it: jaxamp.dynamic_scale(init_scale={s}) "
         "(a dynamic scale also gets there by halving, skipping one step each time)."
     )

@@ -18,7 +18,7 @@ from jaxamp.casting._find_overflow import _overflow_eval, _overflow_where
 __all__ = ["OverflowReport", "build"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OverflowReport:
     """What [`jaxamp.find_overflow`][jaxamp.find_overflow] found: the first op that overflowed, if
     any.

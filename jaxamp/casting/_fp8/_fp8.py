@@ -78,7 +78,7 @@ FP8_KEY = "jaxamp.fp8"
 _LOOPS = frozenset({"scan", "while"})
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Fp8Config:
     """What ``jaxamp.fp8(...)`` returns; pass it as ``autocast(..., fp8=...)``.
 
@@ -183,7 +183,9 @@ def fp8(
         )
     if not isinstance(batched, bool):
         raise TypeError(f"jaxamp.fp8: batched must be True or False, got {batched!r}")
-    return Fp8Config(scaling, tuple(pairs), first_last_bf16, batched)
+    return Fp8Config(
+        scaling=scaling, modules=tuple(pairs), first_last_bf16=first_last_bf16, batched=batched
+    )
 
 
 def resolve(value: Any) -> Fp8Config | None:
