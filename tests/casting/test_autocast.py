@@ -20,7 +20,7 @@ from flax import nnx
 
 import jaxamp
 from jaxamp._utils import jax_compat
-from jaxamp.casting._rules import DEFAULT_RULES, FLOAT32_OPS, LOWER_PRECISION_OPS
+from jaxamp.casting._rules._rules import DEFAULT_RULES, FLOAT32_OPS, LOWER_PRECISION_OPS
 from tests.helpers import all_equations as _eqns
 from tests.helpers import rel_err as _rel_err
 from tests.helpers import tanh_proj
