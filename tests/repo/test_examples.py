@@ -273,6 +273,19 @@ def test_make_demo_installs_only_what_the_demo_needs(tmp_path: Path) -> None:
     assert {m for m in imported if m not in sys.stdlib_module_names} <= allowed, imported
 
 
+def test_make_docs_installs_only_the_docs_extra(tmp_path: Path) -> None:
+    """`make docs` installs jaxamp with its `docs` extra (MkDocs and its plugins), not the
+    test environment's extras; `make docs-check`, part of `make test`, may use them."""
+    venv = tmp_path / "venv"  # absent: make prints the whole recipe (-n runs nothing)
+    proc = subprocess.run(
+        ["make", "-n", "docs", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    installs = [line for line in proc.stdout.splitlines() if "pip install" in line]
+    assert installs and all('-e ".[docs]"' in line for line in installs), proc.stdout
+    assert f"{venv}/bin/mkdocs build --strict" in proc.stdout
+
+
 def test_quickstart_prints_what_its_docstring_shows(jax_cache: Path) -> None:
     """examples/quickstart.py prints the lines its docstring says a user will see: the
     loss falling, the scale at 2**15 halving on the one inf batch, one skipped step
