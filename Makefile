@@ -155,8 +155,10 @@ $(DEMO_STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[examples]"
 	touch $(DEMO_STAMP)
 
+# The table, the run's figures and the plot that docs/demo.md and docs/guide.md show are
+# written by this run (docs/_generated/): the pages show the last `make demo`.
 demo: $(DEMO_STAMP)
-	$(PY) examples/train_lm.py
+	$(PY) examples/train_lm.py --docs docs/_generated
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py
