@@ -2,6 +2,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# `make docs` and `make demo` install only their extras (stamps of their own); the full
+# install holds both, so after it neither reinstalls (not while `make test` runs tests).
+DOCS_STAMP := $(VENV)/.installed-docs
+DEMO_STAMP := $(VENV)/.installed-demo
 EIGHT_DEVICES := --xla_force_host_platform_device_count=8
 # `make test`'s programs are compiled at LLVM's lowest level: its tests compile far more
 # than they run, and LLVM's optimisation is a fifth to a third of their CPU time. The
@@ -19,7 +23,7 @@ FAST_XLA := --xla_backend_optimization_level=0
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile -e ".[dev,examples,bench,conformance,docs]"
-	touch $(STAMP)
+	touch $(STAMP) $(DOCS_STAMP) $(DEMO_STAMP)
 
 # Two phases, each running its parts side by side so that neither core idles while one
 # part finishes its slowest tests: the single- and multi-device suites, then the
@@ -79,7 +83,6 @@ wheel-smoke: dist
 # It works opened from disk (site/index.html) or served (`make docs-serve`).
 # It needs the `docs` extra only (MkDocs reads the docstrings without importing jaxamp):
 # its own stamp, as the demo's, not the test environment's 1.2 GB.
-DOCS_STAMP := $(VENV)/.installed-docs
 $(DOCS_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile -e ".[docs]"
@@ -149,7 +152,6 @@ matrix: $(STAMP)
 
 # The demo needs jaxamp, matplotlib and tqdm only: its own stamp installs the
 # `examples` extra into the same venv (`make test` adds the rest later).
-DEMO_STAMP := $(VENV)/.installed-demo
 $(DEMO_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e ".[examples]"
