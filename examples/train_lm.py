@@ -927,11 +927,12 @@ def format_run_facts(
             + f". It ends at {_format_scale(h['loss_scale'][-1])}."
         )
         if amp["explain"]:
-            text = amp["explain"]["text"].strip().replace("\n", "\n  ")
+            # A list item's code block is indented by four spaces (Markdown's continuation).
+            text = amp["explain"]["text"].strip().replace("\n", "\n    ")
             out.append(
-                f"- **`jaxamp.explain(opt_state, params)`** after the run:\n\n  ```\n  {text}"
+                f"- **`jaxamp.explain(opt_state, params)`** after the run:\n\n    ```\n    {text}"
             )
-            out.append("  ```")
+            out.append("    ```\n")
         for case, title in (
             ("last_skipped_step", "The run's last overflow, re-found"),
             ("planted", "A planted overflow (the last block's MLP up-projection kernel x 10^5, "
