@@ -194,7 +194,7 @@ def test_demo_run_facts_format(tmp_path: Path) -> None:
         "runs": {
             "fp32": {"history": base},
             "fp16": {"history": fp16},
-            "fp16-amp": {"history": base, "explain": None, "find_overflow": None},
+            "fp16-amp": {"history": base, "explain": {"text": "a\nb"}, "find_overflow": None},
         },
     }
     facts = module.format_run_facts(args, summary, 125.0, "examples/train_lm.py")
@@ -202,6 +202,8 @@ def test_demo_run_facts_format(tmp_path: Path) -> None:
     assert "fp32's loss on it is 9.0 nats/byte, against 2.0–2.0" in facts
     assert "50–90 % of its gradient entries" in facts and "(10 % on the random" in facts
     assert "1 step skipped as non-finite, halving it: 11 (2^3 → 2^2)" in facts
+    # explain's report: a code block inside its list item (four spaces), the list goes on
+    assert "after the run:\n\n    ```\n    a\n    b\n    ```\n" in facts
 
 
 @pytest.mark.parametrize(
