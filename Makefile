@@ -2,6 +2,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# `make docs` and `make demo` install only their extras (stamps of their own); the full
+# install holds both, so after it neither reinstalls (not while `make test` runs tests).
+DOCS_STAMP := $(VENV)/.installed-docs
+DEMO_STAMP := $(VENV)/.installed-demo
 EIGHT_DEVICES := --xla_force_host_platform_device_count=8
 # `make test`'s programs are compiled at LLVM's lowest level: its tests compile far more
 # than they run, and LLVM's optimisation is a fifth to a third of their CPU time. The
@@ -19,36 +23,46 @@ FAST_XLA := --xla_backend_optimization_level=0
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --no-compile -e ".[dev,examples,bench,conformance,docs]"
-	touch $(STAMP)
+	touch $(STAMP) $(DOCS_STAMP) $(DEMO_STAMP)
 
 # Two phases, each running its parts side by side so that neither core idles while one
 # part finishes its slowest tests: the single- and multi-device suites, then the
 # multi-process tests (they wait on their workers much of the time), the wheel smoke
-# test and the docs check.
+# test and the docs check. The parts' output is not held back until each ends (make's
+# --output-sync would: a silent first phase); each line comes out whole as it is
+# written, prefixed by its part, and pytest counts tests done (`[ 120/2210]`).
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-single test-multidevice
-	$(MAKE) --no-print-directory -j3 --output-sync=target test-multiprocess wheel-smoke docs-check \
-		test-xla-default
+	$(MAKE) --no-print-directory -j2 test-single test-multidevice PART=1
+	$(MAKE) --no-print-directory -j3 test-multiprocess wheel-smoke docs-check \
+		test-xla-default PART=1
+
+# A recipe line's pipe fails when any of its commands does (pytest's status, not sed's).
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+# In `make test` (PART=1), a pytest command's output, line by line, prefixed by its target.
+PYTEST_OPTS := $(if $(PART),-o console_output_style=count)
+TAG = $(if $(PART),2>&1 | sed -u 's/^/$@: /')
 
 # tests/repo/test_docs_site.py runs in docs-check, once, after `mkdocs build --strict`.
 test-single: $(STAMP)
-	XLA_FLAGS=$(FAST_XLA) $(PY) -m pytest -q -n 2 -m "not slow and not xla_default" jaxamp tests \
-		--ignore=tests/multidevice --ignore=tests/multiprocess --ignore=tests/matrix \
-		--ignore=tests/repo/test_docs_site.py
+	XLA_FLAGS=$(FAST_XLA) $(PY) -m pytest -q $(PYTEST_OPTS) -n 2 -m "not slow and not xla_default" \
+		jaxamp tests --ignore=tests/multidevice --ignore=tests/multiprocess --ignore=tests/matrix \
+		--ignore=tests/repo/test_docs_site.py $(TAG)
 
 test-xla-default: $(STAMP)
-	XLA_FLAGS= $(PY) -m pytest -q -p no:cacheprovider -m "xla_default and not slow" tests \
-		--ignore=tests/multidevice --ignore=tests/multiprocess --ignore=tests/matrix
+	XLA_FLAGS= $(PY) -m pytest -q $(PYTEST_OPTS) -p no:cacheprovider -m "xla_default and not slow" \
+		tests --ignore=tests/multidevice --ignore=tests/multiprocess --ignore=tests/matrix $(TAG)
 
 # What `make test` leaves out for time: benchmark smoke runs (pytest -m slow).
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m slow tests
 
 test-multidevice: $(STAMP)
-	XLA_FLAGS="$(EIGHT_DEVICES) $(FAST_XLA)" $(PY) -m pytest -q -n 1 tests/multidevice tests/matrix
+	XLA_FLAGS="$(EIGHT_DEVICES) $(FAST_XLA)" $(PY) -m pytest -q $(PYTEST_OPTS) -n 1 tests/multidevice \
+		tests/matrix $(TAG)
 
 test-multiprocess: $(STAMP)
-	$(PY) -m pytest -q tests/multiprocess
+	$(PY) -m pytest -q $(PYTEST_OPTS) tests/multiprocess $(TAG)
 
 # An sdist and a wheel of the distribution `jax-mixed-precision` (import name `jaxamp`).
 dist: $(STAMP)
@@ -61,13 +75,20 @@ SMOKE := build/wheel-smoke
 wheel-smoke: dist
 	rm -rf $(SMOKE) && $(PYTHON) -m venv $(SMOKE)
 	$(SMOKE)/bin/python -m pip install --quiet --no-compile dist/*.whl
-	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/.ci/wheel_smoke.py $(CURDIR)
+	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/.ci/wheel_smoke.py $(CURDIR) $(TAG)
 	$(SMOKE)/bin/python -m pip uninstall --quiet -y flax
-	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/tests/utils/without_flax.py
+	cd /tmp && $(CURDIR)/$(SMOKE)/bin/python $(CURDIR)/tests/utils/without_flax.py $(TAG)
 
 # The documentation site (docs/ and every public docstring) into site/; warnings are errors.
 # It works opened from disk (site/index.html) or served (`make docs-serve`).
-docs: $(STAMP)
+# It needs the `docs` extra only (MkDocs reads the docstrings without importing jaxamp):
+# its own stamp, as the demo's, not the test environment's 1.2 GB.
+$(DOCS_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --no-compile -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The built site at http://127.0.0.1:8000/ (Ctrl-C stops it).
@@ -81,8 +102,8 @@ docs-serve: docs
 SHOTS := site-screenshots
 SHOT_PAGES := index start/pytorch guide api/jaxamp index.html?q=dynamic_scale
 CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser)
-docs-check: docs
-	$(PY) -m pytest -q -p no:cacheprovider tests/repo/test_docs_site.py
+docs-check: $(STAMP) docs
+	$(PY) -m pytest -q $(PYTEST_OPTS) -p no:cacheprovider tests/repo/test_docs_site.py $(TAG)
 	@if [ -z "$(CHROMIUM)" ]; then echo "docs-check: no chromium, screenshots skipped"; \
 	else rm -rf $(SHOTS) && mkdir -p $(SHOTS) && for page in $(SHOT_PAGES); do \
 		case $$page in *\?*) url=$$page;; *) url=$$page.html;; esac; \
@@ -131,14 +152,15 @@ matrix: $(STAMP)
 
 # The demo needs jaxamp, matplotlib and tqdm only: its own stamp installs the
 # `examples` extra into the same venv (`make test` adds the rest later).
-DEMO_STAMP := $(VENV)/.installed-demo
 $(DEMO_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -e ".[examples]"
 	touch $(DEMO_STAMP)
 
+# The table, the run's figures and the plot that docs/demo.md and docs/guide.md show are
+# written by this run (docs/_generated/): the pages show the last `make demo`.
 demo: $(DEMO_STAMP)
-	$(PY) examples/train_lm.py
+	$(PY) examples/train_lm.py --docs docs/_generated
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py

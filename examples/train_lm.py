@@ -17,7 +17,8 @@ Each run shows a progress bar (loss, loss scale, skipped steps), saves an orbax
 checkpoint every ``--ckpt-every`` steps (``--resume`` continues exactly where a
 run stopped: the batch of step ``i`` is a pure function of ``(seed, i)``), and at
 the end the script prints a table and writes under ``--out``: ``summary.json``,
-``table.txt`` and ``loss_curves.png``.
+``table.txt`` and ``loss_curves.png``; with ``--docs DIR`` (as ``make demo`` runs it)
+also the table, the run's figures and the plot that the documentation shows.
 
 Run ``python examples/train_lm.py --help`` for the flags.
 """
@@ -246,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="seed for init and data order")
     p.add_argument("--out", default="runs/demo", help="output directory")
+    p.add_argument(
+        "--docs",
+        default=None,
+        help="also write what the documentation shows of this run into this directory: "
+        "demo_table.md, demo_run.md (its figures) and demo.png (`make demo`: "
+        "docs/_generated, so that the pages show the run that `make demo` made)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
         "--no-find-overflow",
@@ -851,6 +859,105 @@ def format_table(summary: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def format_run_facts(
+    args: argparse.Namespace, summary: dict[str, Any], wall_s: float, command: str
+) -> str:
+    """The figures docs/demo.md quotes from this run, as a Markdown list: the pages
+    include this file, so that no figure there is older than the last ``make demo``."""
+    runs = summary["runs"]
+    minutes, seconds = divmod(round(wall_s), 60)
+    out = [
+        f"- **This run**: `{command}`, "
+        f"{minutes} min {seconds:02d} s of wall time on {summary['platform']}, "
+        "compiles, evaluations, checkpoints and find_overflow included."
+    ]
+    spiked = args.spike_step and "fp32" in runs and args.spike_step <= args.steps
+    if spiked:
+        h = runs["fp32"]["history"]
+        before = h["loss"][max(0, args.spike_step - 11) : args.spike_step - 1]
+        out.append(
+            f"- **The corrupted batch** (step {args.spike_step}): fp32's loss on it is "
+            f"{h['loss'][args.spike_step - 1]:.1f} nats/byte, against "
+            f"{min(before):.1f}–{max(before):.1f} on the ten steps before it."
+        )
+    if "fp16" in runs:
+        h = runs["fp16"]["history"]
+        frac = [
+            100 * z
+            for s, z in zip(h["step"], h["zero_grad_frac"], strict=True)
+            if s >= 20 and s != args.spike_step
+        ]
+        others = max(
+            100 * max(r["history"]["zero_grad_frac"]) for n, r in runs.items() if n != "fp16"
+        )
+        if frac:
+            out.append(
+                f"- **fp16's underflow**: from step 20 on, {min(frac):.0f}–{max(frac):.0f} % of "
+                "its gradient entries are exactly zero"
+                + (
+                    f" ({100 * h['zero_grad_frac'][args.spike_step - 1]:.0f} % on the random "
+                    f"batch of step {args.spike_step})"
+                    if spiked
+                    else ""
+                )
+                + f"; at most {others:.2f} % in any step of the other runs."
+            )
+    amp = runs.get("fp16-amp")
+    if amp is not None:
+        h = amp["history"]
+        backoffs = [
+            f"{s} ({_format_scale(h['loss_scale'][i - 1] if i else args.init_scale)} → "
+            f"{_format_scale(h['loss_scale'][i])})"
+            for i, s in enumerate(h["step"])
+            if h["skipped"][i] > (h["skipped"][i - 1] if i else 0)
+        ]
+        out.append(
+            f"- **fp16-amp's loss scale**: from {_format_scale(args.init_scale)}, doubling after "
+            f"{args.growth_interval} clean steps; "
+            + (
+                (
+                    f"{len(backoffs)} steps skipped as non-finite, each halving it: "
+                    if len(backoffs) > 1
+                    else "1 step skipped as non-finite, halving it: "
+                )
+                + ", ".join(backoffs)
+                if backoffs
+                else "no step overflowed"
+            )
+            + f". It ends at {_format_scale(h['loss_scale'][-1])}."
+        )
+        if amp["explain"]:
+            # A list item's code block is indented by four spaces (Markdown's continuation).
+            text = amp["explain"]["text"].strip().replace("\n", "\n    ")
+            out.append(
+                f"- **`jaxamp.explain(opt_state, params)`** after the run:\n\n    ```\n    {text}"
+            )
+            out.append("    ```\n")
+        for case, title in (
+            ("last_skipped_step", "The run's last overflow, re-found"),
+            ("planted", "A planted overflow (the last block's MLP up-projection kernel x 10^5, "
+             "loss scale 1)"),
+        ):  # fmt: skip
+            found = (amp["find_overflow"] or {}).get(case)
+            if not found:
+                continue
+            at = (
+                f" on the final params and the batch of step {found['step']}, at loss scale "
+                f"{_format_scale(found['loss_scale'])},"
+                if case == "last_skipped_step"
+                else ""
+            )
+            what = (
+                f"names the {found['dtype']} `{found['primitive']}` of the {found['pass_']} "
+                f"pass in module `{found['module_path']}`, line {found['line']} of "
+                f"`train_lm.py`, {found['magnitude'] / 65504:.1f}x float16's maximum"
+                if found["found"]
+                else "finds nothing"
+            )
+            out.append(f"- **{title}**: `jaxamp.find_overflow`{at} {what}.")
+    return "\n".join(out) + "\n"
+
+
 def progress_postfix(spec: RunSpec, history: dict[str, Any]) -> dict[str, Any]:
     """The progress bar's figures; a run without loss scaling shows no scale (its
     "scale" is a constant 1 that nothing reads)."""
@@ -984,6 +1091,7 @@ def figure(summary: dict[str, Any]) -> Any:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the demo; returns the summary that it also writes to ``--out/summary.json``."""
     args = parse_args(argv)
+    started = time.perf_counter()
     train_np, eval_np, files = load_corpus(args.corpus_bytes, args.seq_len)
     print(
         f"corpus: {len(files)} files of {os.path.dirname(os.__file__)} "
@@ -1026,6 +1134,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     png = os.path.join(args.out, "loss_curves.png")
     plot(summary, png)
     print(f"wrote {args.out}/summary.json, table.txt and loss_curves.png")
+    if args.docs:
+        os.makedirs(args.docs, exist_ok=True)
+        with open(os.path.join(args.docs, "demo_table.md"), "w") as f:
+            f.write(f"```\n{table}\n```\n")
+        with open(os.path.join(args.docs, "demo_run.md"), "w") as f:
+            flags = sys.argv[1:] if argv is None else list(argv)
+            command = " ".join(["examples/train_lm.py", *flags])
+            f.write(format_run_facts(args, summary, time.perf_counter() - started, command))
+        plot(summary, os.path.join(args.docs, "demo.png"))
+        print(f"wrote {args.docs}/demo_table.md, demo_run.md and demo.png")
     return summary
 
 

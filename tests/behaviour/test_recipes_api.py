@@ -1,4 +1,5 @@
-"""API.md section 6: value_and_grad, step(finite=), metrics["skipped"], fp8 metadata."""
+"""docs/semantics.md: value_and_grad (#value-and-grad), step(finite=) (#guard), metrics["skipped"]
+(#loss-scale-state), fp8 metadata (#skipped-as-a-whole)."""
 
 import flax.linen as nn
 import jax

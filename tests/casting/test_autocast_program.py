@@ -1,4 +1,4 @@
-"""autocast is a function of the program (API.md section 7): what must hold in 0.3.
+"""autocast is a function of the program (docs/semantics.md#autocast-program), since 0.3.
 
 Each test here fails on jaxamp 0.2 (process-wide hooks, float16 masks, float32
 results cast back down, no float32 linear algebra).

@@ -1,4 +1,4 @@
-"""autocast: correctness first (API.md section 8; issue 31, items 1-3).
+"""autocast: correctness first (docs/semantics.md#autocast-correctness; issue 31, items 1-3).
 
 A float32 value meeting an activation keeps what float32 and torch.autocast
 give: a float32 result, input, target or parameter promotes the op to float32

@@ -60,7 +60,8 @@ def paddle_reference(overflows, init, incr_ratio, decr_ratio, incr_every, decr_e
 
 
 def megengine_reference(overflows, init_scale, growth_factor, backoff_factor, growth_interval):
-    """megengine.amp.GradScaler.update, with its two documented switches (see API.md)."""
+    """megengine.amp.GradScaler.update, with its two documented switches
+    (docs/semantics.md#compat)."""
     scale, tracker, skipped, out = f32(init_scale), 0, 0, []
     for found_inf in overflows:
         checks = growth_interval != 0
@@ -128,7 +129,8 @@ def test_torch_trajectory(overflows, log2_init, growth_factor, backoff_factor, g
 @settings(max_examples=30, deadline=None)
 @given(overflows=seqs, log2_init=st.integers(0, 20), growth_interval=st.integers(1, 5))
 def test_core_with_torch_settings_equals_torch(overflows, log2_init, growth_interval):
-    """API.md: hysteresis=1, min_scale=0, max_scale=inf is torch's trajectory."""
+    """hysteresis=1, min_scale=0, max_scale=inf is torch's trajectory
+    (docs/semantics.md#update-rule)."""
     s = jaxamp.dynamic_scale(
         init_scale=2.0**log2_init, growth_interval=growth_interval, min_scale=0, max_scale=math.inf
     )

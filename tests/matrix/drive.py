@@ -15,7 +15,7 @@ nothing. After every call:
 - params, inner optimizer state and model state equal the reference's, to a few
   ulps per call (``modes.Mode.tolerance`` says why not bit for bit); the counters
   that move on every call, skipped ones too (``modes.Mode.always``), bit for bit;
-- ``jaxamp.metrics`` equals the loss-scale oracle (API.md §2) and, with spikes,
+- ``jaxamp.metrics`` equals the loss-scale oracle (docs/semantics.md#update-rule) and, with spikes,
   the spike oracle; the step counter, where the path has one, moves as documented;
 - every leaf keeps the sharding it started with;
 - the ``jaxamp.step`` cells' twin (the same program with ``tx.update`` +

@@ -55,7 +55,7 @@ SPIKE_AMP = 64.0  # a spike multiplies the loss (and so its gradients) by this
 
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
-    """A dynamic loss scale; the oracle below follows API.md §2 step by step."""
+    """A dynamic loss scale; the oracle below follows docs/semantics.md#update-rule step by step."""
 
     init_scale: float = 2.0**4
     growth_interval: int = 3
@@ -199,7 +199,8 @@ def inner_leaves(opt_state: Any, mode: Mode, label: str, *, reference: bool) -> 
 
 
 # ---------------------------------------------------------------------------
-# Oracles: the loss scale (API.md §2), spikes (tests/skip/test_spikes.py), windows.
+# Oracles: the loss scale (docs/semantics.md#update-rule), spikes (tests/skip/test_spikes.py),
+# windows.
 
 
 @dataclasses.dataclass

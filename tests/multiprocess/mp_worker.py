@@ -85,7 +85,7 @@ def fault_schedule(num_processes: int, steps: int = STEPS, seed: int = FAULT_SEE
 
 
 def simulate_loss_scale(skipped: list[bool], start: tuple | None = None) -> np.ndarray:
-    """API.md's update rule for dynamic_scale(INIT_SCALE, growth_interval=2, hysteresis=2).
+    """docs/semantics.md#update-rule for dynamic_scale(INIT_SCALE, growth_interval=2, hysteresis=2).
 
     ``start``: the state to begin from (LS_FIELDS order); default the initial state.
     Returns (steps, 5): the state after each step, in LS_FIELDS order (as float64).
@@ -514,7 +514,8 @@ EK_FAULTS = (Fault(3, "x", np.inf, 1, 2), Fault(4, "x", np.nan, 0, 7))
 
 @scenario
 def every_k(ctx: Ctx) -> None:
-    """API.md section 6: skip_nonfinite(..., every_k=2) under jit over the global mesh."""
+    """skip_nonfinite(..., every_k=2) under jit over the global mesh
+    (docs/semantics.md#accumulation)."""
     if not _every_k_available():
         return _skip(ctx, "every_k", "jaxamp.skip_nonfinite has no every_k argument")
     _jit_run(
@@ -531,7 +532,8 @@ MT_LABELS = {"w1": "a", "b1": "a", "w2": "b", "b2": "b"}
 
 
 def make_mt_tx():
-    """jaxamp.multi_transform (API.md section 6): Adam for "a", SGD for "b", one scale."""
+    """jaxamp.multi_transform (docs/semantics.md#several-optimizers): Adam for "a", SGD for
+    "b", one scale."""
     import optax
 
     import jaxamp
@@ -547,7 +549,8 @@ def make_mt_tx():
 
 @scenario
 def multi_transform(ctx: Ctx) -> None:
-    """API.md section 6: jaxamp.multi_transform, FSDP under jit over the global mesh."""
+    """jaxamp.multi_transform (docs/semantics.md#several-optimizers), FSDP under jit over the
+    global mesh."""
     import jaxamp
 
     if not hasattr(jaxamp, "multi_transform"):

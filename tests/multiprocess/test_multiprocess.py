@@ -9,8 +9,8 @@ writes what it sees. The tests compare the processes' files:
   ``shard_map`` with ``axis_name`` (plus the control without it), each over 16
   steps with 6 injected faults (infs and NaNs, each in one process's data);
   processes disagreeing on a restored loss-scale state; ``every_k`` and
-  ``jaxamp.multi_transform`` (API.md section 6, skipped until they exist); an FSDP
-  run saved mid-hysteresis with one ``CheckpointManager`` from both processes.
+  ``jaxamp.multi_transform`` (docs/semantics.md#several-optimizers, skipped until they
+  exist); an FSDP run saved mid-hysteresis with one ``CheckpointManager`` from both processes.
 - 4 processes x 2 devices: the three fault-injected runs again; restore onto 8 devices.
 - restore onto 2 x 2, 4 x 1 and 1 x 4 devices (the saving run's layout: bit for bit).
 - 1 process x 4 devices: the single-process reference of the 2 x 2 runs.
@@ -177,8 +177,8 @@ def expected_skips(n_procs: int, steps: int = STEPS) -> list[bool]:
 
 def check_fault_run(out: Path, name: str, n: int, devices: int) -> list[dict]:
     """Each fault was injected by exactly its one process; every device of every process
-    skipped exactly the faulted steps; the loss-scale state followed API.md's rule on
-    every device; the final state is bit-identical everywhere."""
+    skipped exactly the faulted steps; the loss-scale state followed the update rule
+    (docs/semantics.md#update-rule) on every device; the final state is bit-identical everywhere."""
     recs = load(out, name, n)
     faults = fault_schedule(n)
     skips = expected_skips(n)

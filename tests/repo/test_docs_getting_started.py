@@ -73,15 +73,18 @@ def test_diff_before_and_after_run(page):
     assert "skipped 0" in printed, printed  # 100 finite steps: none skipped
 
 
-def test_pytorch_page_jaxamp_column_runs():
-    (code,) = blocks("pytorch.md", "python")
-    assert len(blocks("pytorch.md", "py")) == 1  # the PyTorch column
+def _pytorch_page_data() -> list:
+    """Eight batches of 32 (input, target) pairs: a linear rule the MLP learns."""
     kx, kw = jax.random.split(jax.random.key(0))
     inputs = jax.random.normal(kx, (8, 32, 20))
     targets = jnp.argmax(inputs[..., :10] @ jax.random.normal(kw, (10, 10)), axis=-1)
-    ns, printed = run(
-        code, "docs/start/pytorch.md[jaxamp]", {"data": list(zip(inputs, targets, strict=True))}
-    )
+    return list(zip(inputs, targets, strict=True))
+
+
+def test_pytorch_page_jaxamp_column_runs():
+    code, _ = blocks("pytorch.md", "python")
+    assert len(blocks("pytorch.md", "py")) == 2  # the PyTorch columns
+    ns, printed = run(code, "docs/start/pytorch.md[jaxamp]", {"data": _pytorch_page_data()})
     epochs = [line.split() for line in printed.strip().splitlines()]
     assert len(epochs) == 3, printed
     losses = [float(loss) for loss, _ in epochs]
@@ -89,3 +92,44 @@ def test_pytorch_page_jaxamp_column_runs():
     # GradScaler's initial scale, 2**16, not yet grown (2000 steps) nor backed off
     assert {float(scale) for _, scale in epochs} == {2.0**16}, printed
     assert int(ns["m"]["skipped_steps"]) == 0
+
+
+def test_pytorch_page_batchnorm_dropout_and_eval_column_runs():
+    """The second jaxamp column: BatchNorm statistics move with the steps, dropout draws
+    a new mask each step, evaluation runs the products in float16 and returns float32
+    logits that classify better than chance."""
+    _, code = blocks("pytorch.md", "python")
+    data = _pytorch_page_data()
+    ns, printed = run(code, "docs/start/pytorch.md[jaxamp, BatchNorm]", {"data": data})
+    losses = [float(line.split()[0]) for line in printed.strip().splitlines()]
+    assert len(losses) == 3 and losses[2] < losses[0] * 0.9, losses
+    assert int(ns["jaxamp"].metrics(ns["state"])["skipped_steps"]) == 0
+    init = ns["variables"]["batch_stats"]["BatchNorm_0"]["mean"]
+    assert float(jnp.abs(ns["state"].batch_stats["BatchNorm_0"]["mean"] - init).max()) > 1e-3
+    assert ns["output"].dtype == jnp.float32
+    assert ns["accuracy"] > 0.3  # ten classes: chance is 0.1
+    # eval is deterministic (dropout off); the train step is not, given two keys
+    state, x, y = ns["state"], data[0][0], data[0][1]
+    assert (ns["eval_step"](state, x) == ns["output"]).all()
+    _, a = ns["train_step"](state, x, y, jax.random.key(5))
+    _, b = ns["train_step"](state, x, y, jax.random.key(6))
+    assert float(a) != float(b)
+    variables = {"params": state.params, "batch_stats": state.batch_stats}
+    evaluate = lambda v, x: state.apply_fn(v, x, train=False)  # noqa: E731
+    dots = [
+        str(e.invars[0].aval.dtype)
+        for e in jax.make_jaxpr(evaluate)(variables, x).jaxpr.eqns
+        for e in _all_eqns(e)
+        if e.primitive.name == "dot_general"
+    ]
+    assert dots and set(dots) == {"float16"}, dots
+
+
+def _all_eqns(eqn):
+    """``eqn`` and the equations of the jaxprs nested in it."""
+    yield eqn
+    for value in eqn.params.values():
+        inner = getattr(value, "jaxpr", None)
+        if inner is not None:
+            for sub in getattr(inner, "jaxpr", inner).eqns:
+                yield from _all_eqns(sub)

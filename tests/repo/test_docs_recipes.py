@@ -267,13 +267,52 @@ def test_migration_before_and_after_train_alike(name: str) -> None:
 # Item 12: routes real programs take
 
 
+ROUTES = [
+    "pmap", "nnx_split", "flax_checkpoints", "model_dtype", "equinox", "huggingface",
+    "pmap_no_scale", "pmap_checkpoint",
+]  # fmt: skip
+
+
 def _route_blocks() -> dict[str, str]:
-    """docs/routes.md's blocks by section: the pmap block (run in tests/multidevice) and
-    the four that run on one device."""
+    """docs/routes.md's blocks by section (the pmap ones run here on one device and in
+    tests/multidevice on eight)."""
     codes = blocks("routes.md")
-    assert len(codes) == 5 and codes[0].startswith("# under pmap")
-    names = ["pmap", "nnx_split", "flax_checkpoints", "model_dtype", "equinox"]
-    return dict(zip(names, codes, strict=True))
+    assert len(codes) == len(ROUTES) and codes[0].startswith("# under pmap")
+    return dict(zip(ROUTES, codes, strict=True))
+
+
+def test_routes_huggingface_model_trains_under_autocast_and_evaluates_in_it(capsys):
+    """The bound `FlaxPreTrainedModel.__call__` under autocast: its products run in
+    float16 (train and eval), its params stay float32, the loss falls, eval's logits
+    come back float32."""
+    import jax.numpy as jnp
+
+    pytest.importorskip("transformers")
+    ns = run_blocks("routes.md", [_route_blocks()["huggingface"]])
+    assert {x.dtype for x in jax.tree.leaves(ns["params"])} == {jnp.dtype(jnp.float32)}
+    assert ns["logits"].dtype == jnp.float32
+    batch, params = ns["batch"], ns["params"]
+    train = _dot_dtypes(lambda p: ns["loss_fn"](p, batch, jax.random.key(0)), params)
+    evaluate = _dot_dtypes(lambda p: ns["eval_step"](p, batch), params)
+    assert train and set(train) == {"float16"}, train
+    assert evaluate and set(evaluate) == {"float16"}, evaluate
+    out = capsys.readouterr().out
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert int(jaxamp.metrics(ns["opt_state"])["skipped_steps"]) <= 1  # start-up backoff
+    assert "eval logits float32" in out
+
+
+def test_routes_pmap_no_scale_checks_and_skips_with_scale_one(capsys):
+    ns = run_blocks("routes.md", [_route_blocks()["pmap_no_scale"]])
+    m = jax.device_get(ns["metrics"])
+    assert (m["loss_scale"] == 1).all() and (m["skipped_steps"] == 1).all()
+    assert "scale 1, skipped 1" in capsys.readouterr().out
+
+
+def test_routes_pmap_checkpoint_resumes_bit_for_bit(capsys):
+    run_blocks("routes.md", [_route_blocks()["pmap_checkpoint"]])
+    assert "resumed bit for bit: True" in capsys.readouterr().out
 
 
 def test_routes_nnx_split_train_state_keeps_batch_stats_and_explain_names_modules(capsys):

@@ -57,9 +57,14 @@ def _run(args: list[str], cache: Path, timeout: float = 300) -> subprocess.Compl
 def test_demo_tiny_end_to_end(tmp_path: Path, jax_cache: Path) -> None:
     """All four runs at a tiny size (the resume: the next test)."""
     out = tmp_path / "demo"
-    proc = _run([str(EXAMPLES / "train_lm.py"), *TINY, "--out", str(out)], jax_cache)
+    docs = tmp_path / "docs"  # what `make demo` writes into docs/_generated
+    argv = [str(EXAMPLES / "train_lm.py"), *TINY, "--out", str(out), "--docs", str(docs)]
+    proc = _run(argv, jax_cache)
     for name in ("summary.json", "table.txt", "loss_curves.png"):
         assert (out / name).stat().st_size > 0, name
+    assert (docs / "demo_table.md").read_text() == f"```\n{(out / 'table.txt').read_text()}```\n"
+    assert (docs / "demo.png").stat().st_size > 0
+    assert "- **fp16-amp's loss scale**: from 2^24" in (docs / "demo_run.md").read_text()
     summary = json.loads((out / "summary.json").read_text())
     runs = summary["runs"]
     assert list(runs) == ["fp32", "fp16", "fp16-amp", "bf16"]
@@ -127,19 +132,78 @@ def _load_demo():
     return module
 
 
+GENERATED = ROOT / "docs" / "_generated"
+
+
+def test_demo_figures_in_the_docs_are_the_last_make_demo_runs() -> None:
+    """docs/demo.md and docs/guide.md show the table, figures and plot that `make demo`
+    writes (`--docs docs/_generated`), included at build time: no copy to go stale."""
+    recipe = subprocess.run(
+        ["make", "-n", "demo", "DEMO_STAMP=Makefile"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    assert recipe.endswith("examples/train_lm.py --docs docs/_generated"), recipe
+    run = (GENERATED / "demo_run.md").read_text()
+    assert "This run**: `examples/train_lm.py --docs docs/_generated`," in run  # the defaults
+    assert (GENERATED / "demo.png").stat().st_size > 0
+    table = (GENERATED / "demo_table.md").read_text()
+    for page, includes in {
+        "demo.md": ("demo_table.md", "demo_run.md", "demo.png"),
+        "guide.md": ("demo_table.md", "demo.png"),
+    }.items():
+        text = (ROOT / "docs" / page).read_text()
+        for name in includes:
+            assert f"_generated/{name}" in text, (page, name)
+        # no table row written into the page by hand
+        rows = [line for line in table.splitlines() if line.startswith(("fp32 ", "fp16 "))]
+        assert rows and not any(row.split()[1] in text for row in rows), page
+
+
 def test_demo_doc_points_at_the_lines_find_overflow_names() -> None:
-    # docs/demo.md quotes find_overflow's reports of `make demo`: a source line each.
-    # They must still be the lines of those layers when train_lm.py changes.
-    doc = (ROOT / "docs" / "demo.md").read_text()
+    # The docs quote find_overflow's reports of `make demo` (docs/_generated/demo_run.md):
+    # a source line each. They must still be the lines of those layers when
+    # train_lm.py changes (else: run `make demo` again).
+    run = (GENERATED / "demo_run.md").read_text()
     source = (EXAMPLES / "train_lm.py").read_text().splitlines()
     quoted = {
-        "line 350 of `train_lm.py`": "return nn.Dense(256)(",
-        "`ByteLM/Block_1/Dense_2`, line 331": "h = nn.Dense(4 * self.dim)(",
+        "`ByteLM/Dense_0`, line ": "return nn.Dense(256)(",
+        "`ByteLM/Block_1/Dense_2`, line ": "h = nn.Dense(4 * self.dim)(",
     }
     for where, code in quoted.items():
-        assert where in doc, where
-        line = int(where.split("line ")[1].split()[0].rstrip(","))
+        assert where in run, where
+        line = int(run.split(where)[1].split()[0])
         assert code in source[line - 1], (where, source[line - 1])
+
+
+def test_demo_run_facts_format(tmp_path: Path) -> None:
+    """format_run_facts on a small summary: the skipped steps with the scales around
+    each, the underflow range, the corrupted batch's loss."""
+    module = _load_demo()
+    args = module.parse_args(["--steps", "30", "--spike-step", "24", "--init-scale", "8"])
+    steps = list(range(1, 31))
+    skipped = [0] * 10 + [1] * 20
+    base = {
+        "step": steps,
+        "loss": [2.0] * 23 + [9.0] + [2.0] * 6,
+        "zero_grad_frac": [0.0] * 30,
+        "loss_scale": [8.0] * 9 + [8.0, 4.0] + [4.0] * 19,
+        "skipped": skipped,
+    }
+    fp16 = {**base, "zero_grad_frac": [0.5] * 23 + [0.1] + [0.9] * 6}
+    summary = {
+        "platform": "cpu (1 device, 2 CPU cores)",
+        "runs": {
+            "fp32": {"history": base},
+            "fp16": {"history": fp16},
+            "fp16-amp": {"history": base, "explain": {"text": "a\nb"}, "find_overflow": None},
+        },
+    }
+    facts = module.format_run_facts(args, summary, 125.0, "examples/train_lm.py")
+    assert "2 min 05 s of wall time" in facts
+    assert "fp32's loss on it is 9.0 nats/byte, against 2.0–2.0" in facts
+    assert "50–90 % of its gradient entries" in facts and "(10 % on the random" in facts
+    assert "1 step skipped as non-finite, halving it: 11 (2^3 → 2^2)" in facts
+    # explain's report: a code block inside its list item (four spaces), the list goes on
+    assert "after the run:\n\n    ```\n    a\n    b\n    ```\n" in facts
 
 
 @pytest.mark.parametrize(
@@ -271,6 +335,19 @@ def test_make_demo_installs_only_what_the_demo_needs(tmp_path: Path) -> None:
     extra = {"matplotlib", "tqdm"}
     allowed = {"jax", "flax", "optax", "orbax", "numpy", "jaxamp", *extra}
     assert {m for m in imported if m not in sys.stdlib_module_names} <= allowed, imported
+
+
+def test_make_docs_installs_only_the_docs_extra(tmp_path: Path) -> None:
+    """`make docs` installs jaxamp with its `docs` extra (MkDocs and its plugins), not the
+    test environment's extras; `make docs-check`, part of `make test`, may use them."""
+    venv = tmp_path / "venv"  # absent: make prints the whole recipe (-n runs nothing)
+    proc = subprocess.run(
+        ["make", "-n", "docs", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    installs = [line for line in proc.stdout.splitlines() if "pip install" in line]
+    assert installs and all('-e ".[docs]"' in line for line in installs), proc.stdout
+    assert f"{venv}/bin/mkdocs build --strict" in proc.stdout
 
 
 def test_quickstart_prints_what_its_docstring_shows(jax_cache: Path) -> None:
