@@ -98,7 +98,9 @@ def mark_scale_read() -> None:
         _scale_read = True
 
 
-# Whether a float16 autocast has been traced in this process (one flag, as above).
+# Whether a float16 autocast has been traced since the last guarded step was: the step
+# that follows it is the one its gradients reach (a train step traces its forward before
+# its update), and a later run's step (bfloat16 after a float16 run in one process) is not.
 _float16_autocast = False
 # Loss-scale states get_loss_scale handed out of a guard's state, and those a guarded
 # step was given outside any trace: by identity, never keeping one alive.
@@ -148,8 +150,12 @@ def check_step_input(ls: Any) -> None:
     """Warns if a guarded step is given, outside any trace, a state a step was given
     before (the new ``opt_state`` dropped), and if float16 autocast gradients reach a
     guard that holds no loss scale. ``ls`` is the step's loss-scale state."""
+    global _float16_autocast
     mode = getattr(ls, "mode", None)
-    if _float16_autocast and mode is not None and not mode.scales:
+    float16_traced = _float16_autocast and mode is not None
+    if mode is not None:
+        _float16_autocast = False  # this step consumed the float16 gradients, if any
+    if float16_traced and not mode.scales:
         _warn_once(
             "float16_no_scale",
             "jaxamp: a float16 autocast was traced, but this optimizer holds no loss scale "

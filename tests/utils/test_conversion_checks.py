@@ -405,6 +405,27 @@ def test_documented_paths_do_not_warn(run) -> None:
     assert _caught(run) == []
 
 
+def _float16_run_then_bfloat16_run():
+    tx, params, opt_state, x, y = _setup()  # the float16 run, with a loss scale
+    _, grads = jax.jit(jaxamp.value_and_grad(LOSS16))(opt_state, params, x, y)
+    jaxamp.step(tx, grads, opt_state, params)
+    _bfloat16_no_scale()  # make demo's next run, in the same process
+
+
+def test_a_bfloat16_run_after_a_float16_one_does_not_warn() -> None:
+    assert _caught(_float16_run_then_bfloat16_run) == []
+
+
+def test_float16_without_a_scale_warns_after_a_scaled_float16_run() -> None:
+    def run():
+        _float16_run_then_bfloat16_run()
+        tx, params, opt_state, x, y = _setup(None)  # float16 again, no loss scale
+        jaxamp.step(tx, jax.jit(jax.grad(LOSS16))(params, x, y), opt_state, params)
+
+    (msg,) = _caught(run)
+    assert "a float16 autocast was traced, but this optimizer holds no loss scale" in msg
+
+
 # ---------------------------------------------------------------------------------------
 # (a) Flax's own TrainState writing model state on a skipped step
 
