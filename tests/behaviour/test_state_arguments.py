@@ -119,8 +119,7 @@ def test_a_state_with_no_loss_scale_is_named_by_the_function_called():
             call(plain)
         msg = str(e.value)
         assert msg.startswith(
-            f"jaxamp.{name}: no LossScaleState found in the state passed "
-            "(got a tuple)"
+            f"jaxamp.{name}: no LossScaleState found in the state passed (got a tuple)"
         ), msg
         assert "jaxamp.skip_nonfinite(inner, " in msg, msg
         assert "`new` and `old`" not in msg, msg  # where_stepped blamed its other arguments

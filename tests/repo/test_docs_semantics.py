@@ -34,7 +34,5 @@ def test_every_citation_names_a_section_of_the_page() -> None:
 
 def test_nothing_cites_a_contract_outside_the_repository() -> None:
     here = Path(__file__).resolve()
-    stale = [
-        str(p.relative_to(ROOT)) for p in _files() if p != here and "API.md" in p.read_text()
-    ]
+    stale = [str(p.relative_to(ROOT)) for p in _files() if p != here and "API.md" in p.read_text()]
     assert not stale, f"cite docs/semantics.md's sections instead of API.md in: {stale}"
