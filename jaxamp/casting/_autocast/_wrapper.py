@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxamp._utils.conversion_checks import mark_float16_autocast
 from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp._utils.tree import holds_tracer
 from jaxamp.casting._autocast import _flax
 from jaxamp.casting._autocast._config import Config
 from jaxamp.casting._autocast._objects import holder
@@ -199,7 +200,7 @@ class _Call:
         *dyn: Any,
     ) -> Any:
         """``fn`` on ``leaves`` (the ``dynamic`` ones replaced by ``dyn``), under autocast."""
-        if any(isinstance(x, jax.core.Tracer) for x in dyn):
+        if holds_tracer(dyn):
             return _run(fn, self.cfg, leaves, treedef, dynamic, dyn)
         # Eager call: one jitted program per call signature (jit caches per
         # shapes and dtypes), instead of re-tracing `f` op by op every call. The

@@ -26,6 +26,7 @@ from jaxamp._utils.conversion_checks import _stacklevel
 from jaxamp._utils.deprecation import add_note
 from jaxamp._utils.dtypes import HALF_DTYPES, is_float, times_wide
 from jaxamp._utils.errors import unnamed, with_article
+from jaxamp._utils.tree import holds_tracer, is_tracer
 from jaxamp.casting._autocast._api import debugging_autocast
 from jaxamp.casting._find_overflow import _overflow_eval, _overflow_report
 from jaxamp.casting._find_overflow._overflow_advice import advise
@@ -318,7 +319,7 @@ _F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float3
 
 
 def _check_concrete(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
+    if holds_tracer((args, kwargs)):
         raise TypeError(f"find_overflow: the arguments must be concrete arrays; {_EAGER}")
 
 
@@ -337,11 +338,11 @@ def _check_loss_scale(loss_scale: Any) -> float:
                 "LossScaleState in it"
             ) from None
         loss_scale = state.scale
-        if not isinstance(loss_scale, jax.core.Tracer):
+        if not is_tracer(loss_scale):
             # A state that does not scale holds a scale of 1; a pmap-replicated state
             # holds one equal copy per device.
             loss_scale = np.max(jax.device_get(loss_scale))
-    if isinstance(loss_scale, jax.core.Tracer):
+    if is_tracer(loss_scale):
         raise TypeError(f"find_overflow: scale is a traced value; {_EAGER}")
     if np.size(loss_scale) != 1:
         raise ValueError(
