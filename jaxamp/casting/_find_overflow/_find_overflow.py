@@ -32,7 +32,7 @@ from jaxamp.casting._find_overflow import _overflow_eval, _overflow_report
 from jaxamp.casting._find_overflow._overflow_advice import advise
 from jaxamp.casting._find_overflow._overflow_report import OverflowReport
 from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE
-from jaxamp.loss_scale import LossScaleState, get_loss_scale
+from jaxamp.loss_scale import LossScaleNotFound, LossScaleState, get_loss_scale
 
 __all__ = ["OverflowReport", "find_overflow"]
 
@@ -330,13 +330,13 @@ def _check_loss_scale(loss_scale: Any) -> float:
     if not isinstance(loss_scale, int | float | np.number | jax.Array | np.ndarray):
         try:
             state = get_loss_scale(loss_scale)
-        except ValueError as e:
-            if "no LossScaleState" not in str(e):  # several: name them, as metrics does
-                raise ValueError(f"find_overflow: scale: {unnamed(e)}") from None
+        except LossScaleNotFound:
             raise TypeError(
                 f"{_LOSS_SCALE_FORMS}, got {with_article(type(loss_scale).__name__)} with no "
                 "LossScaleState in it"
             ) from None
+        except ValueError as e:  # several, or an unsafe structure: name them, as metrics does
+            raise ValueError(f"find_overflow: scale: {unnamed(e)}") from None
         loss_scale = state.scale
         if not is_tracer(loss_scale):
             # A state that does not scale holds a scale of 1; a pmap-replicated state
