@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from jaxamp.compat._paddle import paddle_grad_scaler
-from jaxamp.compat._table import SYSTEMS, check_whole, checked_args, system_state
+from jaxamp.compat._table import SYSTEMS, check_bounds, check_whole, checked_args, system_state
 from jaxamp.loss_scale import LossScaleState, Mode, no_scale, static_scale
 
 __all__ = [
@@ -56,10 +56,11 @@ def torch_grad_scaler(
     """
     if not enabled:
         return no_scale()
-    if growth_factor <= 1.0:
-        raise ValueError(f"growth_factor must be > 1.0 (as in PyTorch), got {growth_factor!r}.")
-    if backoff_factor >= 1.0:
-        raise ValueError(f"backoff_factor must be < 1.0 (as in PyTorch), got {backoff_factor!r}.")
+    check_bounds(
+        "as in PyTorch",
+        ("growth_factor", growth_factor, growth_factor > 1.0, "> 1.0"),
+        ("backoff_factor", backoff_factor, backoff_factor < 1.0, "< 1.0"),
+    )
     return system_state(
         "PyTorch",
         scale=init_scale,

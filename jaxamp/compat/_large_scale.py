@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxamp.compat._table import (
+    check_bounds,
     check_flags,
     check_numbers,
     check_whole,
@@ -227,7 +228,8 @@ def megatron_grad_scaler(
       >>> [float((s := jaxamp.update(s, False)).scale) for _ in range(3)]  # hysteresis=2
       [8.0, 4.0, 2.0]
     """
-    asserts = (
+    check_bounds(
+        "as Megatron-LM asserts",
         ("initial_scale", initial_scale, initial_scale > 0, "> 0"),
         ("min_scale", min_scale, min_scale > 0, "> 0"),
         (
@@ -241,9 +243,6 @@ def megatron_grad_scaler(
         ("growth_interval", growth_interval, growth_interval > 0, "> 0"),
         ("hysteresis", hysteresis, hysteresis > 0, "> 0"),
     )
-    for name, value, ok, wants in asserts:
-        if not ok:
-            raise ValueError(f"{name} must be {wants} (as Megatron-LM asserts), got {value!r}.")
     check_whole("Megatron-LM", "growth_interval", growth_interval, 1)
     check_whole("Megatron-LM", "hysteresis", hysteresis, 1)
     return system_state(
