@@ -129,8 +129,7 @@ def mindspore_fixed(loss_scale: float = 128.0, drop_overflow_update: bool = True
       >>> float(jaxamp.compat.mindspore_fixed().scale)
       128.0
     """
-    if loss_scale < 1:
-        raise ValueError(f"loss_scale must be >= 1 (as in MindSpore), got {loss_scale!r}.")
+    check_bounds("as in MindSpore", ("loss_scale", loss_scale, loss_scale >= 1, ">= 1"))
     return static_scale(loss_scale, check_finite=bool(drop_overflow_update))
 
 
@@ -159,13 +158,12 @@ def mindspore_dynamic(
       >>> int(jaxamp.compat.mindspore_dynamic().max_consecutive_nonfinite)
       1000
     """
-    if init_loss_scale < 1.0:
-        raise ValueError(
-            f"init_loss_scale must be >= 1 (as in MindSpore), got {init_loss_scale!r}."
-        )
+    check_bounds(
+        "as in MindSpore",
+        ("init_loss_scale", init_loss_scale, init_loss_scale >= 1.0, ">= 1"),
+    )
     check_whole("MindSpore", "scale_window", scale_window, 1)
-    if scale_factor <= 0:
-        raise ValueError(f"scale_factor must be > 0 (as in MindSpore), got {scale_factor!r}.")
+    check_bounds("as in MindSpore", ("scale_factor", scale_factor, scale_factor > 0, "> 0"))
     if scale_factor < 1:
         raise ValueError(
             f"scale_factor must be >= 1, got {scale_factor!r}: a factor below 1 would shrink "

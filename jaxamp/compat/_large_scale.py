@@ -307,8 +307,7 @@ def apex_loss_scaler(
             )
     else:
         check_numbers("Apex", loss_scale=loss_scale)
-    if not max_loss_scale > 0:
-        raise ValueError(f"max_loss_scale must be > 0 (Apex), got {max_loss_scale!r}.")
+    check_bounds("Apex", ("max_loss_scale", max_loss_scale, max_loss_scale > 0, "> 0"))
     if not isinstance(loss_scale, str):
         return fixed_state(Mode.STATIC_UNCHECKED, loss_scale, {"scale": "loss_scale"})
     check_whole("Apex", "scale_window", scale_window, 1)
