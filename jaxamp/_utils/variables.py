@@ -23,7 +23,10 @@ def is_variable(x: Any) -> bool:
     nnx = loaded("flax.nnx")
     if nnx is None:
         return False
-    return isinstance(x, nnx.Variable | getattr(nnx, "VariableState", nnx.Variable))
+    # Read from the module's own names: where Flax keeps ``VariableState`` only as a
+    # deprecated alias of ``Variable``, getattr would warn on every call.
+    state = vars(nnx).get("VariableState", nnx.Variable)
+    return isinstance(x, nnx.Variable | state)
 
 
 def held_value(x: Any) -> Any:

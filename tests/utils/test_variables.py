@@ -1,5 +1,7 @@
 """An nnx Variable stands for the value it holds, live or as a checkpoint saves it."""
 
+import warnings
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -12,6 +14,12 @@ def test_a_variable_and_its_saved_form_stand_for_their_one_leaf():
     for wrapped in (nnx.OptArray(x), nnx.Param(x), {"value": x}, {"value": {"raw": x}}):
         assert held_value(wrapped) is x, wrapped
     assert held_value({"value": nnx.OptArray(x)}) is x
+
+
+def test_asking_warns_nothing():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Flax's deprecated VariableState alias warns
+        assert is_variable(nnx.Param(jnp.ones(2))) and not is_variable(jnp.ones(2))
 
 
 def test_anything_else_is_itself():
