@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.tree import path_key, render_path
+from jaxamp._utils.variables import held_value
 from jaxamp.skip import SpikeState
 
 _FIELDS = ("losses", "grad_norms", "count", "skips", "skipped")
@@ -73,9 +74,7 @@ def mismatches(saved_tree: Any, target: Any, child: Callable[[Any, Any], Any]) -
         saved = saved_tree
         for entry in (*path, jax.tree_util.GetAttrKey("losses")):
             saved = child(saved, entry)
-        while isinstance(saved, Mapping) and len(saved) == 1:  # an nnx Variable's value
-            saved = next(iter(saved.values()))
-        saved_shape = _shape(saved)
+        saved_shape = _shape(held_value(saved))  # through an nnx Variable's saved form
         if wanted and saved_shape and saved_shape[-1] != wanted[-1]:
             found.append(Mismatch(tuple(path), saved_shape[-1], wanted[-1], saved_shape))
     return found

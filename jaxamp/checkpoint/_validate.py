@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.tree import INT32_MAX, render_path
+from jaxamp._utils.variables import held_value
 from jaxamp.loss_scale import LossScaleState, Mode
 from jaxamp.skip import NonfiniteLeaves, SpikeState
 
@@ -93,7 +94,7 @@ def _is_loss_scale(node: Any) -> bool:
 def _from_fields(node: Mapping[str, Any]) -> LossScaleState:
     # nnx keeps the static mode in the graph, not in the state: the field ranges
     # are checked under the scaling mode that has no mode-specific rule.
-    values = {f: jax.tree.leaves(node[f])[0] for f in _FIELD_NAMES}  # unwrap nnx Variables
+    values = {f: held_value(node[f]) for f in _FIELD_NAMES}
     return LossScaleState(**values, mode=Mode.STATIC)
 
 
@@ -118,10 +119,9 @@ def validate_restored(tree: Any, where: str) -> None:
         if isinstance(node, SpikeState):
             _validate_spikes(jax.tree.map(_host_view, node), f"{where} at `{render_path(path)}`")
         elif _is_record(node):
-            # nnx wraps the field in a Variable: take the array out.
-            counts = jax.tree.leaves(node[0] if isinstance(node, tuple) else node["signed_counts"])
+            counts = held_value(node[0] if isinstance(node, tuple) else node["signed_counts"])
             layout = node.layout if isinstance(node, NonfiniteLeaves) else None
-            record = NonfiniteLeaves(_host_view(counts[0]), layout)
+            record = NonfiniteLeaves(_host_view(counts), layout)
             _validate_record(record, f"{where} at `{render_path(path)}`")
     if not found:
         return

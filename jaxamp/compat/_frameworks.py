@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from jaxamp.compat._paddle import paddle_grad_scaler
-from jaxamp.compat._table import SYSTEMS, check_whole, checked_args, system_state
+from jaxamp.compat._table import SYSTEMS, check_bounds, check_whole, checked_args, system_state
 from jaxamp.loss_scale import LossScaleState, Mode, no_scale, static_scale
 
 __all__ = [
@@ -56,10 +56,11 @@ def torch_grad_scaler(
     """
     if not enabled:
         return no_scale()
-    if growth_factor <= 1.0:
-        raise ValueError(f"growth_factor must be > 1.0 (as in PyTorch), got {growth_factor!r}.")
-    if backoff_factor >= 1.0:
-        raise ValueError(f"backoff_factor must be < 1.0 (as in PyTorch), got {backoff_factor!r}.")
+    check_bounds(
+        "as in PyTorch",
+        ("growth_factor", growth_factor, growth_factor > 1.0, "> 1.0"),
+        ("backoff_factor", backoff_factor, backoff_factor < 1.0, "< 1.0"),
+    )
     return system_state(
         "PyTorch",
         scale=init_scale,
@@ -128,8 +129,7 @@ def mindspore_fixed(loss_scale: float = 128.0, drop_overflow_update: bool = True
       >>> float(jaxamp.compat.mindspore_fixed().scale)
       128.0
     """
-    if loss_scale < 1:
-        raise ValueError(f"loss_scale must be >= 1 (as in MindSpore), got {loss_scale!r}.")
+    check_bounds("as in MindSpore", ("loss_scale", loss_scale, loss_scale >= 1, ">= 1"))
     return static_scale(loss_scale, check_finite=bool(drop_overflow_update))
 
 
@@ -158,13 +158,12 @@ def mindspore_dynamic(
       >>> int(jaxamp.compat.mindspore_dynamic().max_consecutive_nonfinite)
       1000
     """
-    if init_loss_scale < 1.0:
-        raise ValueError(
-            f"init_loss_scale must be >= 1 (as in MindSpore), got {init_loss_scale!r}."
-        )
+    check_bounds(
+        "as in MindSpore",
+        ("init_loss_scale", init_loss_scale, init_loss_scale >= 1.0, ">= 1"),
+    )
     check_whole("MindSpore", "scale_window", scale_window, 1)
-    if scale_factor <= 0:
-        raise ValueError(f"scale_factor must be > 0 (as in MindSpore), got {scale_factor!r}.")
+    check_bounds("as in MindSpore", ("scale_factor", scale_factor, scale_factor > 0, "> 0"))
     if scale_factor < 1:
         raise ValueError(
             f"scale_factor must be >= 1, got {scale_factor!r}: a factor below 1 would shrink "

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxamp.compat._table import (
+    check_bounds,
     check_flags,
     check_numbers,
     check_whole,
@@ -227,7 +228,8 @@ def megatron_grad_scaler(
       >>> [float((s := jaxamp.update(s, False)).scale) for _ in range(3)]  # hysteresis=2
       [8.0, 4.0, 2.0]
     """
-    asserts = (
+    check_bounds(
+        "as Megatron-LM asserts",
         ("initial_scale", initial_scale, initial_scale > 0, "> 0"),
         ("min_scale", min_scale, min_scale > 0, "> 0"),
         (
@@ -241,9 +243,6 @@ def megatron_grad_scaler(
         ("growth_interval", growth_interval, growth_interval > 0, "> 0"),
         ("hysteresis", hysteresis, hysteresis > 0, "> 0"),
     )
-    for name, value, ok, wants in asserts:
-        if not ok:
-            raise ValueError(f"{name} must be {wants} (as Megatron-LM asserts), got {value!r}.")
     check_whole("Megatron-LM", "growth_interval", growth_interval, 1)
     check_whole("Megatron-LM", "hysteresis", hysteresis, 1)
     return system_state(
@@ -308,8 +307,7 @@ def apex_loss_scaler(
             )
     else:
         check_numbers("Apex", loss_scale=loss_scale)
-    if not max_loss_scale > 0:
-        raise ValueError(f"max_loss_scale must be > 0 (Apex), got {max_loss_scale!r}.")
+    check_bounds("Apex", ("max_loss_scale", max_loss_scale, max_loss_scale > 0, "> 0"))
     if not isinstance(loss_scale, str):
         return fixed_state(Mode.STATIC_UNCHECKED, loss_scale, {"scale": "loss_scale"})
     check_whole("Apex", "scale_window", scale_window, 1)

@@ -7,7 +7,7 @@ import inspect
 import math
 from typing import Any
 
-from jaxamp.compat._table import SYSTEMS, check_flags, check_numbers
+from jaxamp.compat._table import SYSTEMS, check_bounds, check_flags, check_numbers
 from jaxamp.loss_scale import LossScaleState, Mode, fresh_state, no_scale
 
 __all__ = ["paddle_grad_scaler"]
@@ -166,10 +166,11 @@ def _paddle(
     check_numbers("Paddle", **{name(n): v for n, v in numbers.items()})
     if not enable:
         return no_scale()
-    if incr_ratio <= 1.0:
-        raise ValueError(f"{name('incr_ratio')} must be > 1.0 (as in Paddle), got {incr_ratio!r}.")
-    if decr_ratio >= 1.0:
-        raise ValueError(f"{name('decr_ratio')} must be < 1.0 (as in Paddle), got {decr_ratio!r}.")
+    check_bounds(
+        "as in Paddle",
+        (name("incr_ratio"), incr_ratio, incr_ratio > 1.0, "> 1.0"),
+        (name("decr_ratio"), decr_ratio, decr_ratio < 1.0, "< 1.0"),
+    )
     fields, fixed = SYSTEMS["Paddle"]
     return fresh_state(
         Mode.DYNAMIC if use_dynamic_loss_scaling else Mode.STATIC,

@@ -55,6 +55,15 @@ def check_whole(system: str, name: str, value: Any, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low} ({system}), got {value!r}.")
 
 
+def check_bounds(source: str, *rules: tuple[str, Any, bool, str]) -> None:
+    """Raises a ValueError for the first ``(name, value, ok, wants)`` rule not ``ok``:
+    ``{name} must be {wants} ({source}), got {value!r}.``, ``source`` saying whose
+    rule it is (``"as in PyTorch"``)."""
+    for name, value, ok, wants in rules:
+        if not ok:
+            raise ValueError(f"{name} must be {wants} ({source}), got {value!r}.")
+
+
 # One row per system: its argument name for each jaxamp field it takes (errors
 # speak its words) and what it fixes without an argument. Every other field
 # comes from the constructor's arguments.

@@ -12,6 +12,7 @@ from jaxamp._utils.conversion_checks import mark_owned, mark_scale_read
 from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.errors import NamedError, named, with_article
 from jaxamp._utils.tree import find_one, holds_tracer
+from jaxamp._utils.variables import held_value
 from jaxamp.loss_scale._placement import check_state
 from jaxamp.loss_scale._state import (
     DEFAULT_PINNED_STREAK,
@@ -125,13 +126,9 @@ def _plain(state: LossScaleState) -> LossScaleState:
     """The state with array fields: a Flax nnx optimizer wraps each in a Variable
     (``nnx.OptArray``), a pytree of one leaf; logged or JSON-encoded, that fails."""
     fields = {f: getattr(state, f) for f in FIELDS}
-    wrapped = {f: v for f, v in fields.items() if not isinstance(v, jax.Array | np.ndarray)}
-    if not wrapped:
+    plain = {f: held_value(v) for f, v in fields.items()}
+    if all(plain[f] is v for f, v in fields.items()):
         return state
-    plain = {}
-    for f, v in wrapped.items():
-        leaves = jax.tree.leaves(v)
-        plain[f] = leaves[0] if len(leaves) == 1 else v
     return dataclasses.replace(state, **plain)
 
 

@@ -15,7 +15,6 @@ output. [`jaxamp.explain`][jaxamp.explain] turns the record into words on the ho
 from __future__ import annotations
 
 import hashlib
-import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.tree import render_path, saturating_inc
+from jaxamp._utils.variables import is_variable
 
 __all__ = ["NonfiniteLeaves"]
 
@@ -34,13 +34,10 @@ def leaf_layout(tree: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
     attribute (``up.kernel.value``): the name a user reads in the model, and the one
     an nnx optimizer's pure state gives.
     """
-    nnx = sys.modules.get("flax.nnx")  # no nnx imported: no Variable can be in the tree
-    var = getattr(nnx, "Variable", None)
-    is_var = None if var is None else (lambda x: isinstance(x, var))
     out = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_var)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]:
         inner = [((), leaf)]
-        if is_var is not None and is_var(leaf):
+        if is_variable(leaf):
             # Drop the Variable's own key (its value attribute) from each inner path.
             inner = [(p[1:], x) for p, x in jax.tree_util.tree_flatten_with_path(leaf)[0]]
         for sub, x in inner:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxamp._utils.dtypes import is_narrow_range
+from jaxamp._utils.optional import loaded
 from jaxamp._utils.tree import is_none, render_path
 from jaxamp.loss_scale import (
     LossScaleState,
@@ -211,7 +212,7 @@ def _array_like(x: Any) -> bool:
 def _equinox_hint(grads: Any, params: Any) -> str:
     """Advice for an equinox model's trees, if either tree is one (or the params hold
     non-array leaves, as a whole model does)."""
-    eqx = sys.modules.get("equinox")
+    eqx = loaded("equinox")
     module = eqx is not None and (isinstance(grads, eqx.Module) or isinstance(params, eqx.Module))
     if not (module or any(not _array_like(x) for x in jax.tree.leaves(params))):
         return ""

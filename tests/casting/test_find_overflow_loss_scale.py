@@ -92,6 +92,19 @@ def test_two_loss_scale_states_are_named_not_guessed():
         scale_tested(two)
 
 
+def test_none_found_is_told_by_the_error_type_not_its_wording(monkeypatch):
+    # find_overflow tells "no state in it" (the forms listed) from "several" (named) by
+    # the type get_loss_scale raises, so rewording its message changes neither.
+    from jaxamp.casting._find_overflow import _find_overflow
+
+    def reworded(x):
+        raise jaxamp.LossScaleNotFound("nothing to read the scale from", got=x)
+
+    monkeypatch.setattr(_find_overflow, "get_loss_scale", reworded)
+    with pytest.raises(TypeError, match=r"got a tuple with no LossScaleState in it$"):
+        scale_tested(optax.sgd(0.1).init({"w": W}))
+
+
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
 def test_a_number_must_be_positive_and_finite(bad):
     with pytest.raises(ValueError, match="scale must be positive and finite"):

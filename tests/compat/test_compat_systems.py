@@ -27,18 +27,12 @@ from hypothesis import strategies as st
 
 import jaxamp
 from jaxamp import compat
+from jaxamp.loss_scale._state import COUNTER_FIELDS
 
 f32 = np.float32
 LOW, HIGH = 2.0**-126, 2.0**126
 PAD = 160  # every sequence is padded to this length, so each mode compiles once
-COUNTERS = (
-    "scale",
-    "growth_tracker",
-    "hysteresis_tracker",
-    "nonfinite_streak",
-    "skipped_steps",
-    "min_scale_backoffs",
-)
+COUNTERS = COUNTER_FIELDS  # what a step changes; the rest is configuration
 
 
 @jax.jit

@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 
 import jax
 
+from jaxamp._utils.optional import loaded
 from jaxamp.casting._audit import _hlo_text
-from jaxamp.casting._autocast import _flax
 from jaxamp.casting._interpreter._decisions import OpRow, fresh_trace, recording, user_frame
 from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
 
@@ -362,7 +362,7 @@ def _nnx_lower(fn: Callable[..., Any]) -> Callable[..., Any] | None:
     (``jaxamp.autocast(model)``): a pure function of the module's state, as
     ``nnx.jit`` traces it, so a forward that writes state (BatchNorm statistics)
     writes it to a copy inside the trace, not to the module outside it."""
-    nnx = _flax.nnx_module()
+    nnx = loaded("flax.nnx")
     if nnx is None:
         return None
     whole = nnx.graph.is_graph_node(fn)

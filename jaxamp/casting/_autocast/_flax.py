@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import sys
 import types
 import weakref
 from collections.abc import Iterator, Sequence
@@ -22,22 +21,16 @@ from typing import Any
 
 import jax
 
+from jaxamp._utils.optional import loaded
+
 # id(module copy) -> its path in the graph autocast was called with.
 _PATHS: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar("jaxamp_nnx_paths")
 _NAMED: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
 _NAMED_SET: weakref.WeakSet[type] = weakref.WeakSet()  # the subclasses themselves
 
 
-def nnx_module() -> Any:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is optional
-        return None
-    return nnx
-
-
 def is_bound_linen(x: Any) -> bool:
-    linen = sys.modules.get("flax.linen")
+    linen = loaded("flax.linen")
     return linen is not None and isinstance(x, linen.Module) and x.scope is not None
 
 
@@ -50,7 +43,7 @@ def linen_class_scopes() -> Any:
     null context when flax.linen is not imported (then there are no linen
     modules).
     """
-    linen = sys.modules.get("flax.linen")
+    linen = loaded("flax.linen")
     if linen is None or not hasattr(linen, "intercept_methods"):
         return contextlib.nullcontext()
 

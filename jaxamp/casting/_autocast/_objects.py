@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxamp.casting._autocast import _flax
+from jaxamp._utils.optional import loaded
 
 
 def _slots(kind: type) -> list[str]:
@@ -60,7 +60,7 @@ def _plain(x: Any) -> bool:
         return False
     if kind.__hash__ not in (object.__hash__, None):
         return False
-    nnx = _flax.nnx_module()
+    nnx = loaded("flax.nnx")
     if nnx is not None and nnx.graph.is_graph_node(x):
         return False
     return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))

@@ -22,6 +22,8 @@ import numpy as np
 
 from jaxamp._utils.conversion_checks import mark_float16_autocast
 from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp._utils.optional import loaded
+from jaxamp._utils.tree import holds_tracer
 from jaxamp.casting._autocast import _flax
 from jaxamp.casting._autocast._config import Config
 from jaxamp.casting._autocast._objects import holder
@@ -122,7 +124,7 @@ def make_wrapper(f: Callable[..., Any], cfg: Config) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return call(*args, **kwargs)
 
-    nnx = _flax.nnx_module()
+    nnx = loaded("flax.nnx")
     node = f if nnx is not None and nnx.graph.is_graph_node(f) else getattr(f, "__self__", None)
     if node is not None and nnx is not None and nnx.graph.is_graph_node(node):
         # autocast(module) or autocast(module.method) is a method bound to the
@@ -175,7 +177,7 @@ class _Call:
             # like arguments (``_objects``).
             state, fn = held
             args = (state, *args)
-        nnx = _flax.nnx_module()
+        nnx = loaded("flax.nnx")
         is_node = nnx.graph.is_graph_node if nnx is not None else (lambda x: False)
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_node)
         node_idx = [i for i, x in enumerate(leaves) if is_node(x)]
@@ -199,7 +201,7 @@ class _Call:
         *dyn: Any,
     ) -> Any:
         """``fn`` on ``leaves`` (the ``dynamic`` ones replaced by ``dyn``), under autocast."""
-        if any(isinstance(x, jax.core.Tracer) for x in dyn):
+        if holds_tracer(dyn):
             return _run(fn, self.cfg, leaves, treedef, dynamic, dyn)
         # Eager call: one jitted program per call signature (jit caches per
         # shapes and dtypes), instead of re-tracing `f` op by op every call. The

@@ -26,12 +26,13 @@ from jaxamp._utils.conversion_checks import _stacklevel
 from jaxamp._utils.deprecation import add_note
 from jaxamp._utils.dtypes import HALF_DTYPES, is_float, times_wide
 from jaxamp._utils.errors import unnamed, with_article
+from jaxamp._utils.tree import holds_tracer, is_tracer
 from jaxamp.casting._autocast._api import debugging_autocast
 from jaxamp.casting._find_overflow import _overflow_eval, _overflow_report
 from jaxamp.casting._find_overflow._overflow_advice import advise
 from jaxamp.casting._find_overflow._overflow_report import OverflowReport
 from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE
-from jaxamp.loss_scale import LossScaleState, get_loss_scale
+from jaxamp.loss_scale import LossScaleNotFound, LossScaleState, get_loss_scale
 
 __all__ = ["OverflowReport", "find_overflow"]
 
@@ -318,7 +319,7 @@ _F32_TINY, _F32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float3
 
 
 def _check_concrete(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))):
+    if holds_tracer((args, kwargs)):
         raise TypeError(f"find_overflow: the arguments must be concrete arrays; {_EAGER}")
 
 
@@ -329,19 +330,19 @@ def _check_loss_scale(loss_scale: Any) -> float:
     if not isinstance(loss_scale, int | float | np.number | jax.Array | np.ndarray):
         try:
             state = get_loss_scale(loss_scale)
-        except ValueError as e:
-            if "no LossScaleState" not in str(e):  # several: name them, as metrics does
-                raise ValueError(f"find_overflow: scale: {unnamed(e)}") from None
+        except LossScaleNotFound:
             raise TypeError(
                 f"{_LOSS_SCALE_FORMS}, got {with_article(type(loss_scale).__name__)} with no "
                 "LossScaleState in it"
             ) from None
+        except ValueError as e:  # several, or an unsafe structure: name them, as metrics does
+            raise ValueError(f"find_overflow: scale: {unnamed(e)}") from None
         loss_scale = state.scale
-        if not isinstance(loss_scale, jax.core.Tracer):
+        if not is_tracer(loss_scale):
             # A state that does not scale holds a scale of 1; a pmap-replicated state
             # holds one equal copy per device.
             loss_scale = np.max(jax.device_get(loss_scale))
-    if isinstance(loss_scale, jax.core.Tracer):
+    if is_tracer(loss_scale):
         raise TypeError(f"find_overflow: scale is a traced value; {_EAGER}")
     if np.size(loss_scale) != 1:
         raise ValueError(

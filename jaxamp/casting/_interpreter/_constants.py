@@ -30,6 +30,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from jaxamp._utils.dtypes import is_float_dtype, narrows
+from jaxamp._utils.tree import is_tracer
 from jaxamp.casting._rules._rules import CONST, F32, NONE, PIN
 
 #: The most distinct values a known value set holds (a fill has a few).
@@ -95,7 +96,7 @@ def const_facts(x: Any, low: np.dtype) -> tuple[int, np.ndarray | None]:
     that fails the check still has its values known (a fill of ``-1e9`` alone is
     a sentinel where ``where`` picks it: ``fill_marks``).
     """
-    if isinstance(x, jax.core.Tracer):
+    if is_tracer(x):
         return NONE, None
     dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
     if not isinstance(dtype, np.dtype):  # a PRNG key: never cast
@@ -157,7 +158,7 @@ def known_values(v: Any, x: Any, known: dict[int, tuple[Any, np.ndarray]]) -> np
     recorded = _recorded(x, known)
     if recorded is not None:
         return recorded
-    if not isinstance(x, jax.core.Tracer) and np.size(x) <= _MAX_VALUES:
+    if not is_tracer(x) and np.size(x) <= _MAX_VALUES:
         return distinct(x)
     return None
 

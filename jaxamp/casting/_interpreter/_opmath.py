@@ -19,6 +19,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp._utils.tree import is_tracer
 from jaxamp.casting._interpreter._casts import bind, cast, region_fn
 from jaxamp.casting._rules._rules import ACT, CONST, FLOAT32_DTYPE, NONE, SCALAR, promote
 
@@ -35,7 +36,7 @@ FILL_POSITIONS: frozenset[str] = frozenset({"select_n", "max", "min", "clamp"})
 
 
 def _concrete_scalar(x: Any, mark: int) -> bool:
-    return mark == CONST and np.ndim(x) == 0 and not isinstance(x, jax.core.Tracer)
+    return mark == CONST and np.ndim(x) == 0 and not is_tracer(x)
 
 
 def opmath_reason(
@@ -92,14 +93,14 @@ def eval_opmath(
     if (
         ctx.config.cached
         and len(acts) == 1
-        and any(isinstance(vals[i], jax.core.Tracer) and marks[i] != ACT for i in floats)
+        and any(is_tracer(vals[i]) and marks[i] != ACT for i in floats)
     ):
         return _checkpointed(eqn, vals, dtypes, acts[0], ctx, low, wide)
     args = list(vals)
     for i in floats:
         if isinstance(eqn.invars[i], Literal):
             args[i] = np.asarray(vals[i], wide)[()]
-        elif np.ndim(vals[i]) == 0 and not isinstance(vals[i], jax.core.Tracer):
+        elif np.ndim(vals[i]) == 0 and not is_tracer(vals[i]):
             args[i] = np.asarray(vals[i], wide)
         elif dtypes[i] != wide:
             args[i] = cast(ctx, vals[i], wide)
@@ -128,7 +129,7 @@ def _checkpointed(
         else:
             x = vals[i]
             if is_float_dtype(dtypes[i]) and np.dtype(dtypes[i]) != wide:
-                x = cast(ctx, x, wide) if isinstance(x, jax.core.Tracer) else np.asarray(x, wide)
+                x = cast(ctx, x, wide) if is_tracer(x) else np.asarray(x, wide)
             refs.append(("e", len(extra)))
             extra.append(x)
     step = (eqn.primitive, tuple(sorted(eqn.params.items())), tuple(refs))
