@@ -66,7 +66,7 @@ def test_the_scale_never_reaches_zero():
 
 BAD_TYPES = [
     (jaxamp.static_scale, dict(scale=False), TypeError, "scale"),
-    (jaxamp.static_scale, dict(skip_nonfinite=1), TypeError, "skip_nonfinite"),
+    (jaxamp.static_scale, dict(check_finite=1), TypeError, "check_finite"),
     (jaxamp.dynamic_scale, dict(init_scale=True), TypeError, "init_scale"),
     (jaxamp.dynamic_scale, dict(init_scale=None), TypeError, "init_scale"),
     (jaxamp.dynamic_scale, dict(init_scale=[1.0, 2.0]), TypeError, "init_scale"),

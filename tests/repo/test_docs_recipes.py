@@ -390,7 +390,7 @@ def test_guide_find_overflow_after_a_skip_tests_the_scale_the_step_used(capsys):
     import jax.numpy as jnp
     import optax
 
-    (recipe,) = [code for code in blocks("guide.md") if "loss_scale=used" in code]
+    (recipe,) = [code for code in blocks("guide.md") if "scale=used" in code]
     ns = run_blocks(
         "guide.md", [recipe], {"jax": jax, "jnp": jnp, "optax": optax, "jaxamp": jaxamp}
     )
