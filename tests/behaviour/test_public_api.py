@@ -333,3 +333,18 @@ def test_audit_takes_the_function_only():
     assert jaxamp.audit(f)(x).matmuls
     with pytest.raises(TypeError, match=r"write jaxamp.audit\(fun\)\(\*args, \*\*kwargs\)"):
         jaxamp.audit(f, x)
+
+
+def test_find_overflow_and_audit_take_fun_by_keyword_as_their_signatures_say():
+    """``fun`` is positional-or-keyword, as in ``jax.jit(fun=...)``: by keyword it is the
+    same call, with no warning (it was an IndexError after a DeprecationWarning for
+    find_overflow, the "function only" TypeError for audit)."""
+    w, x = jnp.full((4, 4), 300.0), jnp.full((2, 4), 100.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        want = jaxamp.find_overflow(loss_fn, scale=2.0)(w, x)
+        assert jaxamp.find_overflow(fun=loss_fn, scale=2.0)(w, x) == want
+        f = jaxamp.autocast(lambda x: x @ x, dtype=jnp.bfloat16)
+        assert jaxamp.audit(fun=f)(w).matmuls == jaxamp.audit(f)(w).matmuls
+    with pytest.raises(TypeError, match=r"write jaxamp.audit\(fun\)\(\*args, \*\*kwargs\)"):
+        jaxamp.audit(fun=f, x=w)

@@ -241,6 +241,8 @@ def _function_only(f: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not args and list(kwargs) == ["fun"]:  # fun= by keyword, as its signature allows
+            args, kwargs = (kwargs["fun"],), {}
         if len(args) != 1 or kwargs:
             raise TypeError(
                 "jaxamp.audit takes the function only and returns the function to call with "

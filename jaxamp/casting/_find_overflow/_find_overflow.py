@@ -55,6 +55,8 @@ def _call_form_of_0_3(f: Callable[..., Any]) -> Callable[..., Any]:
             args = (kwargs.pop("loss_fn"),)
             old = True
         else:
+            if "fun" in kwargs and not args:  # fun= by keyword, as its signature allows
+                args = (kwargs.pop("fun"),)
             old = len(args) > 1 or any(k not in (*_OPTIONS, "loss_scale") for k in kwargs)
         if "loss_scale" in kwargs:
             if "scale" in kwargs:
