@@ -48,25 +48,28 @@ def _is_low(x: Any) -> bool:
     return dtype is not None and np.dtype(dtype) in HALF_DTYPES
 
 
-def _is_key(a: Any) -> bool:
-    """A PRNG key array: a typed key, or raw key data (a uint32 vector)."""
-    dtype = getattr(a, "dtype", None)
-    if dtype is None:
+def _is_dtype(a: Any) -> bool:
+    """A dtype as a user writes one (``jnp.bfloat16``, ``np.dtype``, ``"bfloat16"``), not
+    an array: what tells 0.3's ``(x, dtype, key)`` from ``(key, x, dtype)`` (a key and an
+    array can look alike: a raw ``PRNGKey`` is a uint32 vector)."""
+    if hasattr(a, "shape"):
         return False
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        return True
-    return np.dtype(dtype) == np.uint32 and np.ndim(a) == 1
+    try:
+        np.dtype(a)
+    except TypeError:
+        return False
+    return True
 
 
 def _key_first(f: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
     """Takes 0.3's order ``(x, dtype, key)`` too, with a ``DeprecationWarning``, until
-    jaxamp 0.5: told apart by where the key is (a PRNG key array last, or ``key=``
-    beside positional arguments)."""
+    jaxamp 0.5: told apart by where the dtype is (second, not last), or ``key=`` beside
+    positional arguments."""
 
     @functools.wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> jax.Array:
         old = ("key" in kwargs and 0 < len(args) <= 2) or (
-            len(args) == 3 and _is_key(args[2]) and not _is_key(args[0])
+            len(args) == 3 and _is_dtype(args[1]) and not _is_dtype(args[2])
         )
         if old:
             warnings.warn(

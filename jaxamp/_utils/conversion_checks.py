@@ -177,13 +177,18 @@ def check_step_input(ls: Any) -> None:
     _consumed[id(ls)] = ls
 
 
+# Standard-library frames between a user's line and jaxamp's: a decorator's and a context
+# manager's.
+_PLUMBING = ("contextlib", "functools")
+
+
 def _stacklevel() -> int:
     """The stack level of the first frame outside jaxamp, JAX, optax and Flax: the
     user's line, so the warning points at the call they wrote."""
     frame, level = sys._getframe(1), 1
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if module.split(".")[0] not in _OUR_PACKAGES and module not in ("contextlib", "functools"):
+        if module.split(".")[0] not in _OUR_PACKAGES and module not in _PLUMBING:
             return level
         frame, level = frame.f_back, level + 1
     return 2

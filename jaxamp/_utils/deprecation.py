@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -151,12 +152,17 @@ def renamed_parameter(
 
         @functools.wraps(f)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            # Positional-only parameters are moved from keywords to positions only where
+            # jaxamp put them there (a published default filled in, or the old keyword):
+            # a user's `state=` gets Python's own error, as for any `/` parameter.
+            to_position = False
             if any(isinstance(a, _Marker) for a in (*args, *kwargs.values())):
                 # A wrapper filled in the published defaults (``BoundArguments.apply_defaults``):
                 # the markers are the arguments not given.
                 given = {**dict(zip(names, args, strict=False)), **kwargs}
                 given = {k: v for k, v in given.items() if not isinstance(v, _Marker)}
                 args, kwargs = args[len(names) :], given
+                to_position = True
             if old in kwargs:
                 if new in kwargs or (at is not None and len(args) > at):
                     how = "" if new in kwargs else f" (by position: {new} is argument {at + 1})"
@@ -174,7 +180,8 @@ def renamed_parameter(
                 )
                 warnings.warn(f"{name}: {what}.", DeprecationWarning, stacklevel=_stacklevel())
                 kwargs[new] = kwargs.pop(old)
-            if any(k in kwargs for k in only):
+                to_position = True
+            if to_position and any(k in kwargs for k in only):
                 # Positional-only parameters go by position, in order.
                 args = list(args)
                 for k in only[len(args) :]:
@@ -254,12 +261,16 @@ def deprecated_aliases(
     def __getattr__(name: str) -> Any:
         if name in aliases:
             new, obj = aliases[name]
-            warnings.warn(
-                f"{module}.{name} is deprecated and will be removed in jaxamp {removed_in}; "
-                f"use {new}.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+            level = _stacklevel()
+            # `from jaxamp import old` asks twice: importlib's hasattr, then the import's
+            # own read; the second one warns, at the user's line.
+            if sys._getframe(level - 1).f_globals.get("__name__") != "importlib._bootstrap":
+                warnings.warn(
+                    f"{module}.{name} is deprecated and will be removed in jaxamp "
+                    f"{removed_in}; use {new}.",
+                    DeprecationWarning,
+                    stacklevel=level,
+                )
             return obj
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 

@@ -315,12 +315,17 @@ def test_find_overflow_takes_its_options_first_and_0_3s_call_form_still_works():
     assert want.found and want.loss_scale == 2.0
     for call in (
         lambda: jaxamp.find_overflow(loss_fn, w, x, loss_scale=2.0, shift=1.0),
-        lambda: jaxamp.find_overflow(loss_fn, w, x, scale=2.0, shift=1.0),
         lambda: jaxamp.find_overflow(loss_fn, w, x=x, loss_scale=2.0, shift=1.0),
     ):
         with pytest.warns(DeprecationWarning, match=r"the options come first"):
             got = call()
         assert got == want
+    # In 0.3's form a scale= is the loss's own keyword (0.3's option was loss_scale=).
+    with_scale = lambda w, x, *, scale: jnp.mean(x @ w) * scale
+    with pytest.warns(DeprecationWarning, match=r"the options come first"):
+        old_form = jaxamp.find_overflow(with_scale, w, x, loss_scale=2.0, scale=1.0)
+    assert old_form == jaxamp.find_overflow(with_scale, scale=2.0)(w, x, scale=1.0)
+    assert old_form.loss_scale == 2.0
     with pytest.warns(DeprecationWarning, match=r"loss_scale= is now called scale="):
         assert jaxamp.find_overflow(loss_fn, loss_scale=2.0)(w, x, shift=1.0) == want
     with pytest.raises(TypeError, match=r"got both loss_scale= and scale="):
@@ -348,3 +353,43 @@ def test_find_overflow_and_audit_take_fun_by_keyword_as_their_signatures_say():
         assert jaxamp.audit(fun=f)(w).matmuls == jaxamp.audit(f)(w).matmuls
     with pytest.raises(TypeError, match=r"write jaxamp.audit\(fun\)\(\*args, \*\*kwargs\)"):
         jaxamp.audit(fun=f, x=w)
+
+
+def test_a_positional_only_state_passed_by_keyword_is_pythons_type_error():
+    """The subject is positional-only (docs/api/decisions.md) so that its name can change
+    without a shim: a keyword for it is refused, as for any `/` parameter, while 0.3's
+    keywords still work with their warning."""
+    tx = jaxamp.skip_nonfinite(optax.sgd(0.1), jaxamp.dynamic_scale())
+    state = tx.init({"w": jnp.ones(2)})
+    for fn in (jaxamp.get_loss_scale, jaxamp.metrics):
+        with pytest.raises(TypeError, match="positional-only arguments passed as keyword"):
+            fn(state=state)
+    with pytest.warns(DeprecationWarning, match="opt_state="):
+        assert jaxamp.get_loss_scale(opt_state=state).scale == 2.0**15
+
+
+def test_a_0_3_name_read_from_the_top_level_warns_once_at_the_users_line():
+    """Python shows a DeprecationWarning by default only when it points into __main__:
+    it must point at the user's line, once, however the name is read."""
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        from jaxamp import SkipNonfiniteState  # noqa: F401
+    assert [w.filename for w in got if w.category is DeprecationWarning] == [__file__]
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        assert jaxamp.SkipNonfiniteState is jaxamp.types.SkipNonfiniteState
+    assert [w.filename for w in got if w.category is DeprecationWarning] == [__file__]
+
+
+def test_stochastic_round_tells_0_3s_order_by_the_dtype_not_by_a_key_look_alike():
+    key, x = jax.random.key(0), jnp.full(8, 1.0 + 2.0**-10)
+    new = jaxamp.stochastic_round(key, x, jnp.bfloat16)
+    with pytest.warns(DeprecationWarning, match=r"stochastic_round\(key, x, dtype\)"):
+        assert (jaxamp.stochastic_round(x, jnp.bfloat16, key) == new).all()
+    raw = jax.random.PRNGKey(0)  # a legacy key: a uint32 vector, either order
+    with pytest.warns(DeprecationWarning):
+        old = jaxamp.stochastic_round(x, jnp.bfloat16, raw)
+    assert (old == jaxamp.stochastic_round(raw, x, jnp.bfloat16)).all()
+    # A uint32 x in 0.3's order is x, not a key: the dtype says which order it is.
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="must be float32"):
+        jaxamp.stochastic_round(jnp.arange(2, dtype=jnp.uint32), jnp.bfloat16, key)

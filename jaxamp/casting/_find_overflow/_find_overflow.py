@@ -39,6 +39,7 @@ __all__ = ["OverflowReport", "find_overflow"]
 
 # find_overflow's own options; in jaxamp 0.3's call form every other keyword was the loss's.
 _OPTIONS = ("scale", "dtype", "argnums", "rules", "modules", "autocast")
+_OPTIONS_0_3 = ("loss_scale", *_OPTIONS[1:])
 
 
 def _call_form_of_0_3(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,18 +59,17 @@ def _call_form_of_0_3(f: Callable[..., Any]) -> Callable[..., Any]:
             if "fun" in kwargs and not args:  # fun= by keyword, as its signature allows
                 args = (kwargs.pop("fun"),)
             old = len(args) > 1 or any(k not in (*_OPTIONS, "loss_scale") for k in kwargs)
-        if "loss_scale" in kwargs:
-            if "scale" in kwargs:
-                raise TypeError("jaxamp.find_overflow() got both loss_scale= and scale=.")
-            kwargs["scale"] = kwargs.pop("loss_scale")
-            if not old:
+        if not old:
+            if "loss_scale" in kwargs:
+                if "scale" in kwargs:
+                    raise TypeError("jaxamp.find_overflow() got both loss_scale= and scale=.")
+                kwargs["scale"] = kwargs.pop("loss_scale")
                 warnings.warn(
                     "jaxamp.find_overflow: the argument loss_scale= is now called scale=; "
                     "loss_scale= is deprecated and will be an error in jaxamp 0.5.",
                     DeprecationWarning,
                     stacklevel=_stacklevel(),
                 )
-        if not old:
             return f(*args, **kwargs)
         warnings.warn(
             "jaxamp.find_overflow(loss_fn, *args, loss_scale=..., **kwargs) is deprecated and "
@@ -79,7 +79,10 @@ def _call_form_of_0_3(f: Callable[..., Any]) -> Callable[..., Any]:
             DeprecationWarning,
             stacklevel=_stacklevel(),
         )
-        options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
+        # 0.3's options: its loss scale was loss_scale=, so a scale= is the loss's own.
+        options = {k: kwargs.pop(k) for k in _OPTIONS_0_3 if k in kwargs}
+        if "loss_scale" in options:
+            options["scale"] = options.pop("loss_scale")
         return f(args[0], **options)(*args[1:], **kwargs)
 
     add_note(
