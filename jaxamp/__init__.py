@@ -109,18 +109,8 @@ __all__ = [
 # from the array op, and the types, now in jaxamp.types. Hidden from type checkers: a
 # module `__getattr__` would make every unknown `jaxamp.x` type as Any; they see the
 # adapters' imports and the 0.4 names only.
-_MOVED_TYPES = (
-    "Explanation",
-    "KahanSummationState",
-    "Mode",
-    "MultiTransformState",
-    "NonfiniteLeaves",
-    "OverflowReport",
-    "SkipNonfiniteState",
-    "SpikeRule",
-    "SpikeState",
-    "StochasticRoundingState",
-)
+# (The types 0.4 added, AuditReport, Fp8Config and Unscaled, had no top-level name in 0.3.)
+_MOVED_TYPES = tuple(n for n in types.__all__ if n not in ("AuditReport", "Fp8Config", "Unscaled"))
 if TYPE_CHECKING:
     from jaxamp import nnx as nnx
     from jaxamp._train_state import TrainState as TrainState
