@@ -1,0 +1,95 @@
+"""How one moment is stored between steps: 8-bit block codes, or bfloat16.
+
+Each is a pytree node whose children are the arrays a checkpoint saves; the dtype the
+wrapped optimizer built the moment in is static, so the state converts back to the
+wrapped optimizer's own (``convert_state``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxamp.low_precision_params import stochastic_round
+from jaxamp.low_precision_state import _codes
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+    """The dtype the wrapped optimizer computes a stored moment in: float32, or float64
+    for a float64 moment."""
+    return np.dtype(jnp.promote_types(dtype, jnp.float32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Quantized8:
+    """A moment as uint8 codes (its shape) and a float32 scale per block of
+    ``block_size`` along its last axis (``jaxamp.low_precision_state(..., "8bit")``).
+
+    Attributes:
+      codes: uint8, the moment's shape.
+      scales: float32, ``shape[:-1] + (ceil(shape[-1] / block_size),)``: a power of two
+        whose sign says which code the block uses (negative: the non-negative code).
+      dtype: the dtype the wrapped optimizer built the moment in.
+      block_size: elements per block.
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    dtype: np.dtype = dataclasses.field(metadata={"static": True})
+    block_size: int = dataclasses.field(metadata={"static": True})
+
+    @classmethod
+    def store(cls, x: jax.Array, key: jax.Array, block_size: int, dtype: Any) -> Quantized8:
+        codes, scales = _codes.quantize(x, key, block_size)
+        return cls(codes, scales, np.dtype(dtype), block_size)
+
+    def restore(self, x: jax.Array, key: jax.Array) -> Quantized8:
+        """``x`` stored as this moment's next value."""
+        codes, scales = _codes.requantize(x, key, self.block_size, self.codes, self.scales)
+        return dataclasses.replace(self, codes=codes, scales=scales)
+
+    def value(self) -> jax.Array:
+        x = _codes.dequantize(self.codes, self.scales, self.block_size)
+        return x.astype(compute_dtype(self.dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rounded16:
+    """A moment as bfloat16, rounded stochastically from the float32 the wrapped
+    optimizer computed (``jaxamp.low_precision_state(..., jnp.bfloat16)``).
+
+    Attributes:
+      values: bfloat16, the moment's shape.
+      dtype: the dtype the wrapped optimizer built the moment in.
+    """
+
+    values: jax.Array
+    dtype: np.dtype = dataclasses.field(metadata={"static": True})
+
+    @classmethod
+    def store(cls, x: jax.Array, key: jax.Array, dtype: Any) -> Rounded16:
+        return cls(_round(x, key), np.dtype(dtype))
+
+    def restore(self, x: jax.Array, key: jax.Array) -> Rounded16:
+        # A bfloat16 value rounds to itself: an unchanged moment stays bit for bit.
+        return dataclasses.replace(self, values=_round(x, key))
+
+    def value(self) -> jax.Array:
+        return self.values.astype(compute_dtype(self.dtype))
+
+
+def _round(x: jax.Array, key: jax.Array) -> jax.Array:
+    return stochastic_round(key, x.astype(jnp.float32), jnp.bfloat16)
+
+
+Stored = Quantized8 | Rounded16
+
+
+def is_stored(x: Any) -> bool:
+    return isinstance(x, (Quantized8, Rounded16))

@@ -1,0 +1,203 @@
+"""``low_precision_state``: any optax optimizer's moments stored in 8 or 16 bits.
+
+The wrapped optimizer never sees the stored form: each step decodes its moments to
+float32, runs its update unchanged, and stores the new moments again. So it works for
+any optax optimizer (its state is a pytree: which leaves are moments is read off the
+tree, not off a list of known optimizers), and a step skipped around it (by
+``skip_nonfinite``, ``jaxamp.step``, ``optax.apply_if_finite``) keeps the stored state as
+it was, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxamp._utils.dtypes import is_float
+from jaxamp.loss_scale._state import holds_loss_scale
+from jaxamp.low_precision_state._stored import Quantized8, Rounded16, is_stored
+
+__all__ = ["LowPrecisionState", "low_precision_state"]
+
+#: The 8-bit block code's name, as ``dtype=`` takes it.
+EIGHT_BIT = "8bit"
+
+#: Accumulators, not moments: summed, never decayed, so rounding would bias them
+#: (optax.MultiSteps' sum of a window's gradients).
+_ACCUMULATORS = frozenset({"acc_grads"})
+
+
+class LowPrecisionState(NamedTuple):
+    """The state of [`low_precision_state`][jaxamp.low_precision_state].
+
+    Attributes:
+      count: int32, the steps stored so far; with the seed, what each step's
+        stochastic rounding draws from (a skipped step draws again).
+      inner_state: the wrapped optimizer's state, each moment stored as a
+        ``Quantized8`` or ``Rounded16`` (``jaxamp.types``).
+    """
+
+    count: jax.Array
+    inner_state: Any
+
+
+def _target(dtype: Any, argument: str) -> str | np.dtype | None:
+    if dtype is None or (isinstance(dtype, str) and dtype == EIGHT_BIT):
+        return dtype
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        d = None
+    if d == np.dtype(jnp.bfloat16):
+        return d
+    if d == np.dtype(jnp.float16):
+        raise ValueError(
+            f"low_precision_state: {argument}=float16 is not offered: a second moment is a "
+            "squared gradient, and float16's smallest value (6e-8) is the square of a "
+            "gradient of 2.4e-4; below it the moment flushes to zero and Adam divides by "
+            f"eps. Write {argument}=jnp.bfloat16 (float32's range) or {argument}='8bit' "
+            "(a scale per block)."
+        )
+    raise ValueError(
+        f"low_precision_state: {argument} must be jnp.bfloat16 or '8bit', got {dtype!r}."
+    )
+
+
+def _names(path: tuple[Any, ...]) -> list[str]:
+    return [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
+
+
+def low_precision_state(
+    inner: optax.GradientTransformation,
+    /,
+    dtype: Any,
+    *,
+    block_size: int = 256,
+    min_size: int = 4096,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Stores ``inner``'s moments in bfloat16 or in 8 bits; ``inner`` computes in float32.
+
+    Each step decodes the stored moments to float32, runs ``inner.update`` on them
+    unchanged, and stores the new moments with stochastic rounding (unbiased: a
+    moment's decay by ``b2 = 0.999``, far below a step of either format, is kept in
+    expectation, where rounding to nearest would lose it). Between steps no float32
+    copy exists.
+
+    - ``jnp.bfloat16``: 2 bytes per element (float32's range, 8 bits of precision).
+    - ``"8bit"``: 1 byte per element and a float32 scale per ``block_size`` elements
+      of a row (about 1.016 bytes at 256): minifloat codes with relative precision,
+      a signed code for blocks with negative values (a first moment) and a
+      non-negative one with one more bit of precision for the others (a second
+      moment, where a positive value is never stored as 0). See docs/optimizer_state.md.
+
+    The moments are the floating leaves of ``inner``'s state with at least
+    ``min_size`` elements (smaller ones, and counts and hyperparameters, stay as
+    they are), except optax.MultiSteps' gradient sum. Put the wrapper *inside* the
+    guard and around the optimizer itself:
+    ``jaxamp.skip_nonfinite(jaxamp.low_precision_state(optax.adamw(1e-3), "8bit"))``.
+
+    Args:
+      inner: the optax optimizer whose state is stored.
+      dtype: ``jnp.bfloat16`` or ``"8bit"`` for every moment; or a mapping from the
+        state's field names to either, or to ``None`` (stays as it is), e.g.
+        ``{"mu": "8bit", "nu": jnp.bfloat16}`` for optax.adam's moments; fields not
+        named stay as they are.
+      block_size: elements per block of the 8-bit code, along a moment's last axis
+        (the axis stays whole, so a sharded moment quantizes its own blocks).
+      min_size: moments with fewer elements stay as they are.
+      seed: the stochastic rounding's seed; each step draws from it and the step count.
+
+    Returns:
+      An optax transformation (extra arguments passed through to ``inner``) whose
+      state is a ``LowPrecisionState``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jaxamp
+      >>> tx = jaxamp.low_precision_state(optax.adam(1e-3), "8bit")
+      >>> state = tx.init({"w": jnp.zeros((64, 256))})
+      >>> mu = state.inner_state[0].mu["w"]
+      >>> mu.codes.dtype, mu.codes.shape, mu.scales.shape
+      (dtype('uint8'), (64, 256), (64, 1))
+    """
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            "low_precision_state: `inner` must be an optax optimizer (an "
+            f"optax.GradientTransformation), got {type(inner).__name__}."
+        )
+    if isinstance(dtype, Mapping):
+        fields = {str(k): _target(v, f"dtype[{k!r}]") for k, v in dtype.items()}
+        everywhere = None
+    else:
+        fields, everywhere = {}, _target(dtype, "dtype")
+        if everywhere is None:
+            raise ValueError("low_precision_state: dtype must be jnp.bfloat16 or '8bit', got None.")
+    for name, value in (("block_size", block_size), ("min_size", min_size)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"low_precision_state: `{name}` must be an int >= 0, got {value!r}.")
+    if block_size < 1:
+        raise ValueError(f"low_precision_state: `block_size` must be >= 1, got {block_size}.")
+    inner = optax.with_extra_args_support(inner)
+
+    def target(path: tuple[Any, ...], leaf: Any) -> Any:
+        names = _names(path)
+        if not is_float(leaf) or jnp.ndim(leaf) == 0 or jnp.size(leaf) < min_size:
+            return None
+        if _ACCUMULATORS.intersection(names):
+            return None
+        if everywhere is not None:
+            return everywhere
+        for name in reversed(names):  # the innermost field that is named
+            if name in fields:
+                return fields[name]
+        return None
+
+    def store(stored: Any, new: Any, key: jax.Array) -> Any:
+        """``new`` (the wrapped optimizer's state) in ``stored``'s form."""
+        leaves, treedef = jax.tree.flatten(stored, is_leaf=is_stored)
+        news = treedef.flatten_up_to(new)
+        out = []
+        for i, (s, n) in enumerate(zip(leaves, news, strict=True)):
+            out.append(s.restore(n, jax.random.fold_in(key, i)) if is_stored(s) else n)
+        return jax.tree.unflatten(treedef, out)
+
+    def init_fn(params: Any) -> LowPrecisionState:
+        state = inner.init(params)
+        if holds_loss_scale(state):
+            raise ValueError(
+                "low_precision_state: `inner` holds a loss scale (a jaxamp guard): the "
+                "guard goes outside, around the stored state, so that a skipped step keeps "
+                "it. Write jaxamp.skip_nonfinite(jaxamp.low_precision_state(optimizer, "
+                "dtype)), not the other way round."
+            )
+        key = jax.random.key(seed)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        out = []
+        for i, (path, leaf) in enumerate(leaves):
+            t = target(path, leaf)
+            k = jax.random.fold_in(key, i)
+            if t is None:
+                out.append(leaf)
+            elif t == EIGHT_BIT:
+                out.append(Quantized8.store(leaf, k, block_size, leaf.dtype))
+            else:
+                out.append(Rounded16.store(leaf, k, leaf.dtype))
+        return LowPrecisionState(jnp.zeros([], jnp.int32), jax.tree.unflatten(treedef, out))
+
+    def update_fn(
+        updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, LowPrecisionState]:
+        values = jax.tree.map(
+            lambda s: s.value() if is_stored(s) else s, state.inner_state, is_leaf=is_stored
+        )
+        updates, new = inner.update(updates, values, params, **extra_args)
+        key = jax.random.fold_in(jax.random.key(seed), state.count)
+        stored = store(state.inner_state, new, key)
+        return updates, LowPrecisionState(state.count + 1, stored)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
