@@ -47,6 +47,7 @@ from jaxamp.low_precision_params import (
     apply_with_stochastic_rounding,
     stochastic_round,
 )
+from jaxamp.low_precision_state import low_precision_state
 from jaxamp.skip import (
     explain,
     metrics,
@@ -85,6 +86,7 @@ __all__ = [
     "full_precision",
     "get_loss_scale",
     "keep_float32",
+    "low_precision_state",
     "metrics",
     "multi_transform",
     "nnx",
@@ -109,8 +111,16 @@ __all__ = [
 # from the array op, and the types, now in jaxamp.types. Hidden from type checkers: a
 # module `__getattr__` would make every unknown `jaxamp.x` type as Any; they see the
 # adapters' imports and the 0.4 names only.
-# (The types 0.4 added, AuditReport, Fp8Config and Unscaled, had no top-level name in 0.3.)
-_MOVED_TYPES = tuple(n for n in types.__all__ if n not in ("AuditReport", "Fp8Config", "Unscaled"))
+# (The types 0.4 added had no top-level name in 0.3.)
+_NEW_IN_0_4 = (
+    "AuditReport",
+    "Fp8Config",
+    "LowPrecisionState",
+    "Quantized8",
+    "Rounded16",
+    "Unscaled",
+)
+_MOVED_TYPES = tuple(n for n in types.__all__ if n not in _NEW_IN_0_4)
 if TYPE_CHECKING:
     from jaxamp import nnx as nnx
     from jaxamp._train_state import TrainState as TrainState

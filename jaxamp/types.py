@@ -6,6 +6,7 @@ docstring (``jaxamp.explain`` returns an ``Explanation``, ``tx.init`` of
 from jaxamp.casting import AuditReport, Fp8Config, OverflowReport
 from jaxamp.loss_scale import Mode, Unscaled
 from jaxamp.low_precision_params import KahanSummationState, StochasticRoundingState
+from jaxamp.low_precision_state import LowPrecisionState, Quantized8, Rounded16
 from jaxamp.skip import (
     Explanation,
     MultiTransformState,
@@ -20,10 +21,13 @@ __all__ = [
     "Explanation",
     "Fp8Config",
     "KahanSummationState",
+    "LowPrecisionState",
     "Mode",
     "MultiTransformState",
     "NonfiniteLeaves",
     "OverflowReport",
+    "Quantized8",
+    "Rounded16",
     "SkipNonfiniteState",
     "SpikeRule",
     "SpikeState",

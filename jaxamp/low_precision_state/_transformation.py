@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from jaxamp._utils.dtypes import is_float
-from jaxamp.loss_scale._state import holds_loss_scale
+from jaxamp.loss_scale import holds_loss_scale
 from jaxamp.low_precision_state._stored import Quantized8, Rounded16, is_stored
 
 __all__ = ["LowPrecisionState", "low_precision_state"]

@@ -51,7 +51,15 @@ def _private_part(module: str) -> tuple[str, str] | None:
 
 
 def test_the_subpackages_are_the_concepts():
-    assert SUBPACKAGES == ["_utils", "casting", "checkpoint", "compat", "loss_scale", "skip"]
+    assert SUBPACKAGES == [
+        "_utils",
+        "casting",
+        "checkpoint",
+        "compat",
+        "loss_scale",
+        "low_precision_state",
+        "skip",
+    ]
 
 
 def test_subpackages_meet_through_their_init_or_utils():
