@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -188,9 +189,22 @@ class LossScaleState:
         return self.mode.scales
 
     @property
-    def skip_nonfinite(self) -> bool:
-        """Whether gradients are checked and non-finite steps skipped."""
+    def check_finite(self) -> bool:
+        """Whether gradients are checked and non-finite steps skipped: the constructors'
+        ``check_finite`` (``jaxamp.static_scale(check_finite=)``)."""
         return self.mode.checks
+
+    @property
+    def skip_nonfinite(self) -> bool:
+        """Deprecated: ``check_finite`` (the name of the function that guards an optimizer
+        is not that of a flag). Until jaxamp 0.5, with a ``DeprecationWarning``."""
+        warnings.warn(
+            "LossScaleState.skip_nonfinite is deprecated and will be removed in jaxamp 0.5: "
+            "read state.check_finite (as static_scale(check_finite=) sets it).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.check_finite
 
     def __float__(self) -> float:
         # PyTorch's scaler.get_scale() is a float; here the scale is one field of the state.

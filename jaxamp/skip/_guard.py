@@ -166,7 +166,7 @@ def _check(ls: LossScaleState, parts: list[Part], call: Call, axis_name: Any) ->
         return Checked(lambda g: g, [verdict] * n, None, [[]] * n)
     scale = ls.scale if ls.enabled and not call.unscaled else None
     unscale = lambda g: unscaled(g, scale)
-    if not ls.skip_nonfinite:
+    if not ls.check_finite:
         return Checked(unscale, [None] * n, None, [[]] * n)
     local = [leaf_flags(p.grads, scale, p.prepare) for p in parts]
     agreed = agree(jnp.concatenate([f for f, _ in local]), axis_name)

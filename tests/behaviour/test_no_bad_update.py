@@ -135,7 +135,7 @@ def test_meaningless_mode_combinations_cannot_be_built():
     with pytest.raises(ValueError, match="must be 1 in mode 'disabled'"):
         jaxamp.static_scale(4.0).replace(mode="disabled")
     s = jaxamp.static_scale(1.0).replace(mode="disabled")
-    assert not s.enabled and not s.skip_nonfinite and not s.dynamic
+    assert not s.enabled and not s.check_finite and not s.dynamic
 
 
 # 4. float8 leaves ---------------------------------------------------------------------------

@@ -69,10 +69,10 @@ def test_loss_scale_state_round_trip_is_bit_for_bit(tmp_path, make) -> None:
     )["loss_scale"]
     assert isinstance(restored, LossScaleState)
     _assert_trees_equal(restored, state)
-    assert (restored.dynamic, restored.enabled, restored.skip_nonfinite) == (
+    assert (restored.dynamic, restored.enabled, restored.check_finite) == (
         state.dynamic,
         state.enabled,
-        state.skip_nonfinite,
+        state.check_finite,
     )
     # The restored state goes on exactly as the original does.
     for finite in (False, False, True, False, True):

@@ -180,7 +180,7 @@ def test_megengine_trajectory(overflows, log2_init, growth_factor, growth_interv
     state = compat.megengine_grad_scaler(*args)
     ref = megengine_reference(overflows, *args)
     # Skipping is decided by the check; replay it as skip_nonfinite does.
-    t = _run(state, [state.skip_nonfinite and o for o in overflows])
+    t = _run(state, [state.check_finite and o for o in overflows])
     np.testing.assert_array_equal(t["scale"], [r[0] for r in ref])
     np.testing.assert_array_equal(t["skipped_steps"], [r[1] for r in ref])
 
@@ -230,8 +230,8 @@ def test_mindspore_more_than_1000_overflows_in_a_row_is_an_error():
 
 def test_mindspore_fixed():
     s = compat.mindspore_fixed()
-    assert float(s.scale) == 128.0 and not s.dynamic and s.skip_nonfinite
-    assert not compat.mindspore_fixed(1024.0, drop_overflow_update=False).skip_nonfinite
+    assert float(s.scale) == 128.0 and not s.dynamic and s.check_finite
+    assert not compat.mindspore_fixed(1024.0, drop_overflow_update=False).check_finite
     np.testing.assert_array_equal(_run(s, [True, False, True])["scale"], [128.0] * 3)
 
 
@@ -374,5 +374,5 @@ def test_a_fixed_paddle_scale_keeps_what_paddles_getters_return(spelling):
     assert got == (1024.0, 3.0, 0.25)
     assert (int(s.growth_interval), int(s.hysteresis), s.dynamic, s.enabled) == (7, 3, False, True)
     # Still a fixed scale that skips non-finite steps.
-    assert s.skip_nonfinite
+    assert s.check_finite
     np.testing.assert_array_equal(_run(s, [True] * 5 + [False] * 8)["scale"], [1024.0] * 13)

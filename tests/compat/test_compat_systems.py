@@ -358,10 +358,10 @@ def test_deepspeed_fp16_config(fp16):
     ref = deepspeed_config_reference(fp16)
     ovf = [True, False, False, True, True, False, False, False, True, True, True, True]
     if ref is None:
-        assert not state.enabled and not state.skip_nonfinite
+        assert not state.enabled and not state.check_finite
         return
     if ref[0] == "static":
-        assert not state.dynamic and state.skip_nonfinite  # ZeRO still skips overflows
+        assert not state.dynamic and state.check_finite  # ZeRO still skips overflows
         np.testing.assert_array_equal(run(state, ovf)["scale"], [ref[1]] * len(ovf))
         return
     # DynamicLossScaler's own defaults (loss_scaler.py), overridden by the config's values.
@@ -482,7 +482,7 @@ def test_apex_fixed_sequences_and_static():
     np.testing.assert_array_equal(run(s4, [True, False, False])["scale"], [4, 8, 16])
     # A number: a fixed scale, and Apex neither checks nor skips.
     fixed = compat.apex_loss_scaler(128.0)
-    assert not fixed.dynamic and not fixed.skip_nonfinite and float(fixed.scale) == 128.0
+    assert not fixed.dynamic and not fixed.check_finite and float(fixed.scale) == 128.0
     np.testing.assert_array_equal(run(fixed, [True, False])["scale"], [128.0, 128.0])
 
 
@@ -663,7 +663,7 @@ def test_jmp_fixed_sequence_and_factor_one():
     np.testing.assert_array_equal(run(s, ovf)["scale"], expected)
     np.testing.assert_array_equal(col(jmp_reference(ovf, 2.0**15, 0, 2, 2, 1.0), 0), expected)
     fixed = compat.jmp_dynamic_loss_scale(8.0, factor=1, period=1)
-    assert not fixed.dynamic and fixed.skip_nonfinite
+    assert not fixed.dynamic and fixed.check_finite
     np.testing.assert_array_equal(run(fixed, [False, True])["scale"], [8, 8])
     np.testing.assert_array_equal(col(jmp_reference([False, True], 8.0, 0, 1, 1, 1.0), 0), [8, 8])
     with pytest.raises(TypeError):
@@ -772,7 +772,7 @@ def test_defaults_match_the_originals():
     assert float(ke.scale) == 2.0**15 and int(ke.growth_interval) == 2000
     assert float(ke.min_scale) == 0.0
     for s in (ds, mg, ap, fl, jm, ke):
-        assert s.dynamic and s.skip_nonfinite
+        assert s.dynamic and s.check_finite
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,15 @@ def test_dynamic_scale_defaults_and_dtypes():
     assert (float(s.growth_factor), float(s.backoff_factor)) == (2.0, 0.5)
     assert (int(s.growth_interval), int(s.hysteresis)) == (2000, 1)
     assert (float(s.min_scale), float(s.max_scale)) == (1.0, 2.0**24)
-    assert s.dynamic and s.enabled and s.skip_nonfinite
+    assert s.dynamic and s.enabled and s.check_finite
+
+
+def test_skip_nonfinite_property_is_check_finite_with_a_deprecation():
+    """0.3's name of the flag warns at the reader's line and gives the same answer."""
+    for s in (jaxamp.dynamic_scale(), jaxamp.static_scale(2.0, check_finite=False)):
+        with pytest.warns(DeprecationWarning, match="check_finite") as caught:
+            old = s.skip_nonfinite
+        assert old is s.check_finite and caught[0].filename == __file__
 
 
 @pytest.mark.parametrize(
