@@ -157,3 +157,20 @@ def test_each_product_names_its_own_line():
     got = sorted(r.source for r in report.matmuls)
     assert got == [f"test_audit.py:{n} ({f.__qualname__})" for n in lines], got
     assert sorted(o.source for o in report.ops if o.primitive == "dot_general") == got
+
+
+def test_an_equinox_filter_jit_function_is_audited_as_its_jax_jit_twin():
+    """eqx.filter_jit's ``lower`` returns equinox's own Lowered (its ``as_text`` takes no
+    dialect): audit reads the JAX lowering inside, and sees what jax.jit shows."""
+    import equinox as eqx
+
+    def f(x, w, scale):  # `scale` a Python float: filter_jit keeps it static
+        return jaxamp.autocast(lambda x, w: (x @ w) * scale, dtype=BF16)(x, w)
+
+    x, w = jnp.ones((16, 32)), jnp.ones((32, 8))
+    report = jaxamp.audit(eqx.filter_jit(f))(x, w, 2.0)
+    twin = jaxamp.audit(jax.jit(f, static_argnums=2))(x, w, 2.0)
+    assert [m.requested for m in report.matmuls] == ["bf16 x bf16 -> bf16"]
+    assert [(m.requested, m.executed, m.shape) for m in report.matmuls] == [
+        (m.requested, m.executed, m.shape) for m in twin.matmuls
+    ]

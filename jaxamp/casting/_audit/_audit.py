@@ -312,6 +312,10 @@ def _audit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     lower = getattr(fn, "lower", None) or _nnx_lower(fn) or jax.jit(fn).lower
     with recording() as ops, fresh_trace():
         lowered = lower(*args, **kwargs)
+    # eqx.filter_jit's lower() wraps JAX's Lowered in its own (whose as_text takes no
+    # dialect and whose compile() returns equinox's Compiled): read the JAX one inside.
+    if not isinstance(lowered, jax.stages.Lowered):
+        lowered = getattr(lowered, "lowered", lowered)
     try:
         pre_text = lowered.as_text(dialect="hlo", debug_info=True)
     except TypeError:  # pragma: no cover - JAX without debug_info
