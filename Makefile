@@ -31,8 +31,17 @@ $(STAMP): pyproject.toml
 # test and the docs check. The parts' output is not held back until each ends (make's
 # --output-sync would: a silent first phase); each line comes out whole as it is
 # written, prefixed by its part, and pytest counts tests done (`[ 120/2210]`).
+#
+# The parts share JAX's persistent compilation cache, in a directory made fresh for the
+# run and removed after it: a program compiled in one pytest process (the loss-scale
+# update, the guard's step on the same shapes) is read back, not compiled again, in the
+# others (a fifth less CPU on tests/skip). It caches the executable XLA compiled for the
+# same HLO and options: every test still traces, lowers, runs and checks.
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j2 test-single test-multidevice PART=1
+	cache=$$(mktemp -d) && trap 'rm -rf "$$cache"' EXIT && \
+	export JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+		JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 && \
+	$(MAKE) --no-print-directory -j2 test-single test-multidevice PART=1 && \
 	$(MAKE) --no-print-directory -j3 test-multiprocess wheel-smoke docs-check \
 		test-xla-default PART=1
 
