@@ -47,7 +47,7 @@ from jaxamp.low_precision_params import (
     apply_with_stochastic_rounding,
     stochastic_round,
 )
-from jaxamp.low_precision_state import low_precision_state
+from jaxamp.low_precision_state import convert_state, low_precision_state
 from jaxamp.skip import (
     explain,
     metrics,
@@ -79,6 +79,7 @@ __all__ = [
     "check_only",
     "checkpoint",
     "compat",
+    "convert_state",
     "dynamic_scale",
     "explain",
     "find_overflow",
