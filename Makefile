@@ -142,11 +142,12 @@ conformance: $(STAMP)
 
 # Issue 30's differential matrix (tests/matrix): the whole product of training paths,
 # optimizer modes, placements and model states (1512 cells), issue 43's composition
-# axis (the guard inside and around optax's structures: 312 cells) and user-input axis
-# (params' dtype: 72 cells; a Python-object model and constants built by each jnp
-# constructor: 31). Of the 1927 cells, 1582 run a fixed sequence and 10 hypothesis-drawn
-# ones, checked after every call against plain optax / Flax / float32; 345 must refuse
-# by name. `make test` runs a fixed subset of 41 cells.
+# axis (the guard inside and around optax's structures, issue 45's stored moments
+# among them: 366 cells) and user-input axis (params' dtype: 72 cells; a Python-object
+# model and constants built by each jnp constructor: 31). Of the 1981 cells, 1618 run a
+# fixed sequence and 10 hypothesis-drawn ones, checked after every call against plain
+# optax / Flax / float32; 363 must refuse by name. `make test` runs a fixed subset of
+# 44 cells.
 # Most of a cell's time is compiling programs that other cells compile too (the
 # reference optimizer's step is the same under every path): JAX's persistent compilation
 # cache, in a directory made fresh for the run and removed after it, compiles each

@@ -73,7 +73,7 @@ def _names(path: tuple[Any, ...]) -> list[str]:
 
 
 def low_precision_state(
-    inner: optax.GradientTransformation,
+    inner: optax.GradientTransformation | optax.MultiSteps,
     /,
     dtype: Any,
     *,
@@ -125,7 +125,9 @@ def low_precision_state(
       >>> mu.codes.dtype, mu.codes.shape, mu.scales.shape
       (dtype('uint8'), (64, 256), (64, 1))
     """
-    if not isinstance(inner, optax.GradientTransformation):
+    # Duck-typed, as optax and the guard take it: optax.MultiSteps is an object with
+    # init and update, not a GradientTransformation.
+    if not (hasattr(inner, "init") and hasattr(inner, "update")):
         raise TypeError(
             "low_precision_state: `inner` must be an optax optimizer (an "
             f"optax.GradientTransformation), got {type(inner).__name__}."

@@ -205,7 +205,7 @@ class Optimizer(nnx.Optimizer):
         opt_state = _pure(self.opt_state)
         new_params, new_opt_state = step(self.tx, grads, opt_state, params, **_pure(kwargs))
         nnx.update(model, new_params)
-        nnx.update(self.opt_state, nnx.state(new_opt_state, **kw))
+        _write(self.opt_state, new_opt_state)
         self.step[...] += applied_calls(opt_state, new_opt_state).astype(self.step.dtype)
         # What the forwards of this step wrote (and, for a non-Param Variable in
         # `wrt`, the update then made of it) stays only if the step was taken.
@@ -214,6 +214,20 @@ class Optimizer(nnx.Optimizer):
         nnx.update(self.kept, nnx.state(_as_kept(state)))
         self.armed[...] = jnp.array(False)
         return jax.tree.map(lambda n, o: n - o, new_params, params)
+
+
+def _write(variables: Any, new: Any) -> None:
+    """``new`` into the optimizer state's Variables, each its whole value, so that the
+    state keeps the structure ``tx.init`` gave it. A Variable's value can be a pytree
+    node (``jaxamp.low_precision_state`` stores a moment where optax put an array, in
+    the params' Variables ``tx.init`` was given), which ``nnx.update`` would replace
+    with a State of its fields that the next ``tx.update`` does not recognise."""
+    cells, treedef = jax.tree.flatten(variables, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    for cell, value in zip(cells, treedef.flatten_up_to(new), strict=True):
+        if hasattr(cell, "set_value"):
+            cell.set_value(value)
+        else:  # Flax before 0.12
+            cell.value = value
 
 
 def _trained_module(optimizer: Optimizer, argnums: Any, args: tuple[Any, ...]) -> Any:

@@ -89,6 +89,16 @@ ERRORS: dict[str, tuple[Callable[[], object], type, str]] = {
         TypeError,
         r"inner_state hold leaves of float16's range or narrower \(`0.mu.w`.*mu_dtype=jnp.bfloat16",
     ),
+    # issue 45: a moment stored in 8 bits still comes back to the wrapped optimizer in
+    # its own dtype (adam casts mu to mu_dtype), which overflows from finite gradients
+    "float16 optimizer state stored by low_precision_state": (
+        lambda: _guard(
+            jaxamp.low_precision_state(optax.adam(1e-3, mu_dtype=jnp.float16), "8bit", min_size=0)
+        ).init(P),
+        TypeError,
+        r"inner_state hold leaves of float16's range or narrower \(`inner_state.0.mu.w` "
+        r"\(float16\)\).*mu_dtype=jnp.bfloat16",
+    ),
     "float16 params in multi_transform": (
         lambda: jaxamp.multi_transform({"a": optax.sgd(1.0)}, {"w": "a"}).init(
             {"w": jnp.ones(2, jnp.float16)}

@@ -125,6 +125,9 @@ CI_COMPOSED = [
     ("step", "masked", "explicit_shard", "bn"),
     ("train_state", "partition", "shard_map", "none"),
     ("update", "lookahead", "shard_map", "bn"),
+    ("update", "guard_stored_8bit", "one", "none"),
+    ("update", "guard_stored_bf16", "one", "none"),
+    ("train_state", "stored_around", "one", "none"),
 ]
 CI_DTYPED = [
     ("update", "bf16", "explicit_shard", "bn"),

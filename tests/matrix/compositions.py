@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import jaxamp
@@ -44,6 +45,13 @@ def _kernels(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(
         lambda p, _: "kernel" in jax.tree_util.keystr(p), params
     )
+
+
+def _stored(dtype: Any) -> Any:
+    """adam with its moments in ``dtype`` (jaxamp.low_precision_state): every moment,
+    the matrix's small ones too, in blocks of a few per row (the kernels' rows are 16
+    and 4 wide), so that rows hold several blocks and sharded rows whole ones."""
+    return jaxamp.low_precision_state(_adam(), dtype, block_size=4, min_size=0)
 
 
 def _labels(params: Any) -> Any:
@@ -98,6 +106,12 @@ ACCEPTED: dict[str, Accepted] = {
     "guard_mechanize": Accepted(
         lambda g: g(optax.contrib.mechanize(_adam())), lambda: optax.contrib.mechanize(_adam())
     ),
+    # The moments stored in 8 or 16 bits (issue 45): the stored state is the state the
+    # skipped calls keep, the reference the same storage without the guard.
+    "guard_stored_8bit": Accepted(lambda g: g(_stored("8bit")), lambda: _stored("8bit")),
+    "guard_stored_bf16": Accepted(
+        lambda g: g(_stored(jnp.bfloat16)), lambda: _stored(jnp.bfloat16)
+    ),
 }
 
 # name -> (the structure, the regex its refusal must match: the fix, by name)
@@ -133,6 +147,10 @@ REFUSED: dict[str, tuple[Callable[[Guard], Any], str]] = {
     "partition": (
         lambda g: optax.partition({"a": g(_adam()), "b": optax.sgd(LR)}, _labels),
         r"wrapped in optax\.partition.*jaxamp\.multi_transform\(transforms, param_labels",
+    ),
+    "stored_around": (
+        lambda g: jaxamp.low_precision_state(g(_adam()), "8bit"),
+        r"holds a loss scale.*jaxamp\.skip_nonfinite\(jaxamp\.low_precision_state\(optimizer",
     ),
     "lookahead": (
         lambda g: optax.lookahead(g(_adam()), 2, 0.5),
