@@ -142,7 +142,7 @@ def quantize(x: jax.Array, key: jax.Array, block_size: int) -> tuple[jax.Array, 
     draw = jax.random.uniform(key, xb.shape, jnp.float32)
     unsigned = encode(jnp.minimum(a, NONNEGATIVE.largest), NONNEGATIVE, draw, xb > 0)
     signed = encode(jnp.minimum(a, SIGNED.largest), SIGNED, draw)
-    signed = signed | jnp.where(xb < 0, 128, 0)
+    signed = jnp.where(xb < 0, signed | 128, signed)  # the sign bit; int32 under x64 too
     codes = jnp.where(nonneg[..., None], unsigned, signed).astype(jnp.uint8)
     scales = jnp.ldexp(jnp.where(nonneg, -1.0, 1.0), k).astype(jnp.float32)
     scales = jnp.where(finite, scales, jnp.nan)
