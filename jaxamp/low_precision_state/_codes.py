@@ -72,10 +72,15 @@ def _binade(a: jax.Array, code: Code) -> jax.Array:
     return jnp.where(a > 0, jnp.maximum(e - 1, code.emin), code.emin)
 
 
-def encode(a: jax.Array, code: Code, draw: jax.Array) -> jax.Array:
+def encode(
+    a: jax.Array, code: Code, draw: jax.Array, positive: jax.Array | None = None
+) -> jax.Array:
     """int32 codes of magnitudes ``0 <= a <= code.largest``, rounded stochastically.
 
-    ``draw``: uniform in [0, 1), one per element. A magnitude's code is
+    ``draw``: uniform in [0, 1), one per element. ``positive``: where the value is
+    positive (default ``a > 0``); the caller's, because a value far below its block's
+    largest scales to a float32 subnormal, which backends flush to 0, and the
+    non-negative code still stores it as its smallest code. A magnitude's code is
     ``a / step + (e - emin) * 2**m`` for its binade ``e`` and that binade's step
     ``2**(e - m)``: piecewise linear and increasing, so rounding ``a / step`` up across
     a binade's end lands on the next binade's first code.
@@ -87,7 +92,7 @@ def encode(a: jax.Array, code: Code, draw: jax.Array) -> jax.Array:
     up = (draw < t - whole).astype(jnp.int32)  # P(up) = the fraction, exactly
     c = whole.astype(jnp.int32) + up + (e - code.emin) * 2**m
     if not code.signed:
-        c = jnp.where(a > 0, jnp.maximum(c, 1), c)
+        c = jnp.where(a > 0 if positive is None else positive, jnp.maximum(c, 1), c)
     return c
 
 
@@ -135,9 +140,9 @@ def quantize(x: jax.Array, key: jax.Array, block_size: int) -> tuple[jax.Array, 
     k = jnp.where(finite, k, 0)
     a = jnp.ldexp(a, -k[..., None])
     draw = jax.random.uniform(key, xb.shape, jnp.float32)
-    unsigned = encode(jnp.minimum(a, NONNEGATIVE.largest), NONNEGATIVE, draw)
+    unsigned = encode(jnp.minimum(a, NONNEGATIVE.largest), NONNEGATIVE, draw, xb > 0)
     signed = encode(jnp.minimum(a, SIGNED.largest), SIGNED, draw)
-    signed = signed | jnp.where(xb < 0, 128, 0)
+    signed = jnp.where(xb < 0, signed | 128, signed)  # the sign bit; int32 under x64 too
     codes = jnp.where(nonneg[..., None], unsigned, signed).astype(jnp.uint8)
     scales = jnp.ldexp(jnp.where(nonneg, -1.0, 1.0), k).astype(jnp.float32)
     scales = jnp.where(finite, scales, jnp.nan)
