@@ -194,6 +194,7 @@ def low_precision_state(
     def update_fn(
         updates: Any, state: LowPrecisionState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LowPrecisionState]:
+        state = _rewrapped(state, params, init_fn)
         values = jax.tree.map(
             lambda s: s.value() if is_stored(s) else s, state.inner_state, is_leaf=is_stored
         )
@@ -203,3 +204,26 @@ def low_precision_state(
         return updates, LowPrecisionState(state.count + 1, stored)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _rewrapped(state: Any, params: Any, init_fn: Any) -> Any:
+    """``state`` with its stored moments as ``Quantized8`` / ``Rounded16`` again, where
+    a holder turned them into mappings of their fields.
+
+    Flax's ``nnx.Optimizer`` does: its ``nnx.update`` of the optimizer state replaces a
+    pytree node that sits in a parameter mapping (each moment here) by an ``nnx.State``
+    of its fields. The arrays, and their order, are unchanged (field names sort as the
+    fields are declared), so the structure ``init`` builds for these params puts them
+    back. Anything else is left for the wrapped optimizer to reject as it would.
+    """
+    if params is None or any(map(is_stored, jax.tree.leaves(state, is_leaf=is_stored))):
+        return state
+    template = jax.eval_shape(init_fn, params)
+    if not any(map(is_stored, jax.tree.leaves(template, is_leaf=is_stored))):
+        return state
+    leaves, want = jax.tree.leaves(state), jax.tree.leaves(template)
+    same = len(leaves) == len(want) and all(
+        jnp.shape(a) == b.shape and jnp.result_type(a) == b.dtype
+        for a, b in zip(leaves, want, strict=True)
+    )
+    return jax.tree.unflatten(jax.tree.structure(template), leaves) if same else state
