@@ -136,7 +136,10 @@ def quantize(x: jax.Array, key: jax.Array, block_size: int) -> tuple[jax.Array, 
     # subnormal (backends flush those).
     f, e = jnp.frexp(absmax)
     k = jnp.maximum(e - (2 * f <= largest).astype(e.dtype), -126)
-    finite = jnp.isfinite(absmax)
+    # A block within a code step of float32's largest value would need a scale of
+    # 2**128: it is stored as non-finite (a NaN scale), as the float32 moment's next
+    # step would overflow, so that a guard sees it and skips; never clipped.
+    finite = jnp.isfinite(absmax) & (k <= 127)
     k = jnp.where(finite, k, 0)
     a = jnp.ldexp(a, -k[..., None])
     draw = jax.random.uniform(key, xb.shape, jnp.float32)
