@@ -376,6 +376,18 @@ def run_low_precision(quick: bool) -> dict[str, Any] | None:
     return result
 
 
+def run_optimizer_state(quick: bool) -> dict[str, Any]:
+    """Calls ``benchmarks/bench_optimizer_state.py``'s ``run``: AdamW's moments in
+    float32, bfloat16 and 8 bits (``jaxamp.low_precision_state``), compiled on this
+    model and, unless ``quick``, the ~124M GPT: bytes per parameter and step bytes."""
+    import bench_optimizer_state as mod  # benchmarks/ is on sys.path
+
+    print("\n[optimizer state] bytes/param of the state and the step, vs AdamW's float32 moments")
+    result = mod.run(quick=quick)
+    print(mod.format_report(result))
+    return result
+
+
 def build_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One result row per timed entry, with ratios to the first entry (``plain``)."""
     plain = entries[0]
@@ -429,6 +441,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="skip the many-small-leaves model's compiled figures (never run at --size tiny)",
     )
     ap.add_argument("--no-low-precision", action="store_true", help="skip bench_low_precision.py")
+    ap.add_argument(
+        "--no-optimizer-state", action="store_true", help="skip bench_optimizer_state.py"
+    )
     ap.add_argument(
         "--low-precision-quick", action="store_true", help="bench_low_precision at smoke size"
     )
@@ -515,6 +530,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     low_precision = (
         None if args.no_low_precision else run_low_precision(quick=args.low_precision_quick)
     )
+    optimizer_state = (
+        None if args.no_optimizer_state else run_optimizer_state(quick=args.size == "tiny")
+    )
     total_s = time.perf_counter() - t_start
     cpu_s = time.process_time()
     print(
@@ -534,6 +552,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "finite_check": fc,
         "autocast": autocast,
         "low_precision": low_precision,
+        "optimizer_state": optimizer_state,
         "table": table,
         "total_s": total_s,
         "process_cpu_s": cpu_s,

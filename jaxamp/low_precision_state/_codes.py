@@ -26,7 +26,25 @@ again could move the block's largest value down a binade and so its scale.
 Rounding is stochastic, and unbiased: each value goes to one of its two neighbouring
 codes with the probability that makes its expectation exact, so a moment's slow
 decay (``0.999 * nu`` moves ``nu`` by 0.1 %, far below a code's step) is kept in
-expectation instead of rounded away.
+expectation instead of rounded away. Rounding to nearest would lose every change
+below half a step, for both moments alike: a second moment would neither decay nor,
+from its start at 0, climb past the point where ``(1 - b2) * g**2`` is below half a
+step of it, a small fraction of ``g**2``, so Adam's steps would come out several times
+too large and stay so. Stochastic rounding's price is noise: a moment stored as a
+code moves by ``d`` (far below the step ``s``) to the next code with probability
+``d / s``, an error of variance below ``d * s``, and the moment keeps ``b`` of its
+past errors each step, so they add up like an AR(1) process, to a variance below
+``d * s / (1 - b**2)``. With ``d`` of order ``(1 - b) * nu`` that is a fraction of
+the moment's value, but unbiased, and it averages out over the steps and elements an
+update sums; rounding to nearest's error is a bias that does not. The non-negative
+code's extra mantissa bit halves ``s`` for the second moment, where ``1 - b`` is
+smallest and the carried noise largest (of 4 exponent bits and 4 of mantissa, 3 and 5
+or 5 and 3, the first tracks a second moment best: fewer exponent bits clamp a
+block's small values up to the smallest code, fewer mantissa bits add noise). A fast
+first moment (``b1 = 0.9``: each step moves it by more than half a step) would lose
+nothing to rounding to nearest and carry less noise, but the code does not know the
+decay of the moment it stores, and a slow one (``b1 = 0.99``, an EMA of params)
+would lose its decay: both codes round stochastically.
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ ENTRY %main (x: f32[8]) -> f32[] {
 @pytest.mark.slow
 def test_the_record_is_timed_on_a_model_with_the_bench_models_leaves(tmp_path) -> None:
     argv = ["--size", "tiny", "--only", "jaxamp_step,jaxamp_step_no_record", "--no-finite-check"]
-    argv += ["--no-autocast", "--no-low-precision", "--out", str(tmp_path / "r.json")]
+    argv += ["--no-autocast", "--no-low-precision", "--no-optimizer-state"]
+    argv += ["--out", str(tmp_path / "r.json")]
     result = bench_run.main(argv)
     probe = result["record_probe"]
     assert probe["n_leaves"] == probe["bench_n_leaves"] > 0
@@ -247,3 +248,31 @@ def test_low_precision_benchmark_trains_a_third_party_model_at_smoke_size() -> N
     assert math.isfinite(got["final_loss"]) and got["final_loss"] < first, (first, got)
     assert 6.0 <= got["bytes_per_param"] < 6.01, got
     assert got["skipped"] == 0
+
+
+@pytest.mark.slow
+def test_optimizer_state_benchmark_counts_the_stored_bytes() -> None:
+    # benchmarks/bench_optimizer_state.py: the state column is what low_precision_state
+    # stores: a leaf of >= 4096 elements as 1 byte each and a float32 scale per 256 of
+    # its last axis, per moment; smaller leaves as float32; plus two int32 counts.
+    import bench_optimizer_state as bos
+    import models
+
+    cfg = models.ModelConfig(vocab=256, d_model=64, n_layers=1, n_heads=2, seq_len=8, batch=2)
+    got = bos.measure(cfg, ("adamw", "lps 8bit"))
+    shapes = jax.eval_shape(
+        lambda: models.TransformerLM(cfg).init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))
+    )["params"]
+    leaves = [x.shape for x in jax.tree.leaves(shapes)]
+    n = sum(math.prod(s) for s in leaves)
+
+    def stored(s: tuple[int, ...]) -> int:
+        size = math.prod(s)
+        return size + 4 * math.prod(s[:-1]) * -(-s[-1] // 256) if size >= 4096 else 4 * size
+
+    rows = got["rows"]
+    assert got["model"]["params"] == n
+    assert rows["adamw"]["state_bytes_per_param"] * n == 8 * n + 4
+    assert rows["lps 8bit"]["state_bytes_per_param"] * n == 2 * sum(map(stored, leaves)) + 8
+    assert rows["lps 8bit"]["u8_fusions"] > 0 == rows["adamw"]["u8_fusions"]
+    assert rows["adamw"]["bytes_ratio"] == 1.0 and rows["lps 8bit"]["bytes_accessed"] > 0

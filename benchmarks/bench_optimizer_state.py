@@ -1,0 +1,310 @@
+"""Optimizer state in 8 and 16 bits (``jaxamp.low_precision_state``): memory, bytes, fidelity.
+
+Memory and bytes, from the compiled step alone (nothing runs, so the ~124M GPT is
+measured on a CPU too): the same AdamW (``variants.adamw()``) with its moments stored
+
+* ``adamw``: float32 (plain optax, the reference);
+* ``adamw mu_dtype=bf16``: optax's own bfloat16 first moment;
+* ``lps bf16``: ``jaxamp.low_precision_state(adamw, jnp.bfloat16)``;
+* ``lps 8bit``: ``jaxamp.low_precision_state(adamw, "8bit")``;
+* ``lps bf16 + bf16 params`` and ``lps 8bit + bf16 params``: the same on bfloat16
+  params, ``jaxamp.apply_with_stochastic_rounding`` last (no float32 master copy).
+
+For each: the optimizer state's bytes per parameter (``nbytes`` of its leaves), the
+params' and the step's: XLA ``compiled.memory_analysis()`` arguments + outputs +
+temps (params, state and batch donated, as in ``run.py``), per parameter; and the
+step's ``compiled.cost_analysis()["bytes accessed"]`` as a ratio to plain AdamW's,
+with the compiled step's fusions and how many of them read or write a ``u8`` array
+(the 8-bit codes).
+
+Fidelity (``--fidelity``): ``examples/train_lm.py``'s LM as ``make demo`` builds it
+(its optimizer: global-norm clip 1.0, AdamW with warm-up and cosine decay, weight
+decay 0.01; float32 compute), trained from the same init on the same batches with
+each way of storing the moments; the final held-out loss as a ratio to float32
+moments'.
+
+Run: ``python benchmarks/bench_optimizer_state.py [--quick] [--large] [--fidelity]``;
+``make bench`` runs the memory table on its model and the ~124M GPT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for p in (HERE, ROOT, ROOT / "examples"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import hlo_paths  # noqa: E402
+import models  # noqa: E402
+import variants  # noqa: E402
+
+import jaxamp  # noqa: E402
+
+BF16 = jnp.bfloat16
+
+#: name -> (moments' dtype for low_precision_state (None: plain optax), params' dtype,
+#: optax.adamw's mu_dtype)
+OPTIMIZERS: dict[str, tuple[Any, Any, Any]] = {
+    "adamw": (None, jnp.float32, None),
+    "adamw mu_dtype=bf16": (None, jnp.float32, BF16),
+    "lps bf16": (BF16, jnp.float32, None),
+    "lps 8bit": ("8bit", jnp.float32, None),
+    "lps bf16 + bf16 params": (BF16, BF16, None),
+    "lps 8bit + bf16 params": ("8bit", BF16, None),
+}
+
+GENERATED = ROOT / "docs" / "_generated" / "optimizer_state_table.md"
+
+
+def make_tx(name: str) -> optax.GradientTransformation:
+    """The named optimizer: ``variants.adamw()``'s hyperparameters, its moments stored as named."""
+    stored, param_dtype, mu_dtype = OPTIMIZERS[name]
+    tx = optax.adamw(variants.LEARNING_RATE, weight_decay=variants.WEIGHT_DECAY, mu_dtype=mu_dtype)
+    if stored is not None:
+        tx = jaxamp.low_precision_state(tx, stored)
+    if param_dtype != jnp.float32:
+        tx = optax.chain(tx, jaxamp.apply_with_stochastic_rounding(jax.random.key(0)))
+    return tx
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+_U8 = re.compile(r"\bu8\[")
+
+
+def _fusions(text: str) -> tuple[int, int]:
+    """Fusion ops in the compiled module's entry computation, and those with a ``u8``
+    operand or result (the 8-bit codes)."""
+    entry, in_entry, total, u8 = [], False, 0, 0
+    for line in text.splitlines():
+        if line.startswith("ENTRY"):
+            in_entry = True
+        elif in_entry and line.startswith("}"):
+            break
+        elif in_entry:
+            entry.append(line)
+    for line in entry:
+        if " fusion(" in line or re.search(r"= \S+ fusion\(", line):
+            total += 1
+            u8 += bool(_U8.search(line))
+    return total, u8
+
+
+def measure(size: str | models.ModelConfig, names: tuple[str, ...] = tuple(OPTIMIZERS)) -> dict:
+    """Compiles each optimizer's donated train step on ``size``'s model (shapes only:
+    no array is allocated or run) and returns its static figures."""
+    cfg = models.SIZES[size] if isinstance(size, str) else size
+    model = models.TransformerLM(cfg)
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), jnp.int32)
+    params32 = jax.eval_shape(
+        lambda: model.init(jax.random.key(0), jnp.zeros(tokens.shape, jnp.int32))
+    )
+    params32 = params32["params"]
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params32))
+
+    def loss(p: Any, batch: Any) -> jax.Array:
+        return models.loss_fn(model, p, batch)
+
+    rows = {}
+    for name in names:
+        tx = make_tx(name)
+        dtype = OPTIMIZERS[name][1]
+        params = jax.tree.map(lambda x, d=dtype: jax.ShapeDtypeStruct(x.shape, d), params32)
+        state = jax.eval_shape(tx.init, params)
+
+        def step(params: Any, state: Any, batch: Any, tx: Any = tx) -> Any:
+            value, grads = jax.value_and_grad(loss)(params, batch)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, value
+
+        t0 = time.perf_counter()
+        compiled = (
+            jax.jit(step, donate_argnums=(0, 1)).lower(params, state, (tokens, tokens)).compile()
+        )
+        mem = compiled.memory_analysis()
+        cost = compiled.cost_analysis()
+        if isinstance(cost, list | tuple):
+            cost = cost[0] if cost else {}
+        text = compiled.as_text()
+        fusions, u8 = _fusions(text)
+        rows[name] = {
+            "state_bytes_per_param": _nbytes(state) / n,
+            "params_bytes_per_param": _nbytes(params) / n,
+            "argument_bytes": int(mem.argument_size_in_bytes),
+            "output_bytes": int(mem.output_size_in_bytes),
+            "alias_bytes": int(mem.alias_size_in_bytes),
+            "temp_bytes": int(mem.temp_size_in_bytes),
+            "step_bytes_per_param": (
+                mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+            )
+            / n,
+            "bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
+            "kernels": hlo_paths.finite_step_kernels(text),
+            "fusions": fusions,
+            "u8_fusions": u8,
+            "compile_s": time.perf_counter() - t0,
+        }
+        print(
+            f"  {cfg.d_model}x{cfg.n_layers} {name:<24} compiled {rows[name]['compile_s']:.1f} s",
+            flush=True,
+        )
+    base = rows["adamw"] if "adamw" in rows else None
+    for r in rows.values():
+        r["bytes_ratio"] = r["bytes_accessed"] / base["bytes_accessed"] if base else float("nan")
+        r["step_ratio"] = (
+            r["step_bytes_per_param"] / base["step_bytes_per_param"] if base else float("nan")
+        )
+    return {"model": {**vars(cfg), "params": n}, "rows": rows}
+
+
+# ----------------------------------------------------------------------- fidelity
+
+
+def fidelity(
+    steps: int, names: tuple[str, ...], dim: int = 64, seq: int = 64, batch: int = 16, seed: int = 0
+) -> dict[str, Any]:
+    """``make demo``'s LM and optimizer (float32 compute), each way of storing the
+    moments, same init and batches; the final held-out loss (the demo's ``evaluate``)."""
+    import train_lm
+
+    args = train_lm.parse_args(
+        [
+            f"--steps={steps}",
+            f"--model-dim={dim}",
+            f"--seq-len={seq}",
+            f"--batch-size={batch}",
+            "--spike-step=0",
+        ]
+    )
+    train, evals, _ = train_lm.load_corpus(args.corpus_bytes, args.seq_len)
+    train, evals = jnp.asarray(train), jnp.asarray(evals)
+    model = train_lm.ByteLM(args.model_dim, args.layers, args.heads, args.seq_len)
+    tokens = jnp.zeros((1, args.seq_len), jnp.int32)
+    init = jax.jit(model.init)(jax.random.key(args.seed), tokens)
+    spec = train_lm.RUN_SPECS["fp32"]
+    out: dict[str, Any] = {
+        "steps": steps,
+        "model": {"dim": dim, "seq": seq, "batch": batch},
+        "rows": {},
+    }
+    for name in names:
+        stored = FIDELITY[name]
+        tx = train_lm.make_optimizer(args, spec)
+        if stored is not None:
+            tx = jaxamp.low_precision_state(tx, stored, seed=seed)
+        step, evaluate = train_lm.make_fns(args, spec, model, tx, train, evals)
+        state = train_lm.RunState(jax.tree.map(jnp.array, init), tx.init(init))
+        t0 = time.perf_counter()
+        for i in range(steps):
+            state, _ = step(state, jnp.int32(i))
+        loss = float(evaluate(state.params))
+        out["rows"][name] = {"eval_loss": loss, "wall_s": time.perf_counter() - t0}
+        print(f"  {name:<28} held-out loss {loss:.4f}", flush=True)
+    base = out["rows"].get("float32 moments", {}).get("eval_loss")
+    for r in out["rows"].values():
+        r["ratio"] = r["eval_loss"] / base if base else float("nan")
+    return out
+
+
+FIDELITY: dict[str, Any] = {
+    "float32 moments": None,
+    "lps bf16": BF16,
+    "lps 8bit": "8bit",
+    'lps {"mu": "8bit", "nu": bf16}': {"mu": "8bit", "nu": BF16},
+}
+
+
+# ----------------------------------------------------------------------- reports
+
+
+def format_memory(result: dict[str, Any]) -> str:
+    m = result["model"]
+    lines = [
+        f"Model: {m['params'] / 1e6:.1f}M params ({m['n_layers']} layers, d={m['d_model']}, "
+        f"vocab {m['vocab']}, batch {m['batch']} x {m['seq_len']})",
+        "",
+        "| optimizer | state B/param | params B/param | step B/param (args + outputs + temps) "
+        "| step bytes accessed (MB) | vs adamw | fusions (with u8) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in result["rows"].items():
+        lines.append(
+            f"| {name} | {r['state_bytes_per_param']:.3f} | {r['params_bytes_per_param']:.0f} "
+            f"| {r['step_bytes_per_param']:.2f} | {r['bytes_accessed'] / 1e6:.1f} "
+            f"| {r['bytes_ratio']:.3f}x | {r['fusions']} ({r['u8_fusions']}) |"
+        )
+    return "\n".join(lines)
+
+
+def format_fidelity(result: dict[str, Any]) -> str:
+    m = result["model"]
+    lines = [
+        f"make demo's LM (dim {m['dim']}, seq {m['seq']}, batch {m['batch']}), "
+        f"{result['steps']} steps, held-out loss",
+        "",
+        "| moments stored as | final held-out loss | vs float32 moments |",
+        "|---|---|---|",
+    ]
+    for name, r in result["rows"].items():
+        lines.append(f"| {name} | {r['eval_loss']:.4f} | {(r['ratio'] - 1) * 100:+.2f} % |")
+    return "\n".join(lines)
+
+
+def run(quick: bool = False, large: bool = True) -> dict[str, Any]:
+    """The memory table on ``make bench``'s model (``tiny`` if ``quick``) and, if
+    ``large``, the ~124M GPT."""
+    out = {"default": measure("tiny" if quick else "default")}
+    if large and not quick:
+        out["large"] = measure("large")
+    return out
+
+
+def format_report(result: dict[str, Any]) -> str:
+    return "\n\n".join(format_memory(r) for r in result.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny model (smoke)")
+    ap.add_argument("--no-large", action="store_true", help="skip the ~124M GPT")
+    ap.add_argument(
+        "--fidelity",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also train make demo's LM this many steps per way of storing",
+    )
+    ap.add_argument("--write", action="store_true", help=f"write {GENERATED.relative_to(ROOT)}")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    result = run(args.quick, not args.no_large)
+    report = format_report(result)
+    if args.fidelity:
+        fid = fidelity(args.fidelity, tuple(FIDELITY))
+        report += "\n\n" + format_fidelity(fid)
+    print(report)
+    if args.write:
+        GENERATED.parent.mkdir(parents=True, exist_ok=True)
+        GENERATED.write_text(report + "\n")
+    print(
+        f"({time.perf_counter() - t0:.0f} s, jax {jax.__version__}, {jax.devices()[0].device_kind})"
+    )
+
+
+if __name__ == "__main__":
+    main()
