@@ -122,16 +122,23 @@ def decode(c: jax.Array, code: Code) -> jax.Array:
 
 
 def _blocks(x: jax.Array, block_size: int) -> jax.Array:
-    """``x`` as ``(..., n_blocks, block_size)``, its last axis zero-padded."""
+    """``x`` as ``(..., n_blocks, size)``, its last axis zero-padded.
+
+    A row shorter than a block is one block of its own length: the same block (the
+    scales' shape and values do not change), where padding it to ``block_size`` would
+    make every temporary ``block_size / n`` times the moment (a ``(n, 1)`` kernel).
+    """
     n = x.shape[-1]
-    pad = -n % block_size
+    size = min(block_size, n) or block_size
+    pad = -n % size
     if pad:
         x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-    return x.reshape(*x.shape[:-1], (n + pad) // block_size, block_size)
+    return x.reshape(*x.shape[:-1], (n + pad) // size, size)
 
 
 def _rows(xb: jax.Array, n: int) -> jax.Array:
-    return xb.reshape(*xb.shape[:-2], -1)[..., :n]
+    # The length spelt out: reshape cannot infer -1 for an empty moment.
+    return xb.reshape(*xb.shape[:-2], xb.shape[-2] * xb.shape[-1])[..., :n]
 
 
 def n_blocks(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:

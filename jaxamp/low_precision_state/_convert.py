@@ -126,7 +126,9 @@ def _convert_leaf(source: Any, target: Any, key: jax.Array) -> Any:
     return jnp.asarray(value).astype(target.dtype)
 
 
-def convert_state(opt_state: Any, /, tx: optax.GradientTransformation, params: Any) -> Any:
+def convert_state(
+    opt_state: Any, /, tx: optax.GradientTransformation | optax.MultiSteps, params: Any
+) -> Any:
     """``opt_state``'s values in the state ``tx.init(params)`` would build.
 
     Moves an optimizer state between float32 moments and
@@ -173,7 +175,9 @@ def convert_state(opt_state: Any, /, tx: optax.GradientTransformation, params: A
       >>> jaxamp.convert_state(small, plain, params)[0].mu["w"].dtype
       dtype('float32')
     """
-    if not isinstance(tx, optax.GradientTransformation):
+    # Duck-typed, as low_precision_state takes it: optax.MultiSteps is an object with
+    # init and update, not a GradientTransformation.
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
         raise TypeError(
             "convert_state: `tx` must be the optax optimizer whose state to build (an "
             f"optax.GradientTransformation), got {type(tx).__name__}."

@@ -20,6 +20,7 @@ import optax
 
 from jaxamp._utils.dtypes import is_float
 from jaxamp.loss_scale import holds_loss_scale
+from jaxamp.low_precision_params import _key_parts
 from jaxamp.low_precision_state._stored import Quantized8, Rounded16, is_stored
 
 __all__ = ["LowPrecisionState", "low_precision_state"]
@@ -51,7 +52,7 @@ def _target(dtype: Any, argument: str) -> str | np.dtype | None:
         return dtype
     try:
         d = np.dtype(dtype)
-    except TypeError:
+    except (TypeError, ValueError):  # NumPy raises either for a name it does not know
         d = None
     if d == np.dtype(jnp.bfloat16):
         return d
@@ -68,6 +69,20 @@ def _target(dtype: Any, argument: str) -> str | np.dtype | None:
     )
 
 
+def _seed_key(seed: Any) -> jax.Array:
+    """The key ``seed`` names: an int's ``jax.random.key``, or the key itself."""
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, (bool, np.bool_)):
+        return jax.random.key(int(seed))
+    try:
+        data, impl = _key_parts(seed, "low_precision_state")
+        return jax.random.wrap_key_data(data, impl=impl)
+    except (TypeError, ValueError):
+        raise TypeError(
+            "low_precision_state: `seed` must be an int or a PRNG key (seed=0 or "
+            f"seed=jax.random.key(0)), got {seed!r}."
+        ) from None
+
+
 def _names(path: tuple[Any, ...]) -> list[str]:
     return [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
 
@@ -79,7 +94,7 @@ def low_precision_state(
     *,
     block_size: int = 256,
     min_size: int = 4096,
-    seed: int = 0,
+    seed: int | jax.Array = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Stores ``inner``'s moments in bfloat16 or in 8 bits; ``inner`` computes in float32.
 
@@ -111,7 +126,9 @@ def low_precision_state(
       block_size: elements per block of the 8-bit code, along a moment's last axis
         (the axis stays whole, so a sharded moment quantizes its own blocks).
       min_size: moments with fewer elements stay as they are.
-      seed: the stochastic rounding's seed; each step draws from it and the step count.
+      seed: the stochastic rounding's seed, an int or a PRNG key
+        (``jax.random.key(0)``, as ``apply_with_stochastic_rounding`` takes); each step
+        draws from it and the step count.
 
     Returns:
       An optax transformation (extra arguments passed through to ``inner``) whose
@@ -144,6 +161,7 @@ def low_precision_state(
             raise ValueError(f"low_precision_state: `{name}` must be an int >= 0, got {value!r}.")
     if block_size < 1:
         raise ValueError(f"low_precision_state: `block_size` must be >= 1, got {block_size}.")
+    seed_key = _seed_key(seed)
     inner = optax.with_extra_args_support(inner)
 
     def target(path: tuple[Any, ...], leaf: Any) -> Any:
@@ -177,8 +195,9 @@ def low_precision_state(
                 "it. Write jaxamp.skip_nonfinite(jaxamp.low_precision_state(optimizer, "
                 "dtype)), not the other way round."
             )
-        key = jax.random.key(seed)
+        key = seed_key
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        _check_fields(fields, leaves)
         out = []
         for i, (path, leaf) in enumerate(leaves):
             t = target(path, leaf)
@@ -199,11 +218,26 @@ def low_precision_state(
             lambda s: s.value() if is_stored(s) else s, state.inner_state, is_leaf=is_stored
         )
         updates, new = inner.update(updates, values, params, **extra_args)
-        key = jax.random.fold_in(jax.random.key(seed), state.count)
+        key = jax.random.fold_in(seed_key, state.count)
         stored = store(state.inner_state, new, key)
         return updates, LowPrecisionState(state.count + 1, stored)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_fields(fields: Mapping[str, Any], leaves: list[tuple[Any, Any]]) -> None:
+    """Refuses a ``dtype`` mapping that names a field the state has not: that field's
+    moments would silently stay as they are."""
+    present = {name for path, _ in leaves for name in _names(path)}
+    missing = [name for name in fields if name not in present]
+    if missing:
+        raise ValueError(
+            f"low_precision_state: dtype names {', '.join(map(repr, missing))}, which "
+            "the state of `inner` has no field called, so nothing there would be stored. "
+            f"Its fields are: {', '.join(sorted(present)) or '(none)'}. Write those names, "
+            "e.g. {'mu': '8bit', 'nu': jnp.bfloat16} for optax.adam's moments, or "
+            "dtype='8bit' for every moment."
+        )
 
 
 def _rewrapped(state: Any, params: Any, init_fn: Any) -> Any:
