@@ -2,6 +2,7 @@
 
 from jaxamp.low_precision_state._convert import convert_state
 from jaxamp.low_precision_state._stored import Quantized8, Rounded16
+from jaxamp.low_precision_state._stored import is_stored as is_stored
 from jaxamp.low_precision_state._transformation import LowPrecisionState, low_precision_state
 
 __all__ = [

@@ -30,7 +30,7 @@ from jaxamp.loss_scale import (
     unwrap,
     with_limit,
 )
-from jaxamp.low_precision_state import Quantized8, Rounded16
+from jaxamp.low_precision_state import is_stored
 from jaxamp.skip import _spikes
 from jaxamp.skip._flax_callers import check_flax_callers
 from jaxamp.skip._guard import Call, Outcome
@@ -292,10 +292,6 @@ def refuse_nested(inner_state: Any, fn: str) -> None:
         )
 
 
-def _stored(x: Any) -> bool:
-    return isinstance(x, (Quantized8, Rounded16))
-
-
 def refuse_narrow(params: Any, inner_state: Any, fn: str) -> None:
     """Raises for float16 (or float8) params or inner optimizer state: finite, checked
     gradients overflow an optimizer step computed or kept there (AdamW's update, a
@@ -306,9 +302,9 @@ def refuse_narrow(params: Any, inner_state: Any, fn: str) -> None:
     wrapped optimizer built it in: that optimizer still computes it there (optax.adam
     casts ``mu`` to ``mu_dtype``), whatever the stored form."""
     for tree, where in ((params, "params"), (inner_state, "opt_state.inner_state")):
-        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_stored)[0]
+        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_stored)[0]
         narrow = [
-            f"`{render_path(p)}` ({x.dtype if _stored(x) else jnp.result_type(x)})"
+            f"`{render_path(p)}` ({x.dtype if is_stored(x) else jnp.result_type(x)})"
             for p, x in flat
             if hasattr(x, "dtype") and is_narrow_range(x.dtype)
         ]
