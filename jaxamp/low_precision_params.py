@@ -132,6 +132,12 @@ def stochastic_round(key: jax.Array, x: jax.Array, dtype: Any) -> jax.Array:
     if np.dtype(dtype) not in HALF_DTYPES:
         raise TypeError(f"stochastic_round: `dtype` must be bfloat16 or float16, got {dtype}.")
     _key_parts(key, "stochastic_round")  # a clear error for an int or a batch of keys
+    return _round_with_draw(x, jax.random.uniform(key, x.shape, jnp.float32), dtype)
+
+
+def _round_with_draw(x: jax.Array, draw: jax.Array, dtype: Any) -> jax.Array:
+    """``stochastic_round`` with its uniform draw (float32 in [0, 1), ``x``'s shape)
+    given, for ``low_precision_state``, which draws fused bits (``_utils/draws.py``)."""
     # Work on magnitudes, so that "up" is away from zero for either sign, and clip
     # to the finite range first, so that rounding to nearest cannot give inf.
     big = jnp.finfo(dtype).max.astype(jnp.float32)
@@ -149,7 +155,6 @@ def stochastic_round(key: jax.Array, x: jax.Array, dtype: Any) -> jax.Array:
     s = jnp.where(a < 2.0**-60, jnp.float32(2.0**64), jnp.float32(1.0))
     down32 = down.astype(jnp.float32) * s
     p_up = (a * s - down32) / (up.astype(jnp.float32) * s - down32)
-    draw = jax.random.uniform(key, x.shape, jnp.float32)
     rounded = jnp.copysign(jnp.where(draw < p_up, up, down), x.astype(dtype))
     return jnp.where(jnp.isfinite(x), rounded, x.astype(dtype))  # inf and NaN as they are
 

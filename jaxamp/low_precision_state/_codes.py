@@ -54,6 +54,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+from jaxamp._utils import draws
 
 
 class Code(NamedTuple):
@@ -81,13 +84,55 @@ class Code(NamedTuple):
 
 SIGNED = Code(exponent_bits=4, mantissa_bits=3, signed=True)
 NONNEGATIVE = Code(exponent_bits=4, mantissa_bits=4, signed=False)
+# Both codes have 4 exponent bits, so one smallest exponent: a block's code differs
+# from the other's only in its mantissa width (and sign bit), which the encoding and
+# decoding below take per block, as an array.
+EMIN = SIGNED.emin
+assert NONNEGATIVE.emin == EMIN
+
+# The arithmetic below is elementwise and cheap (integer and bit operations, one
+# floor): powers of two are built from their bits, not with ldexp and frexp, whose
+# exp2 and log2 XLA counts as expensive and so computes once into a float32 array in
+# memory instead of fusing it into each kernel that reads it. So the decoding, the
+# wrapped optimizer's update and the encoding fuse into a pass over the block's
+# reductions and a pass that writes the codes (benchmarks/bench_optimizer_state.py).
 
 
-def _binade(a: jax.Array, code: Code) -> jax.Array:
-    """The exponent of each magnitude's binade in ``code`` (``emin`` for its subnormals
-    and for 0)."""
-    _, e = jnp.frexp(a)  # a = f * 2**e, f in [0.5, 1)
-    return jnp.where(a > 0, jnp.maximum(e - 1, code.emin), code.emin)
+def _pow2(n: jax.Array) -> jax.Array:
+    """float32 ``2.0**n`` for integers ``-126 <= n <= 127``, from its exponent bits."""
+    return lax.bitcast_convert_type((jnp.asarray(n, jnp.int32) + 127) << 23, jnp.float32)
+
+
+def _exponent(a: jax.Array) -> jax.Array:
+    """``floor(log2(a))`` of a normal float32 ``a > 0`` (-127 for 0 and subnormals, 128
+    for inf and NaN), from its exponent bits."""
+    return ((lax.bitcast_convert_type(a, jnp.int32) >> 23) & 255) - 127
+
+
+def _scaled(a: jax.Array, n: jax.Array) -> jax.Array:
+    """``a * 2.0**n`` for integers ``-253 <= n <= 253``: in two exact halves, since
+    ``2.0**n`` alone is not a normal float32 beyond ``[-126, 127]``."""
+    half = n >> 1
+    return a * _pow2(half) * _pow2(n - half)
+
+
+def _encode(a: jax.Array, m: jax.Array | int, draw: jax.Array) -> jax.Array:
+    """int32 codes of magnitudes ``0 <= a <= largest`` of the code with ``m`` mantissa
+    bits, rounded stochastically: ``a / step + (e - EMIN) * 2**m`` for ``a``'s binade
+    ``e`` and that binade's step ``2**(e - m)``: piecewise linear and increasing, so
+    rounding ``a / step`` up across a binade's end lands on the next binade's first
+    code."""
+    e = jnp.maximum(_exponent(a), EMIN)
+    t = a * _pow2(m - e)  # exact: a power-of-two scaling
+    whole = jnp.floor(t)
+    up = (draw < t - whole).astype(jnp.int32)  # P(up) = the fraction
+    return whole.astype(jnp.int32) + up + ((e - EMIN) << m)
+
+
+def _decode(c: jax.Array, m: jax.Array | int) -> jax.Array:
+    """float32 magnitudes of int32 codes of the code with ``m`` mantissa bits."""
+    above = jnp.maximum((c >> m) - 1, 0)  # binades above the first
+    return (c - (above << m)).astype(jnp.float32) * _pow2(EMIN + above - m)
 
 
 def encode(
@@ -98,17 +143,9 @@ def encode(
     ``draw``: uniform in [0, 1), one per element. ``positive``: where the value is
     positive (default ``a > 0``); the caller's, because a value far below its block's
     largest scales to a float32 subnormal, which backends flush to 0, and the
-    non-negative code still stores it as its smallest code. A magnitude's code is
-    ``a / step + (e - emin) * 2**m`` for its binade ``e`` and that binade's step
-    ``2**(e - m)``: piecewise linear and increasing, so rounding ``a / step`` up across
-    a binade's end lands on the next binade's first code.
+    non-negative code still stores it as its smallest code.
     """
-    m = code.mantissa_bits
-    e = _binade(a, code)
-    t = jnp.ldexp(a, m - e)  # exact: a power-of-two scaling
-    whole = jnp.floor(t)
-    up = (draw < t - whole).astype(jnp.int32)  # P(up) = the fraction, exactly
-    c = whole.astype(jnp.int32) + up + (e - code.emin) * 2**m
+    c = _encode(a, code.mantissa_bits, draw)
     if not code.signed:
         c = jnp.where(a > 0 if positive is None else positive, jnp.maximum(c, 1), c)
     return c
@@ -116,9 +153,7 @@ def encode(
 
 def decode(c: jax.Array, code: Code) -> jax.Array:
     """float32 magnitudes of int32 codes (the inverse of ``encode`` on its grid)."""
-    m = code.mantissa_bits
-    above = jnp.maximum((c >> m) - 1, 0)  # binades above the first
-    return jnp.ldexp((c - above * 2**m).astype(jnp.float32), code.emin + above - m)
+    return _decode(c, code.mantissa_bits)
 
 
 def _blocks(x: jax.Array, block_size: int) -> jax.Array:
@@ -146,6 +181,38 @@ def n_blocks(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
     return (*shape[:-1], -(-shape[-1] // block_size))
 
 
+def _mantissa_bits(nonneg: jax.Array) -> jax.Array:
+    return jnp.where(nonneg, NONNEGATIVE.mantissa_bits, SIGNED.mantissa_bits)
+
+
+def _quantize_blocks(
+    xb: jax.Array, absmax: jax.Array, nonneg: jax.Array, key: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Block-form uint8 codes and float32 scales of float32 blocks ``xb``, given each
+    block's largest magnitude and whether it has no negative value."""
+    largest = jnp.where(nonneg, NONNEGATIVE.largest, SIGNED.largest)
+    # The smallest power of two 2**k with absmax <= largest * 2**k (largest is in
+    # [1, 2), so k is absmax's exponent or the next); never a float32 subnormal
+    # (backends flush those).
+    e = _exponent(absmax)
+    k = jnp.maximum(e + (_scaled(absmax, -jnp.clip(e, -126, 127)) > largest), -126)
+    # A block within a code step of float32's largest value would need a scale of
+    # 2**128: it is stored as non-finite (a NaN scale), as the float32 moment's next
+    # step would overflow, so that a guard sees it and skips; never clipped.
+    finite = jnp.isfinite(absmax) & (k <= 127)
+    k = jnp.where(finite, k, 0)
+    m = _mantissa_bits(nonneg)[..., None]
+    a = jnp.minimum(_scaled(jnp.abs(xb), -k[..., None]), largest[..., None])
+    c = _encode(a, m, draws.uniform(key, xb.shape))
+    c = jnp.where(
+        nonneg[..., None],
+        jnp.where(xb > 0, jnp.maximum(c, 1), c),  # a positive value is never stored as 0
+        jnp.where(xb < 0, c | 128, c),  # the sign bit; int32 under x64 too
+    )
+    scales = jnp.where(nonneg, -1.0, 1.0).astype(jnp.float32) * _pow2(k)
+    return c.astype(jnp.uint8), jnp.where(finite, scales, jnp.nan)
+
+
 def quantize(x: jax.Array, key: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
     """uint8 codes (``x``'s shape) and float32 scales (``n_blocks``) of ``x``.
 
@@ -153,27 +220,9 @@ def quantize(x: jax.Array, key: jax.Array, block_size: int) -> tuple[jax.Array, 
     check for non-finite values sees the stored state as it would the float32 one.
     """
     xb = _blocks(x.astype(jnp.float32), block_size)
-    a = jnp.abs(xb)
-    absmax = jnp.max(a, axis=-1)
+    absmax = jnp.max(jnp.abs(xb), axis=-1)
     nonneg = jnp.all(xb >= 0, axis=-1)
-    largest = jnp.where(nonneg, NONNEGATIVE.largest, SIGNED.largest)
-    # The smallest power of two 2**k with absmax <= largest * 2**k; never a float32
-    # subnormal (backends flush those).
-    f, e = jnp.frexp(absmax)
-    k = jnp.maximum(e - (2 * f <= largest).astype(e.dtype), -126)
-    # A block within a code step of float32's largest value would need a scale of
-    # 2**128: it is stored as non-finite (a NaN scale), as the float32 moment's next
-    # step would overflow, so that a guard sees it and skips; never clipped.
-    finite = jnp.isfinite(absmax) & (k <= 127)
-    k = jnp.where(finite, k, 0)
-    a = jnp.ldexp(a, -k[..., None])
-    draw = jax.random.uniform(key, xb.shape, jnp.float32)
-    unsigned = encode(jnp.minimum(a, NONNEGATIVE.largest), NONNEGATIVE, draw, xb > 0)
-    signed = encode(jnp.minimum(a, SIGNED.largest), SIGNED, draw)
-    signed = jnp.where(xb < 0, signed | 128, signed)  # the sign bit; int32 under x64 too
-    codes = jnp.where(nonneg[..., None], unsigned, signed).astype(jnp.uint8)
-    scales = jnp.ldexp(jnp.where(nonneg, -1.0, 1.0), k).astype(jnp.float32)
-    scales = jnp.where(finite, scales, jnp.nan)
+    codes, scales = _quantize_blocks(xb, absmax, nonneg, key)
     return _rows(codes, x.shape[-1]), scales
 
 
@@ -182,23 +231,27 @@ def requantize(
 ) -> tuple[jax.Array, jax.Array]:
     """``quantize(x)``, except that each block whose values equal what ``codes`` and
     ``scales`` decode to keeps them."""
-    new_codes, new_scales = quantize(x, key, block_size)
-    old = _blocks(dequantize(codes, scales, block_size), block_size)
-    same = jnp.all(_blocks(x.astype(jnp.float32), block_size) == old, axis=-1)
-    kept = _blocks(codes, block_size), _blocks(new_codes, block_size)
-    new_codes = _rows(jnp.where(same[..., None], *kept), x.shape[-1])
+    xb = _blocks(x.astype(jnp.float32), block_size)
+    cb = _blocks(codes, block_size)
+    absmax = jnp.max(jnp.abs(xb), axis=-1)
+    nonneg = jnp.all(xb >= 0, axis=-1)
+    same = jnp.all(xb == _dequantize_blocks(cb, scales), axis=-1)
+    new_codes, new_scales = _quantize_blocks(xb, absmax, nonneg, key)
+    new_codes = _rows(jnp.where(same[..., None], cb, new_codes), x.shape[-1])
     return new_codes, jnp.where(same, scales, new_scales)
+
+
+def _dequantize_blocks(cb: jax.Array, scales: jax.Array) -> jax.Array:
+    c = cb.astype(jnp.int32)
+    nonneg = (scales < 0)[..., None]
+    mag = _decode(jnp.where(nonneg, c, c & 127), _mantissa_bits(nonneg))
+    values = jnp.where(nonneg | (c < 128), mag, -mag)
+    return values * jnp.abs(scales)[..., None]
 
 
 def dequantize(codes: jax.Array, scales: jax.Array, block_size: int) -> jax.Array:
     """The float32 values of ``quantize``'s codes and scales."""
-    cb = _blocks(codes.astype(jnp.int32), block_size)
-    nonneg = (scales < 0)[..., None]
-    unsigned = decode(cb, NONNEGATIVE)
-    signed = decode(cb & 127, SIGNED)
-    signed = jnp.where(cb >= 128, -signed, signed)
-    values = jnp.where(nonneg, unsigned, signed) * jnp.abs(scales)[..., None]
-    return _rows(values, codes.shape[-1])
+    return _rows(_dequantize_blocks(_blocks(codes, block_size), scales), codes.shape[-1])
 
 
 def bound(x: np.ndarray, block_size: int) -> np.ndarray:

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp.low_precision_params import stochastic_round
+from jaxamp._utils import draws
+from jaxamp.low_precision_params import _round_with_draw
 from jaxamp.low_precision_state import _codes
 
 
@@ -85,7 +86,8 @@ class Rounded16:
 
 
 def _round(x: jax.Array, key: jax.Array) -> jax.Array:
-    return stochastic_round(key, x.astype(jnp.float32), jnp.bfloat16)
+    x = x.astype(jnp.float32)
+    return _round_with_draw(x, draws.uniform(key, x.shape), jnp.bfloat16)
 
 
 Stored = Quantized8 | Rounded16
