@@ -62,16 +62,19 @@ test-xla-default: $(STAMP)
 	XLA_FLAGS= $(PY) -m pytest -q $(PYTEST_OPTS) -p no:cacheprovider -m "xla_default and not slow" \
 		tests --ignore=tests/multidevice --ignore=tests/multiprocess --ignore=tests/matrix $(TAG)
 
-# What `make test` leaves out for time: benchmark smoke runs (pytest -m slow).
+# What `make test` leaves out for time (pytest -m slow): benchmark smoke runs, and the tests
+# tests/ci_budget.py lists, each with what covers its claim in `make test`.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m slow tests
+	$(PY) -m pytest -q -n 2 -m slow tests --ignore=tests/multidevice --ignore=tests/matrix
+	XLA_FLAGS="$(EIGHT_DEVICES) $(FAST_XLA)" $(PY) -m pytest -q -n 2 -m slow tests/multidevice \
+		tests/matrix
 
 test-multidevice: $(STAMP)
-	XLA_FLAGS="$(EIGHT_DEVICES) $(FAST_XLA)" $(PY) -m pytest -q $(PYTEST_OPTS) -n 1 tests/multidevice \
-		tests/matrix $(TAG)
+	XLA_FLAGS="$(EIGHT_DEVICES) $(FAST_XLA)" $(PY) -m pytest -q $(PYTEST_OPTS) -n 1 -m "not slow" \
+		tests/multidevice tests/matrix $(TAG)
 
 test-multiprocess: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_OPTS) tests/multiprocess $(TAG)
+	$(PY) -m pytest -q $(PYTEST_OPTS) -m "not slow" tests/multiprocess $(TAG)
 
 # An sdist and a wheel of the distribution `jax-mixed-precision` (import name `jaxamp`).
 dist: $(STAMP)

@@ -68,14 +68,17 @@ FULL_ONLY = {
     # equinox runs in CI as the BatchNorm CNN (its state, its filtered transforms).
     "equinox-transformer": "CI's budget: equinox runs in CI as the BatchNorm CNN",
     # The nnx LM runs in CI on a mesh (tests/multidevice/test_conformance_mesh.py,
-    # data parallel in float16, tensor parallel in bfloat16); Flax's LSTM in float16 in
-    # tests/casting/test_autocast.py.
+    # tensor parallel in bfloat16; data parallel in float16 in make test-slow); Flax's
+    # LSTM in float16 in tests/casting/test_autocast.py.
     "flax-nnx-attention": "CI's budget: CI runs it on an 8-device mesh instead",
     "flax-linen-lstm": "CI's budget: CI runs it in test_autocast.py (float16)",
+    # A transformer runs in CI as BERT (bfloat16), and a float16 row as equinox's CNN;
+    # the linen LM's block runs in tests/casting/test_autocast.py.
+    "flax-linen-transformer": "CI's budget: transformers run in CI as BERT",
+    "jraph-gnn": "CI's budget: CI's float16 row is equinox's BatchNorm CNN",
 }
 # The dtype of each model's CI row (the models FULL_ONLY leaves out have none in CI):
-# both dtypes over CI's rows, bfloat16 for the padded-mask transformer of the lm1b
-# report; `make conformance` runs the full cross product.
+# both dtypes over CI's rows; `make conformance` runs the full cross product.
 CI_DTYPE = {
     "flax-linen-transformer": "bfloat16",
     "flax-linen-lstm": "float16",

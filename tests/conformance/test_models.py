@@ -43,7 +43,7 @@ def test_ci_rows_cover_both_dtypes() -> None:
 
 @pytest.mark.skipif(
     not harness.FULL,
-    reason="full suite only (make conformance): CI's jraph-gnn float16 row already fails "
+    reason="full suite only (make conformance): its jraph-gnn float16 row already fails "
     "on clipped logits; find_overflow's re-runs of the GNN take ~20 s on 2 cores",
 )
 def test_raw_features_past_float16_are_reported_not_clipped() -> None:

@@ -93,7 +93,8 @@ CI = [
     ("nnx", "plain", "one", "lora"),  # frozen base copied into the optimizer
     ("train_state", "plain", "one", "bn"),  # FrozenDict held, plain dict passed
     ("flax_opt", "plain", "one", "bn"),  # refused, naming jaxamp.nnx.Optimizer
-    # Every other value of every axis at least once.
+    # Every other value of every axis at least once (in make test-slow:
+    # tests/ci_budget.py).
     ("flax_opt", "sr", "auto_rep", "none"),
     ("step", "spikes", "auto_shard", "dropout"),
     ("update", "kahan", "shard_map_stacked", "bn"),

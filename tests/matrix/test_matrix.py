@@ -13,7 +13,8 @@ user input (``test_dtype``: float32, bfloat16 and float16 params; ``inputs.py``:
 Python-object model, constants built by every jnp constructor).
 
 CI runs ``cells.CI``, ``cells.CI_COMPOSED`` and ``cells.CI_DTYPED`` (fixed subsets,
-``make test``); ``make matrix`` runs the whole products (``MATRIX_FULL=1``). Both
+``make test``, less the cells tests/ci_budget.py leaves to ``make test-slow``);
+``make matrix`` runs the whole products (``MATRIX_FULL=1``). Both
 need 8 devices:
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (cells on one device run
 without).
