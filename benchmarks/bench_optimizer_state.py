@@ -23,7 +23,11 @@ decay 0.01; float32 compute), trained from the same init on the same batches wit
 each way of storing the moments; the final held-out loss as a ratio to float32
 moments'.
 
-Run: ``python benchmarks/bench_optimizer_state.py [--quick] [--large] [--fidelity]``;
+``--fidelity-gpt2``: the same on ``transformers``' GPT-2 (bench_low_precision.py's
+byte-LM task), two rounding seeds per stored format.
+
+Run: ``python benchmarks/bench_optimizer_state.py [--quick] [--no-large] [--fidelity STEPS]
+[--fidelity-gpt2 STEPS]``;
 ``make bench`` runs the memory table on its model and the ~124M GPT.
 """
 
@@ -221,6 +225,46 @@ def fidelity(
     return out
 
 
+def fidelity_gpt2(steps: int, names: tuple[str, ...], seeds: tuple[int, ...] = (0, 1)) -> dict:
+    """``transformers``' FlaxGPT2LMHeadModel (code we did not write; bench_low_precision's
+    byte-LM task: random init, a fresh batch each step, held-out loss over 8 batches)
+    with AdamW (global-norm clip 1.0, b2 0.95, weight decay 0.01, warm-up and cosine
+    decay from 3e-3), float32 params and compute; each way of storing the moments,
+    the stored ones with each rounding seed."""
+    import bench_low_precision as blp
+
+    task = blp.GPT2(quick=False)
+    evaluate = jax.jit(task.loss)
+    out: dict[str, Any] = {"steps": steps, "model": task.name, "rows": {}}
+    for name in names:
+        stored = FIDELITY[name]
+        losses = []
+        for seed in seeds if stored is not None else seeds[:1]:
+            tx = optax.chain(
+                optax.clip_by_global_norm(1.0),
+                optax.adamw(blp.schedule(task.lr, steps), b2=0.95, weight_decay=0.01),
+            )
+            if stored is not None:
+                tx = jaxamp.low_precision_state(tx, stored, seed=seed)
+
+            @jax.jit
+            def step(params: Any, opt_state: Any, batch: Any, tx: Any = tx) -> tuple[Any, Any]:
+                grads = jax.grad(task.loss)(params, batch)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state
+
+            params, opt_state = task.params, tx.init(task.params)
+            for i in range(steps):
+                params, opt_state = step(params, opt_state, task.batch(i))
+            losses.append(float(np.mean([float(evaluate(params, b)) for b in task.eval_batches])))
+        out["rows"][name] = {"eval_loss": float(np.mean(losses)), "each": losses}
+        print(f"  {name:<28} held-out loss {losses}", flush=True)
+    base = out["rows"].get("float32 moments", {}).get("eval_loss")
+    for r in out["rows"].values():
+        r["ratio"] = r["eval_loss"] / base if base else float("nan")
+    return out
+
+
 FIDELITY: dict[str, Any] = {
     "float32 moments": None,
     "lps bf16": BF16,
@@ -265,6 +309,21 @@ def format_fidelity(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_fidelity_gpt2(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['model']}, {result['steps']} steps, held-out loss (stored: mean of the "
+        "rounding seeds, each in brackets)",
+        "",
+        "| moments stored as | final held-out loss | vs float32 moments |",
+        "|---|---|---|",
+    ]
+    for name, r in result["rows"].items():
+        each = ", ".join(f"{x:.4f}" for x in r["each"])
+        shown = f"{r['eval_loss']:.4f}" + (f" ({each})" if len(r["each"]) > 1 else "")
+        lines.append(f"| {name} | {shown} | {(r['ratio'] - 1) * 100:+.2f} % |")
+    return "\n".join(lines)
+
+
 def run(quick: bool = False, large: bool = True) -> dict[str, Any]:
     """The memory table on ``make bench``'s model (``tiny`` if ``quick``) and, if
     ``large``, the ~124M GPT."""
@@ -289,6 +348,13 @@ def main() -> None:
         metavar="STEPS",
         help="also train make demo's LM this many steps per way of storing",
     )
+    ap.add_argument(
+        "--fidelity-gpt2",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also train transformers' GPT-2 this many steps per way of storing (two seeds)",
+    )
     ap.add_argument("--write", action="store_true", help=f"write {GENERATED.relative_to(ROOT)}")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -297,6 +363,9 @@ def main() -> None:
     if args.fidelity:
         fid = fidelity(args.fidelity, tuple(FIDELITY))
         report += "\n\n" + format_fidelity(fid)
+    if args.fidelity_gpt2:
+        fid = fidelity_gpt2(args.fidelity_gpt2, tuple(FIDELITY))
+        report += "\n\n" + format_fidelity_gpt2(fid)
     print(report)
     if args.write:
         GENERATED.parent.mkdir(parents=True, exist_ok=True)

@@ -105,7 +105,7 @@ def test_demo_tiny_end_to_end(tmp_path: Path, jax_cache: Path) -> None:
 
 
 # CI's budget: three more runs of the demo; CI checks a bit-for-bit resume in
-# tests/checkpoint and tests/multidevice/test_resume.py.
+# tests/checkpoint (and make test-slow in tests/multidevice/test_resume.py).
 @pytest.mark.slow
 def test_demo_interrupted_and_resumed_matches_the_straight_run(
     tmp_path: Path, jax_cache: Path
