@@ -7,14 +7,15 @@ STAMP := $(VENV)/.installed
 DOCS_STAMP := $(VENV)/.installed-docs
 DEMO_STAMP := $(VENV)/.installed-demo
 EIGHT_DEVICES := --xla_force_host_platform_device_count=8
-# `make test`'s programs are compiled at LLVM's lowest level: its tests compile far more
-# than they run, and LLVM's optimisation is a fifth to a third of their CPU time. The
+# `make test`'s programs are compiled at LLVM's lowest level, with LLVM's expensive passes
+# off (what `jax_disable_most_optimizations` sets): its tests compile far more than they
+# run, and LLVM's optimisation is a third of their CPU time or more. The
 # optimized HLO, and so every kernel and byte count, is the same at every level; the
 # last bits of results are not (LLVM contracts multiply-adds into FMAs above -O0), which
 # numerical tests' dtype-derived tolerances cover. Tests of what only an optimising
 # backend does (`-m xla_default`: the FMA guard) run apart, at the default level, as do
 # `make conformance` and `make test-slow`.
-FAST_XLA := --xla_backend_optimization_level=0
+FAST_XLA := --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true
 
 .PHONY: test test-slow test-single test-xla-default test-multidevice test-multiprocess demo bench bench-gpu lint clean test-oldest conformance dist wheel-smoke docs matrix \
 	docs-serve docs-check
@@ -54,7 +55,7 @@ TAG = $(if $(PART),2>&1 | sed -u 's/^/$@: /')
 
 # tests/repo/test_docs_site.py runs in docs-check, once, after `mkdocs build --strict`.
 test-single: $(STAMP)
-	XLA_FLAGS=$(FAST_XLA) $(PY) -m pytest -q $(PYTEST_OPTS) -n 2 -m "not slow and not xla_default" \
+	XLA_FLAGS="$(FAST_XLA)" $(PY) -m pytest -q $(PYTEST_OPTS) -n 2 -m "not slow and not xla_default" \
 		jaxamp tests --ignore=tests/multidevice --ignore=tests/multiprocess --ignore=tests/matrix \
 		--ignore=tests/repo/test_docs_site.py $(TAG)
 

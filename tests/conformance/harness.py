@@ -185,7 +185,7 @@ def _grad_scale(dtype_name: str, grad_max_f32: float) -> float:
 # The checks compile many small programs; XLA's LLVM optimisations are most of
 # their compile time on a CPU and change no HLO-level numerics. The measured
 # compile times (_measure) use the default options.
-_FAST = {"xla_backend_optimization_level": 0}
+_FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _compile(f: Any, *args: Any) -> Any:

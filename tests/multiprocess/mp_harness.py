@@ -72,7 +72,7 @@ def worker_env(devices_per_process: int, cache: Path | None) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         # Before JAX starts; the tiny programs compile faster at LLVM's lowest level.
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process} "
-        "--xla_backend_optimization_level=0",
+        "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
         "PYTHONUNBUFFERED": "1",
     }
     if cache is not None:

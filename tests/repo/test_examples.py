@@ -43,7 +43,8 @@ def _run(args: list[str], cache: Path, timeout: float = 300) -> subprocess.Compl
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         # Tiny programs: compiling dominates, and LLVM's optimisation takes a third of it.
         "XLA_FLAGS": (
-            os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+            os.environ.get("XLA_FLAGS", "")
+            + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
         ).strip(),
     }
     proc = subprocess.run(
