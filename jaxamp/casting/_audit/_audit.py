@@ -49,7 +49,7 @@ class MatmulRow:
       executed: operand and result dtypes XLA runs.
       accumulation: the accumulation dtype (the product's result type in HLO;
         float32 for cuBLASLt FP8, which always accumulates in float32).
-      shape: the result shape.
+      shape: the result shape, as one device runs it (a shard of it on a mesh).
       pass_: ``"forward"`` or ``"backward"`` (a transposed product).
       module: the module path (Flax module names, ``jax.named_scope``s).
       source: the user's ``file:line (function)`` it was traced from.
@@ -192,11 +192,64 @@ def _op_names(mod: _hlo_text.Module) -> dict[str, str]:
     return full
 
 
-def _key(mod: _hlo_text.Module, ins: _hlo_text.Instr, op_name: str) -> tuple[Any, ...]:
-    """What a product keeps through XLA's passes: its op_name, the user's line and
-    its result's size (XLA reshapes a (batch, seq, features) product to a 2-D one
-    and may transpose it, which changes the dims, not their product)."""
-    return (op_name, user_frame(mod.frames_of(ins)), _size(ins.dims))
+# A product XLA runs is matched to the one autocast asked for by what survives
+# XLA's passes and the SPMD partitioner unchanged: its op_name and the user's
+# line. The shape does not survive: the partitioner gives each device a shard
+# (each dimension divided by the mesh axes it is split over, padded up where it
+# does not divide; a split contraction leaves it whole), and XLA merges
+# adjacent dimensions (a (batch, seq, features) product run as a 2-D one). So
+# among the requests of one op_name and line (a layer's input and weight
+# gradients; one line called for several layers) a product answers the ones
+# whose global shape it can be a shard of (`_shard_of`): each run of adjacent
+# global dimensions, divided by a factor, is one of its dimensions, the
+# factors multiplying to a divisor of the module's ``num_partitions`` (1 off a
+# mesh: the shape itself). Not the sharding: the compiled text keeps it on
+# parameters only, and before partitioning only an Explicit mesh or a
+# ``with_sharding_constraint`` annotates a product (on an Auto mesh the
+# partitioner chooses). Not an ordinal among a line's products: the compiled
+# text is a schedule, in which a layer's two gradients, independent of each
+# other, come in either order.
+def _key(mod: _hlo_text.Module, ins: _hlo_text.Instr, op_name: str) -> tuple[str, str]:
+    return (op_name, user_frame(mod.frames_of(ins)))
+
+
+@dataclasses.dataclass
+class _Request:
+    dims: tuple[int, ...]  # the product's global result shape
+    dtypes: str
+    taken: bool = False
+
+
+def _shard_of(whole: tuple[int, ...], part: tuple[int, ...], partitions: int) -> bool:
+    """Whether `part` can be one device's shard of a `whole`-shaped result (see above)."""
+    big, small = [d for d in whole if d != 1], [d for d in part if d != 1]
+
+    def fits(i: int, j: int, left: int) -> bool:  # `left`: the partitions not yet spent
+        if j == len(small):  # what remains is split down to size 1
+            return left % _size(tuple(big[i:])) == 0
+        run = 1
+        for k in range(i, len(big)):
+            run *= big[k]
+            for f in (f for f in range(1, left + 1) if left % f == 0):
+                if -(-run // f) == small[j] and fits(k + 1, j + 1, left // f):
+                    return True
+        return False
+
+    return fits(0, 0, partitions)
+
+
+def _fitting(group: list[_Request], dims: tuple[int, ...], partitions: int) -> list[_Request]:
+    """The requests of `group` a compiled product of shape `dims` can answer: those it is
+    a shard of, else (XLA transposed it) those whose size it divides, else all of them
+    if they agree (XLA padded it: cuBLASLt FP8 operands to multiples of 16)."""
+    fit = [r for r in group if _shard_of(r.dims, dims, partitions)]
+    if not fit:
+        size = _size(dims)
+        fit = [r for r in group if _size(r.dims) % size == 0
+               and partitions % (_size(r.dims) // size) == 0]  # fmt: skip
+    if not fit and len({r.dtypes for r in group}) == 1:
+        fit = group
+    return fit
 
 
 def _dtypes(mod: _hlo_text.Module, ins: _hlo_text.Instr, n: int) -> str:
@@ -323,21 +376,33 @@ def _audit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     compiled = lowered.compile()
     pre, post = _hlo_text.parse(pre_text), _hlo_text.parse(compiled.as_text())
     platform = jax.devices()[0].platform
-    requests: dict[tuple[Any, ...], list[str]] = {}
+    requests: dict[tuple[str, str], list[_Request]] = {}
     names = _op_names(pre)
     for ins in pre.instrs.values():
         if _is_matmul(ins):
-            requests.setdefault(_key(pre, ins, names[ins.name]), []).append(_dtypes(pre, ins, 2))
+            key = _key(pre, ins, names[ins.name])
+            requests.setdefault(key, []).append(_Request(ins.dims, _dtypes(pre, ins, 2)))
+    products = [ins for ins in post.instrs.values() if _is_matmul(ins)]
+    fits = [
+        _fitting(requests.get(_key(post, ins, ins.attr("op_name") or ""), []), ins.dims,
+                 post.partitions)
+        for ins in products
+    ]  # fmt: skip
+    chosen: list[_Request | None] = [f[0] if len(f) == 1 else None for f in fits]
+    for r in chosen:
+        if r is not None:
+            r.taken = True
+    # The rest in order; the last request that fits also answers the products XLA
+    # makes more of (a nested jit called twice is one computation before XLA
+    # inlines it, an unrolled loop body, a GEMM split in two).
+    for i, fit in enumerate(fits):
+        if chosen[i] is None and fit:
+            r = next((r for r in fit if not r.taken), fit[-1])
+            r.taken, chosen[i] = True, r
     rows = []
-    for ins in post.instrs.values():
-        if not _is_matmul(ins):
-            continue
+    for ins, request in zip(products, chosen, strict=True):
         op_name = ins.attr("op_name") or ""
-        # In order; the last request of a key also answers the products XLA makes
-        # more of (a nested jit called twice is one computation before XLA inlines
-        # it, an unrolled loop body, a GEMM split in two).
-        queue = requests.get(_key(post, ins, op_name)) or ["?"]
-        requested = queue.pop(0) if len(queue) > 1 else queue[0]
+        requested = request.dtypes if request is not None else "?"
         executed, kernel = _dtypes(post, ins, 2), _kernel(post, ins)
         accumulation = "f32" if "FP8" in kernel else ins.dtype
         rows.append(MatmulRow(
