@@ -201,3 +201,75 @@ def test_a_product_whose_shape_xla_changed_keeps_its_request_where_its_line_agre
     assert _audit._fitting(both, (40, 24), 1) == [both[1]]
     other = [same[0], _audit._Request((16, 16), "bf16 x bf16 -> bf16")]
     assert _audit._fitting(other, (40, 24), 1) == [same[0]]  # transposed: by its size
+
+
+def _nnx_model():
+    from flax import nnx
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.linear1 = nnx.Linear(32, 64, rngs=rngs)
+            self.linear2 = nnx.Linear(64, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return self.linear2(jax.nn.relu(self.linear1(x)))
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.mlp = Mlp(rngs)
+
+        def __call__(self, x):
+            return x + self.mlp(x)
+
+    class Decoder(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs), Block(rngs)])
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.decoder = Decoder(rngs)
+            self.head = nnx.Linear(32, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.decoder(x))
+
+    return Model(nnx.Rngs(0))
+
+
+def test_nnx_modules_are_named_by_their_paths_under_every_jit():
+    # autocast names each nnx module call relative to its caller's, so the name
+    # stack, and every report read from it, is the model's path
+    # (decoder/blocks/0/mlp/linear1), not the callers' absolute paths run together.
+    import equinox as eqx
+    from flax import nnx
+
+    model, x = _nnx_model(), jnp.ones((16, 32))
+    fp8 = jaxamp.fp8(first_last_bf16=False)
+    graphdef, state = nnx.split(model)
+    forms = {
+        "autocast(model)": (jaxamp.autocast(model, dtype=BF16, fp8=fp8), (x,)),
+        "nnx.jit": (nnx.jit(lambda m, x: jaxamp.autocast(m, dtype=BF16, fp8=fp8)(x)), (model, x)),
+        "jax.jit": (
+            jax.jit(lambda s, x: jaxamp.autocast(nnx.merge(graphdef, s), dtype=BF16, fp8=fp8)(x)),
+            (state, x),
+        ),
+        "eqx.filter_jit": (
+            eqx.filter_jit(lambda m, x: jaxamp.autocast(m, dtype=BF16, fp8=fp8)(x)),
+            (model, x),
+        ),
+    }
+    paths = {f"decoder/blocks/{i}/mlp/linear{j}" for i in (0, 1) for j in (1, 2)} | {"head"}
+    for form, (fn, args) in forms.items():
+        report = jaxamp.audit(fn)(*args)
+        assert sorted(r.module for r in report.matmuls) == sorted(paths), form
+        assert all(r.requested.startswith("f8") for r in report.matmuls), form
+        ops = {r.module for r in report.ops}
+        assert {r.module for r in report.ops if r.primitive == "dot_general"} == paths, form
+        assert ops <= paths | {"", "decoder/blocks/0", "decoder/blocks/1"} | {
+            f"decoder/blocks/{i}/mlp" for i in (0, 1)
+        }, form

@@ -24,8 +24,14 @@ import jax
 
 from jaxamp._utils.optional import loaded
 from jaxamp.casting._audit import _hlo_text
-from jaxamp.casting._interpreter._decisions import OpRow, fresh_trace, recording, user_frame
-from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
+from jaxamp.casting._interpreter._decisions import (
+    OpRow,
+    fresh_trace,
+    module_path,
+    recording,
+    user_frame,
+)
+from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE
 
 __all__ = ["AuditReport", "MatmulRow", "OpRow", "audit"]
 
@@ -152,15 +158,10 @@ def _split_scopes(op_name: str) -> list[str]:
 
 def _module_path(op_name: str) -> str:
     """``jit(f)/transpose(jvp(jaxamp_autocast))/M/mid/dot_general`` -> ``M/mid``."""
-    names: list[str] = []
-    for i, part in enumerate(_split_scopes(op_name)[:-1]):
-        if i == 0 and re.match(r"^(jit|pjit|pmap|xla_pmap)\(", part):
-            continue
-        while (m := re.fullmatch(r"\w+\((.*)\)", part)) is not None:
-            part = m.group(1)
-        names += [p for p in _split_scopes(part) if p]
-    own = (AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE)
-    return "/".join(n for n in names if not n.startswith(own))
+    parts = _split_scopes(op_name)[:-1]
+    if parts and re.match(r"^(jit|pjit|pmap|xla_pmap)\(", parts[0]):
+        parts = parts[1:]
+    return module_path("/".join(parts))
 
 
 def _is_matmul(ins: _hlo_text.Instr) -> bool:

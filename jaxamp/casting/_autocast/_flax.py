@@ -4,7 +4,12 @@ Module rules match on the ``jax.named_scope`` stack of each equation. Linen
 names every module call itself; ``linen_class_scopes`` adds the class through
 flax's own ``nn.intercept_methods`` (a context, not a patch). nnx adds no
 scopes: autocast calls *its own* merged copy of the user's modules, and gives
-each copy a private subclass whose ``__call__`` opens the scope. The user's
+each copy a private subclass whose ``__call__`` opens the scope ``rel[Class]``,
+``rel`` the module's path relative to the module whose call encloses it
+(``blocks/0`` in ``decoder``), so that the name stack reads as the model's own
+path (``decoder[Decoder]/blocks/0[Block]/mlp[MLP]``: ``decoder/blocks/0/mlp``),
+as linen's does; a module called from outside its parent's call is named under
+its caller (the whole path there). The user's
 classes and objects are never modified, and the path table lives in a context
 variable of this call, so concurrent calls in other threads do not see it.
 """
@@ -25,6 +30,11 @@ from jaxamp._utils.optional import loaded
 
 # id(module copy) -> its path in the graph autocast was called with.
 _PATHS: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar("jaxamp_nnx_paths")
+# The path of the named module whose __call__ is running (None: none, or one
+# rebuilt inside an nnx transform, whose path is unknown).
+_CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jaxamp_nnx_caller", default=None
+)
 _NAMED: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
 _NAMED_SET: weakref.WeakSet[type] = weakref.WeakSet()  # the subclasses themselves
 
@@ -68,8 +78,17 @@ def same_leaves(xs: list[Any], var: Any) -> bool:
     return len(xs) == len(ys) and all(x is y for x, y in zip(xs, ys, strict=True))
 
 
+def _relative(path: str | None, caller: str | None) -> str:
+    """`path` relative to the path of the module whose call encloses it (see above)."""
+    if path is None:
+        return ""
+    if caller and path.startswith(caller + "/"):
+        return path[len(caller) + 1 :]
+    return "" if path == caller else path
+
+
 def _named_class(cls: type) -> type:
-    """A subclass of `cls` whose calls open a ``path[Class]`` named scope."""
+    """A subclass of `cls` whose calls open a ``rel[Class]`` named scope (see above)."""
     named = _NAMED.get(cls)
     if named is not None:
         return named
@@ -79,9 +98,13 @@ def _named_class(cls: type) -> type:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         # A module rebuilt inside an nnx transform (nnx.scan, nnx.vmap) from
         # a graph of named copies is a new object: named by its class only.
-        path = _PATHS.get({}).get(id(self), "")
-        with jax.named_scope(f"{path}[{cls.__name__}]"):
-            return original(self, *args, **kwargs)
+        path, caller = _PATHS.get({}).get(id(self)), _CALLER.get()
+        token = _CALLER.set(path)
+        try:
+            with jax.named_scope(f"{_relative(path, caller)}[{cls.__name__}]"):
+                return original(self, *args, **kwargs)
+        finally:
+            _CALLER.reset(token)
 
     kwds = {"pytree": cls._pytree__is_pytree} if hasattr(cls, "_pytree__is_pytree") else {}
     named = types.new_class(
