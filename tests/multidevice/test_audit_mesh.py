@@ -6,7 +6,8 @@ audit of a sharded FP8 training step must still give each product its request:
 the same rows (pass, module, request, line, flags) as the audit of the step on
 one device, each row's shape a shard of the shape of the one-device product
 with its request (a layer's input gradient is not given its weight gradient's
-request, which has the same module and line).
+request, which has the same module and line). An nnx model stepped by
+``nnx.jit`` on an Explicit mesh has its modules' paths and autocast's choices.
 """
 
 from __future__ import annotations
@@ -84,3 +85,36 @@ def test_a_sharded_fp8_step_shows_each_product_with_its_request(how):
         assert any(all(g % d == 0 for g, d in zip(w, dims, strict=True)) for w in same), r
         shards += dims not in same
     assert shards > 0  # partitioned: some products run on a shard
+
+
+def test_an_nnx_step_on_an_explicit_mesh_names_its_modules_and_requests():
+    # nnx.jit of a model built with nnx.with_partitioning on an Explicit mesh, as
+    # in Flax's nnx trainers: each product has its module's path and the dtype
+    # autocast chose for it (report.ops, before XLA): up in FP8, down in bfloat16
+    # (N = 4 is not a multiple of 16).
+    from flax import nnx
+
+    from tests.multidevice.test_nnx_mesh import _Sharded
+
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 2)
+    fp8 = jaxamp.fp8(first_last_bf16=False)
+
+    @nnx.jit
+    def step(model, x):
+        def loss(model):
+            return jnp.mean(jaxamp.autocast(model, dtype=BF16, fp8=fp8)(x).astype(jnp.float32) ** 2)
+
+        return nnx.grad(loss)(model)
+
+    with jax.set_mesh(mesh):
+        model = _Sharded(nnx.Rngs(0))
+        report = jaxamp.audit(step)(model, jax.device_put(jnp.ones((32, 16)), P("fsdp", None)))
+    chose = {r.module: r.dtype for r in report.ops if r.primitive == "dot_general"}
+    assert chose == {"up": "float8_e4m3fn", "down": "bfloat16"}
+    assert sorted((r.module, r.pass_) for r in report.matmuls) == [
+        ("down", "backward"), ("down", "backward"), ("down", "forward"),
+        ("up", "backward"), ("up", "forward"),
+    ]  # fmt: skip
+    for r in report.matmuls:
+        want = "f8" if chose[r.module] == "float8_e4m3fn" else "bf16 x bf16"
+        assert r.requested.startswith(want), r
