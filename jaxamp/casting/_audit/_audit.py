@@ -322,7 +322,10 @@ def audit(fun: Callable[..., Any]) -> Callable[..., AuditReport]:
     inside ``autocast``. ``converts`` lists the unfused dtype conversions
     (``large_converts``: those of at least 2**20 elements;
     ``converts_of_at_least(n)``: of at least `n`). Works on any backend: on the CPU every FP8 and
-    bfloat16 product is flagged, since XLA:CPU computes them in float32.
+    bfloat16 product is flagged, since XLA:CPU computes them in float32. On a
+    mesh (a ``jit`` with ``in_shardings`` or sharded inputs, Auto or Explicit
+    axes) it lists the program one device runs: each product's shape is its
+    shard, with the request of the product it is a shard of.
 
     ``ops`` is the view before XLA: for each floating equation every
     ``autocast`` inside `fn` evaluated, the dtype it chose, the op class in
