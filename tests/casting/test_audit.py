@@ -13,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxamp
 from jaxamp.casting._audit import _audit, _hlo_text
@@ -241,15 +242,19 @@ def _nnx_model():
     return Model(nnx.Rngs(0))
 
 
-def test_nnx_modules_are_named_by_their_paths_under_every_jit():
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_nnx_modules_are_named_by_their_paths_under_every_jit(fp8):
     # autocast names each nnx module call relative to its caller's, so the name
     # stack, and every report read from it, is the model's path
-    # (decoder/blocks/0/mlp/linear1), not the callers' absolute paths run together.
+    # (decoder/blocks/0/mlp/linear1), not the callers' absolute paths run together;
+    # and it names them under audit even where nothing else needs the names
+    # (no fp8=, modules= or debug=), where the paths were empty.
     import equinox as eqx
     from flax import nnx
 
     model, x = _nnx_model(), jnp.ones((16, 32))
-    fp8 = jaxamp.fp8(first_last_bf16=False)
+    want = "f8e4m3fn x f8e4m3fn -> f32" if fp8 else "bf16 x bf16 -> bf16"
+    fp8 = jaxamp.fp8(first_last_bf16=False) if fp8 else None
     graphdef, state = nnx.split(model)
     forms = {
         "autocast(model)": (jaxamp.autocast(model, dtype=BF16, fp8=fp8), (x,)),
@@ -267,7 +272,7 @@ def test_nnx_modules_are_named_by_their_paths_under_every_jit():
     for form, (fn, args) in forms.items():
         report = jaxamp.audit(fn)(*args)
         assert sorted(r.module for r in report.matmuls) == sorted(paths), form
-        assert all(r.requested.startswith("f8") for r in report.matmuls), form
+        assert all(r.requested == want for r in report.matmuls), form
         ops = {r.module for r in report.ops}
         assert {r.module for r in report.ops if r.primitive == "dot_general"} == paths, form
         assert ops <= paths | {"", "decoder/blocks/0", "decoder/blocks/1"} | {

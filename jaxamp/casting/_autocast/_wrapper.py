@@ -301,8 +301,9 @@ class _NnxCall:
         target = self.fn
         if self_node is not None:
             target = merged[-1] if method is None else functools.partial(method, merged[-1])
-        # FP8 names nnx modules too: its first / last layers and modules= rules.
-        named = cfg.modules or cfg.debug or cfg.fp8 is not None
+        # FP8 names nnx modules too: its first / last layers and modules= rules;
+        # and `jaxamp.audit`, whose reports name each op's module.
+        named = cfg.modules or cfg.debug or cfg.fp8 is not None or _decisions.active()
         names = _flax.nnx_scopes(nnx, merged) if named else contextlib.nullcontext()
         # The leaf objects now (a Variable in the state is the live one).
         before = {
