@@ -278,3 +278,21 @@ def test_nnx_modules_are_named_by_their_paths_under_every_jit(fp8):
         assert ops <= paths | {"", "decoder/blocks/0", "decoder/blocks/1"} | {
             f"decoder/blocks/{i}/mlp" for i in (0, 1)
         }, form
+
+
+def test_a_product_is_named_by_its_scopes_not_by_what_the_lowering_adds():
+    # JAX's lowering names a nested jit's products jit(<lambda>)/..., a scan body's
+    # while/body/closed_call/..., a cond branch's cond/branch_1_fun/...: none of
+    # them a module. Each row's module is the one report.ops gives its equation.
+    def f(x, w):
+        with jax.named_scope("outer"):
+            y = jax.jit(lambda x: x @ w)(x)
+            y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), y, None, length=2)
+            y = jax.lax.cond(y.sum() > 0, lambda y: y @ w, lambda y: y @ w.T, y)
+        return jnp.sum(y.astype(jnp.float32))
+
+    x, w = jnp.ones((16, 16)), jnp.ones((16, 16)) * 0.1
+    report = jaxamp.audit(jax.grad(jaxamp.autocast(f, dtype=BF16), argnums=1))(x, w)
+    assert {r.module for r in report.ops if r.primitive == "dot_general"} == {"outer"}
+    assert len(report.matmuls) >= 8  # forward and two gradients, each site
+    assert {r.module for r in report.matmuls} == {"outer"}, report

@@ -156,12 +156,31 @@ def _split_scopes(op_name: str) -> list[str]:
     return [*parts, cur]
 
 
+# Scope names JAX's lowering adds to op_names, which the jaxpr (and
+# ``report.ops``) has not: a nested jit's ``jit(f)`` (pjit), ``checkpoint``
+# (remat), ``closed_call`` (a scan body), and the pairs ``while/body``
+# (``cond``, ``body_pred``) and ``cond/branch_<i>_fun``.
+_LOWERING = re.compile(r"(?:p?jit|pmap|xla_pmap)\(.*\)|checkpoint|closed_call")
+_LOWERING_PAIRS = {
+    "while": re.compile(r"body|cond|body_pred"),
+    "cond": re.compile(r"branch_\d+_fun"),
+}
+
+
 def _module_path(op_name: str) -> str:
-    """``jit(f)/transpose(jvp(jaxamp_autocast))/M/mid/dot_general`` -> ``M/mid``."""
-    parts = _split_scopes(op_name)[:-1]
-    if parts and re.match(r"^(jit|pjit|pmap|xla_pmap)\(", parts[0]):
-        parts = parts[1:]
-    return module_path("/".join(parts))
+    """``jit(f)/transpose(jvp(jaxamp_autocast))/M/mid/dot_general`` -> ``M/mid``: the
+    module path ``report.ops`` gives the equation, without what the lowering added."""
+    parts, kept = _split_scopes(op_name)[:-1], []
+    i = 0
+    while i < len(parts):
+        pair = _LOWERING_PAIRS.get(parts[i])
+        if pair is not None and i + 1 < len(parts) and pair.fullmatch(parts[i + 1]):
+            i += 2
+            continue
+        if not _LOWERING.fullmatch(parts[i]):
+            kept.append(parts[i])
+        i += 1
+    return module_path("/".join(kept))
 
 
 def _is_matmul(ins: _hlo_text.Instr) -> bool:
