@@ -296,3 +296,35 @@ def test_a_product_is_named_by_its_scopes_not_by_what_the_lowering_adds():
     assert {r.module for r in report.ops if r.primitive == "dot_general"} == {"outer"}
     assert len(report.matmuls) >= 8  # forward and two gradients, each site
     assert {r.module for r in report.matmuls} == {"outer"}, report
+
+
+class _Remat(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = nn.remat(_Block)(name=f"block{i}")(x)
+        return nn.Dense(8, name="head")(x)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(32, name="up")(x)
+
+
+def test_a_rematerialised_layer_s_gradients_are_named_by_its_module_once():
+    # The transpose of a remat region re-enters its scopes
+    # (transpose(jvp(jaxamp_autocast))/Net/jvp(jaxamp_autocast)/Net/checkpoint/...):
+    # the rows are named as report.ops names the forward ops, not Net/Net/checkpoint.
+    x = jnp.ones((16, 32))
+    net = _Remat()
+    params = net.init(jax.random.key(0), x)
+    fwd = jaxamp.autocast(net.apply, dtype=BF16)
+    report = jaxamp.audit(jax.grad(lambda p, x: jnp.sum(fwd(p, x).astype(jnp.float32) ** 2)))(
+        params, x
+    )
+    names = {"_Remat/block0/up", "_Remat/block1/up", "_Remat/head"}
+    assert {r.module for r in report.ops if r.primitive == "dot_general"} == names
+    assert {(r.module, r.pass_) for r in report.matmuls} == {
+        (n, p) for n in names for p in ("forward", "backward")
+    }, report

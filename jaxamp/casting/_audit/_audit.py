@@ -180,7 +180,27 @@ def _module_path(op_name: str) -> str:
         if not _LOWERING.fullmatch(parts[i]):
             kept.append(parts[i])
         i += 1
-    return module_path("/".join(kept))
+    # A rematerialised forward inside its transpose enters the scopes again
+    # under a transformation (JAX's own name stack: ``transpose(jvp(outer))/
+    # jvp(outer)``): where the names from a transformed part on repeat the path
+    # so far, they re-enter it rather than extend it.
+    path: list[str] = []
+    for segment in _segments(kept):
+        names = [n for n in module_path("/".join(segment)).split("/") if n]
+        if path and names[: len(path)] == path:
+            names = names[len(path) :]
+        path += names
+    return "/".join(path)
+
+
+def _segments(parts: list[str]) -> list[list[str]]:
+    """`parts` cut before each transformed part (``jvp(...)``) after the first."""
+    out: list[list[str]] = [[]]
+    for p in parts:
+        if re.fullmatch(r"[\w.-]+\(.*\)", p) and out[-1]:
+            out.append([])
+        out[-1].append(p)
+    return out
 
 
 def _is_matmul(ins: _hlo_text.Instr) -> bool:
