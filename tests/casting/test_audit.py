@@ -328,3 +328,15 @@ def test_a_rematerialised_layer_s_gradients_are_named_by_its_module_once():
     assert {(r.module, r.pass_) for r in report.matmuls} == {
         (n, p) for n in names for p in ("forward", "backward")
     }, report
+
+
+def test_nnx_blocks_rebuilt_by_nnx_remat_keep_their_paths():
+    # nnx.remat rebuilds each block inside its trace; autocast's copies carry
+    # their paths into it (the rows' module was empty).
+    from flax import nnx
+
+    from tests.casting.test_rules import _NnxTwoBlocks
+
+    step = nnx.jit(lambda m, x: jaxamp.autocast(m, dtype=BF16)(x))
+    report = jaxamp.audit(step)(_NnxTwoBlocks(nnx.Rngs(0)), jnp.ones((4, 8)))
+    assert sorted(r.module for r in report.matmuls) == ["blocks/0/lin", "blocks/1/lin"]

@@ -9,9 +9,12 @@ each copy a private subclass whose ``__call__`` opens the scope ``rel[Class]``,
 (``blocks/0`` in ``decoder``), so that the name stack reads as the model's own
 path (``decoder[Decoder]/blocks/0[Block]/mlp[MLP]``: ``decoder/blocks/0/mlp``),
 as linen's does; a module called from outside its parent's call is named under
-its caller (the whole path there). The user's
-classes and objects are never modified, and the path table lives in a context
-variable of this call, so concurrent calls in other threads do not see it.
+its caller (the whole path there). Each copy holds its path in an attribute,
+which nnx keeps in the graph it splits, so the modules an nnx transform
+rebuilds from a copy (``nnx.remat``, ``nnx.scan`` over a stack of layers) are
+named by it too. The user's classes and objects are never modified, and the
+copies are this call's own, so concurrent calls in other threads do not see
+each other's names.
 """
 
 from __future__ import annotations
@@ -21,17 +24,18 @@ import contextvars
 import functools
 import types
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from jaxamp._utils.optional import loaded
 
-# id(module copy) -> its path in the graph autocast was called with.
-_PATHS: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar("jaxamp_nnx_paths")
+# The attribute of a module copy that holds its path in the graph autocast was
+# called with (a static attribute to nnx: split and merged with the module).
+_PATH = "_jaxamp_nnx_path"
 # The path of the named module whose __call__ is running (None: none, or one
-# rebuilt inside an nnx transform, whose path is unknown).
+# made inside the call, whose path is unknown).
 _CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "jaxamp_nnx_caller", default=None
 )
@@ -96,9 +100,9 @@ def _named_class(cls: type) -> type:
 
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # A module rebuilt inside an nnx transform (nnx.scan, nnx.vmap) from
-        # a graph of named copies is a new object: named by its class only.
-        path, caller = _PATHS.get({}).get(id(self)), _CALLER.get()
+        # A module made inside the call (not one of the copies, nor rebuilt
+        # from one) has no path: named by its class only.
+        path, caller = vars(self).get(_PATH), _CALLER.get()
         token = _CALLER.set(path)
         try:
             with jax.named_scope(f"{_relative(path, caller)}[{cls.__name__}]"):
@@ -119,19 +123,13 @@ def _named_class(cls: type) -> type:
     return named
 
 
-@contextlib.contextmanager
-def nnx_scopes(nnx: Any, copies: Sequence[Any]) -> Iterator[None]:
-    """Names the calls of every module in `copies` (autocast's own merged copies)."""
-    paths: dict[int, str] = {}
+def name_nnx_calls(nnx: Any, copies: Sequence[Any]) -> None:
+    """Names the calls of every module in `copies` (autocast's own merged copies); a copy
+    split from a named one (an autocast inside another) keeps its path."""
     for root in copies:
         for path, node in nnx.iter_graph(root):
-            if isinstance(node, nnx.Module) and id(node) not in paths:
-                paths[id(node)] = "/".join(str(p) for p in path)
+            if isinstance(node, nnx.Module) and _PATH not in vars(node):
+                object.__setattr__(node, _PATH, "/".join(str(p) for p in path))
                 cls = type(node)
                 if cls not in _NAMED_SET and any("__call__" in vars(k) for k in cls.__mro__[:-1]):
                     object.__setattr__(node, "__class__", _named_class(cls))
-    token = _PATHS.set(paths)
-    try:
-        yield
-    finally:
-        _PATHS.reset(token)
