@@ -204,6 +204,12 @@ def test_a_product_whose_shape_xla_changed_keeps_its_request_where_its_line_agre
     assert _audit._fitting(other, (40, 24), 1) == [same[0]]  # transposed: by its size
 
 
+def _modules(model):
+    from flax import nnx
+
+    return [n for _, n in nnx.iter_graph(model) if isinstance(n, nnx.Module)]
+
+
 def _nnx_model():
     from flax import nnx
 
@@ -248,11 +254,12 @@ def test_nnx_modules_are_named_by_their_paths_under_every_jit(fp8):
     # stack, and every report read from it, is the model's path
     # (decoder/blocks/0/mlp/linear1), not the callers' absolute paths run together;
     # and it names them under audit even where nothing else needs the names
-    # (no fp8=, modules= or debug=), where the paths were empty.
+    # (no fp8=, modules= or debug=).
     import equinox as eqx
     from flax import nnx
 
     model, x = _nnx_model(), jnp.ones((16, 32))
+    before = [(type(n), dict(vars(n))) for n in _modules(model)]
     want = "f8e4m3fn x f8e4m3fn -> f32" if fp8 else "bf16 x bf16 -> bf16"
     fp8 = jaxamp.fp8(first_last_bf16=False) if fp8 else None
     graphdef, state = nnx.split(model)
@@ -278,6 +285,10 @@ def test_nnx_modules_are_named_by_their_paths_under_every_jit(fp8):
         assert ops <= paths | {"", "decoder/blocks/0", "decoder/blocks/1"} | {
             f"decoder/blocks/{i}/mlp" for i in (0, 1)
         }, form
+    # The names live on autocast's own copies: the user's modules are as they were.
+    after = [(type(n), dict(vars(n))) for n in _modules(model)]
+    assert [t for t, _ in after] == [t for t, _ in before]
+    assert [sorted(v) for _, v in after] == [sorted(v) for _, v in before]
 
 
 def test_a_product_is_named_by_its_scopes_not_by_what_the_lowering_adds():
@@ -332,7 +343,7 @@ def test_a_rematerialised_layer_s_gradients_are_named_by_its_module_once():
 
 def test_nnx_blocks_rebuilt_by_nnx_remat_keep_their_paths():
     # nnx.remat rebuilds each block inside its trace; autocast's copies carry
-    # their paths into it (the rows' module was empty).
+    # their paths into it.
     from flax import nnx
 
     from tests.casting.test_rules import _NnxTwoBlocks

@@ -695,7 +695,7 @@ class _NnxTwoBlocks(nnx.Module):
 
 def test_nnx_module_rules_by_path_inside_nnx_remat():
     # nnx.remat rebuilds each block from autocast's named copy: a path rule
-    # holds there (it was silently not applied: the rebuilt blocks had no path).
+    # holds there, as it does without nnx.remat.
     graphdef, state = nnx.split(_NnxTwoBlocks(nnx.Rngs(0)))
     amp = jaxamp.autocast(lambda m, x: m(x), dtype=F16, modules={"blocks/1": "float32"})
 
