@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxamp
-from jaxamp.casting._audit import _audit, _hlo_text
+from jaxamp.casting._audit import _hlo_text, _match
 
 BF16 = jnp.bfloat16
 
@@ -180,28 +180,28 @@ def test_an_equinox_filter_jit_function_is_audited_as_its_jax_jit_twin():
 def test_a_compiled_shape_is_read_as_a_shard_of_the_requested_one():
     # The partitioner divides dimensions by mesh axes (padding where they do not
     # divide), XLA merges adjacent ones; the factors spend at most num_partitions.
-    assert _audit._shard_of((32, 48), (16, 48), 8)
-    assert _audit._shard_of((4, 8, 16), (32, 4), 4)  # merged, features over 4
-    assert _audit._shard_of((10, 4), (3, 4), 4)  # 10 rows over 4 devices, padded
-    assert _audit._shard_of((8, 48), (48,), 8)  # rows split down to one
-    assert not _audit._shard_of((48, 64), (16, 48), 8)  # 48 is not 64 over a factor
-    assert not _audit._shard_of((32, 48), (16, 48), 1)  # off a mesh: the shape itself
-    assert not _audit._shard_of((32, 64), (16, 16), 4)  # 2 x 4 partitions > 4
-    assert not _audit._shard_of((48, 32), (32, 48), 8)  # transposed: not a shard
+    assert _match._shard_of((32, 48), (16, 48), 8)
+    assert _match._shard_of((4, 8, 16), (32, 4), 4)  # merged, features over 4
+    assert _match._shard_of((10, 4), (3, 4), 4)  # 10 rows over 4 devices, padded
+    assert _match._shard_of((8, 48), (48,), 8)  # rows split down to one
+    assert not _match._shard_of((48, 64), (16, 48), 8)  # 48 is not 64 over a factor
+    assert not _match._shard_of((32, 48), (16, 48), 1)  # off a mesh: the shape itself
+    assert not _match._shard_of((32, 64), (16, 16), 4)  # 2 x 4 partitions > 4
+    assert not _match._shard_of((48, 32), (32, 48), 8)  # transposed: not a shard
 
 
 def test_a_product_whose_shape_xla_changed_keeps_its_request_where_its_line_agrees():
     # cuBLASLt pads FP8 operands to multiples of 16: a (24, 40) product runs as
     # (32, 48). Its op_name and line still name it; if their requests agree, that
     # is its request; if they do not, the audit cannot tell and says so.
-    same = [_audit._Request((24, 40), "f8e4m3fn x f8e4m3fn -> f32") for _ in range(2)]
-    assert _audit._fitting(same, (32, 48), 1) == same
-    both = [same[0], _audit._Request((40, 24), "bf16 x bf16 -> bf16")]
-    assert _audit._fitting(both, (32, 48), 1) == []
-    assert _audit._fitting(both, (24, 40), 1) == [same[0]]
-    assert _audit._fitting(both, (40, 24), 1) == [both[1]]
-    other = [same[0], _audit._Request((16, 16), "bf16 x bf16 -> bf16")]
-    assert _audit._fitting(other, (40, 24), 1) == [same[0]]  # transposed: by its size
+    same = [_match._Request((24, 40), "f8e4m3fn x f8e4m3fn -> f32") for _ in range(2)]
+    assert _match._fitting(same, (32, 48), 1) == same
+    both = [same[0], _match._Request((40, 24), "bf16 x bf16 -> bf16")]
+    assert _match._fitting(both, (32, 48), 1) == []
+    assert _match._fitting(both, (24, 40), 1) == [same[0]]
+    assert _match._fitting(both, (40, 24), 1) == [both[1]]
+    other = [same[0], _match._Request((16, 16), "bf16 x bf16 -> bf16")]
+    assert _match._fitting(other, (40, 24), 1) == [same[0]]  # transposed: by its size
 
 
 def _modules(model):

@@ -24,22 +24,13 @@ import jax
 
 from jaxamp._utils.optional import loaded
 from jaxamp.casting._audit import _hlo_text
-from jaxamp.casting._interpreter._decisions import (
-    OpRow,
-    fresh_trace,
-    module_path,
-    recording,
-    user_frame,
-)
+from jaxamp.casting._audit._match import GEMM_TARGETS, dtypes, is_matmul, requests, size
+from jaxamp.casting._audit._names import module_path
+from jaxamp.casting._interpreter._decisions import OpRow, fresh_trace, recording, user_frame
 from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE
 
 __all__ = ["AuditReport", "MatmulRow", "OpRow", "audit"]
 
-_GEMM_TARGETS = {
-    "__cublas$lt$matmul$f8": "cuBLASLt FP8 GEMM",
-    "__cublas$lt$matmul": "cuBLASLt GEMM",
-    "__cublas$gemm": "cuBLAS GEMM",
-}
 _PASSTHROUGH = {"parameter", "convert", "bitcast", "copy", "transpose", "reshape", "broadcast"}
 
 
@@ -144,163 +135,10 @@ def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     ]
 
 
-def _split_scopes(op_name: str) -> list[str]:
-    parts, depth, cur = [], 0, ""
-    for ch in op_name:
-        if ch == "/" and depth == 0:
-            parts.append(cur)
-            cur = ""
-            continue
-        depth += (ch == "(") - (ch == ")")
-        cur += ch
-    return [*parts, cur]
-
-
-# Scope names JAX's lowering adds to op_names, which the jaxpr (and
-# ``report.ops``) has not: a nested jit's ``jit(f)`` (pjit), ``checkpoint``
-# (remat), ``closed_call`` (a scan body), and the pairs ``while/body``
-# (``cond``, ``body_pred``) and ``cond/branch_<i>_fun``.
-_LOWERING = re.compile(r"(?:p?jit|pmap|xla_pmap)\(.*\)|checkpoint|closed_call")
-_LOWERING_PAIRS = {
-    "while": re.compile(r"body|cond|body_pred"),
-    "cond": re.compile(r"branch_\d+_fun"),
-}
-
-
-def _module_path(op_name: str) -> str:
-    """``jit(f)/transpose(jvp(jaxamp_autocast))/M/mid/dot_general`` -> ``M/mid``: the
-    module path ``report.ops`` gives the equation, without what the lowering added."""
-    parts, kept = _split_scopes(op_name)[:-1], []
-    i = 0
-    while i < len(parts):
-        pair = _LOWERING_PAIRS.get(parts[i])
-        if pair is not None and i + 1 < len(parts) and pair.fullmatch(parts[i + 1]):
-            i += 2
-            continue
-        if not _LOWERING.fullmatch(parts[i]):
-            kept.append(parts[i])
-        i += 1
-    # A rematerialised forward inside its transpose enters the scopes again
-    # under a transformation (JAX's own name stack: ``transpose(jvp(outer))/
-    # jvp(outer)``): where the names from a transformed part on repeat the path
-    # so far, they re-enter it rather than extend it.
-    path: list[str] = []
-    for segment in _segments(kept):
-        names = [n for n in module_path("/".join(segment)).split("/") if n]
-        if path and names[: len(path)] == path:
-            names = names[len(path) :]
-        path += names
-    return "/".join(path)
-
-
-def _segments(parts: list[str]) -> list[list[str]]:
-    """`parts` cut before each transformed part (``jvp(...)``) after the first."""
-    out: list[list[str]] = [[]]
-    for p in parts:
-        if re.fullmatch(r"[\w.-]+\(.*\)", p) and out[-1]:
-            out.append([])
-        out[-1].append(p)
-    return out
-
-
-def _is_matmul(ins: _hlo_text.Instr) -> bool:
-    if ins.opcode in ("dot", "convolution"):
-        return True
-    target = ins.attr("custom_call_target") or ""
-    return ins.opcode == "custom-call" and (target in _GEMM_TARGETS or "conv" in target)
-
-
-def _op_names(mod: _hlo_text.Module) -> dict[str, str]:
-    """Each instruction's op_name as the optimized HLO spells it: the text JAX
-    gives XLA names a called computation's instructions relative to their
-    ``call`` (``dot_general`` under ``jit(f)/jit(layer)``), which XLA inlines."""
-    full: dict[str, str] = {}
-
-    def name_of(ins: _hlo_text.Instr) -> str:
-        if ins.name not in full:
-            own = ins.attr("op_name") or ""
-            caller = mod.instrs.get(mod.callers.get(ins.computation, ""))
-            if caller is not None and caller.opcode == "call":
-                outer = name_of(caller)
-                if outer and not own.startswith(outer):
-                    own = f"{outer}/{own}" if own else outer
-            full[ins.name] = own
-        return full[ins.name]
-
-    for ins in mod.instrs.values():
-        name_of(ins)
-    return full
-
-
-# A product XLA runs is matched to the one autocast asked for by what survives
-# XLA's passes and the SPMD partitioner unchanged: its op_name and the user's
-# line. The shape does not survive: the partitioner gives each device a shard
-# (each dimension divided by the mesh axes it is split over, padded up where it
-# does not divide; a split contraction leaves it whole), and XLA merges
-# adjacent dimensions (a (batch, seq, features) product run as a 2-D one). So
-# among the requests of one op_name and line (a layer's input and weight
-# gradients; one line called for several layers) a product answers the ones
-# whose global shape it can be a shard of (`_shard_of`): each run of adjacent
-# global dimensions, divided by a factor, is one of its dimensions, the
-# factors multiplying to a divisor of the module's ``num_partitions`` (1 off a
-# mesh: the shape itself). Not the sharding: the compiled text keeps it on
-# parameters only, and before partitioning only an Explicit mesh or a
-# ``with_sharding_constraint`` annotates a product (on an Auto mesh the
-# partitioner chooses). Not an ordinal among a line's products: the compiled
-# text is a schedule, in which a layer's two gradients, independent of each
-# other, come in either order.
-def _key(mod: _hlo_text.Module, ins: _hlo_text.Instr, op_name: str) -> tuple[str, str]:
-    return (op_name, user_frame(mod.frames_of(ins)))
-
-
-@dataclasses.dataclass
-class _Request:
-    dims: tuple[int, ...]  # the product's global result shape
-    dtypes: str
-    taken: bool = False
-
-
-def _shard_of(whole: tuple[int, ...], part: tuple[int, ...], partitions: int) -> bool:
-    """Whether `part` can be one device's shard of a `whole`-shaped result (see above)."""
-    big, small = [d for d in whole if d != 1], [d for d in part if d != 1]
-
-    def fits(i: int, j: int, left: int) -> bool:  # `left`: the partitions not yet spent
-        if j == len(small):  # what remains is split down to size 1
-            return left % _size(tuple(big[i:])) == 0
-        run = 1
-        for k in range(i, len(big)):
-            run *= big[k]
-            for f in (f for f in range(1, left + 1) if left % f == 0):
-                if -(-run // f) == small[j] and fits(k + 1, j + 1, left // f):
-                    return True
-        return False
-
-    return fits(0, 0, partitions)
-
-
-def _fitting(group: list[_Request], dims: tuple[int, ...], partitions: int) -> list[_Request]:
-    """The requests of `group` a compiled product of shape `dims` can answer: those it is
-    a shard of, else (XLA transposed it) those whose size it divides, else all of them
-    if they agree (XLA padded it: cuBLASLt FP8 operands to multiples of 16)."""
-    fit = [r for r in group if _shard_of(r.dims, dims, partitions)]
-    if not fit:
-        size = _size(dims)
-        fit = [r for r in group if _size(r.dims) % size == 0
-               and partitions % (_size(r.dims) // size) == 0]  # fmt: skip
-    if not fit and len({r.dtypes for r in group}) == 1:
-        fit = group
-    return fit
-
-
-def _dtypes(mod: _hlo_text.Module, ins: _hlo_text.Instr, n: int) -> str:
-    ops = [mod.instrs[o].dtype for o in ins.operands[:n] if o in mod.instrs]
-    return " x ".join(ops) + f" -> {ins.dtype}"
-
-
 def _kernel(mod: _hlo_text.Module, ins: _hlo_text.Instr) -> str:
     if ins.opcode == "custom-call":
         target = ins.attr("custom_call_target") or "custom-call"
-        return _GEMM_TARGETS.get(target, target)
+        return GEMM_TARGETS.get(target, target)
     caller = mod.instrs.get(mod.callers.get(ins.computation, ""))
     if caller is not None and caller.opcode == "fusion":
         if "__triton_gemm" in caller.attrs:
@@ -419,38 +257,15 @@ def _audit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     compiled = lowered.compile()
     pre, post = _hlo_text.parse(pre_text), _hlo_text.parse(compiled.as_text())
     platform = jax.devices()[0].platform
-    requests: dict[tuple[str, str], list[_Request]] = {}
-    names = _op_names(pre)
-    for ins in pre.instrs.values():
-        if _is_matmul(ins):
-            key = _key(pre, ins, names[ins.name])
-            requests.setdefault(key, []).append(_Request(ins.dims, _dtypes(pre, ins, 2)))
-    products = [ins for ins in post.instrs.values() if _is_matmul(ins)]
-    fits = [
-        _fitting(requests.get(_key(post, ins, ins.attr("op_name") or ""), []), ins.dims,
-                 post.partitions)
-        for ins in products
-    ]  # fmt: skip
-    chosen: list[_Request | None] = [f[0] if len(f) == 1 else None for f in fits]
-    for r in chosen:
-        if r is not None:
-            r.taken = True
-    # The rest in order; the last request that fits also answers the products XLA
-    # makes more of (a nested jit called twice is one computation before XLA
-    # inlines it, an unrolled loop body, a GEMM split in two).
-    for i, fit in enumerate(fits):
-        if chosen[i] is None and fit:
-            r = next((r for r in fit if not r.taken), fit[-1])
-            r.taken, chosen[i] = True, r
+    products = [ins for ins in post.instrs.values() if is_matmul(ins)]
     rows = []
-    for ins, request in zip(products, chosen, strict=True):
+    for ins, requested in zip(products, requests(pre, post, products), strict=True):
         op_name = ins.attr("op_name") or ""
-        requested = request.dtypes if request is not None else "?"
-        executed, kernel = _dtypes(post, ins, 2), _kernel(post, ins)
+        executed, kernel = dtypes(post, ins), _kernel(post, ins)
         accumulation = "f32" if "FP8" in kernel else ins.dtype
         rows.append(MatmulRow(
             kernel, requested, executed, accumulation, ins.type,
-            "backward" if "transpose(" in op_name else "forward", _module_path(op_name),
+            "backward" if "transpose(" in op_name else "forward", module_path(op_name),
             user_frame(post.frames_of(ins)),
             tuple(_flags(requested, executed, kernel, op_name, platform)),
         ))  # fmt: skip
@@ -461,9 +276,9 @@ def _audit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
         comp = post.computations.get(ins.computation, [])
         if all(post.instrs[n].opcode in _PASSTHROUGH for n in comp):
             src = post.instrs.get(ins.operands[0]) if ins.operands else None
-            converts.append((_size(ins.dims),
+            converts.append((size(ins.dims),
                 f"{src.type if src else '?'} -> {ins.type} at "
-                f"{_module_path(ins.attr('op_name') or '') or '-'} "
+                f"{module_path(ins.attr('op_name') or '') or '-'} "
                 f"({user_frame(post.frames_of(ins))})"
             ))  # fmt: skip
     return AuditReport(
@@ -490,10 +305,3 @@ def _nnx_lower(fn: Callable[..., Any]) -> Callable[..., Any] | None:
         return method(nnx.merge(graphdef, state), *args, **kwargs)
 
     return functools.partial(jax.jit(pure).lower, state)
-
-
-def _size(dims: tuple[int, ...]) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n
