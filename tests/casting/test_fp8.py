@@ -16,6 +16,7 @@ of the float32 result by a broadcast scalar into the call).
 
 from __future__ import annotations
 
+import ast
 import functools
 import re
 
@@ -605,3 +606,14 @@ def test_bad_arguments_say_what_to_write():
         jaxamp.autocast(mlp, dtype=BF16, fp8="e4m3")
     with pytest.raises(ValueError, match=r"fp8=jaxamp.fp8\(\)"):
         jaxamp.autocast(mlp, dtype=E4M3)
+
+
+def test_a_module_pattern_matching_nothing_lists_the_nnx_module_paths():
+    from tests.casting.test_audit import _nnx_model
+
+    model = _nnx_model()
+    f = jaxamp.autocast(model, dtype=BF16, fp8=jaxamp.fp8(modules={"decoder/mpl": False}))
+    with pytest.warns(UserWarning, match="matches no module") as caught:
+        jax.make_jaxpr(f)(jnp.ones((16, 32)))
+    paths = ast.literal_eval(str(caught[0].message).split("paths: ")[1].split(")")[0])
+    assert "decoder/blocks/0/mlp/linear1" in paths and not any("[" in p for p in paths), paths

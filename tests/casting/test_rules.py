@@ -666,13 +666,13 @@ def _nnx_block_stack():
     return make(jax.random.split(KEY, 3)), scan_fwd
 
 
-def test_nnx_module_rules_by_class_inside_nnx_scan():
-    # nnx.scan rebuilds the modules it scans over: a class pattern still
-    # selects them.
+def test_nnx_module_rules_by_class_and_name_inside_nnx_scan():
+    # nnx.scan rebuilds the modules it scans over from autocast's copies, which
+    # carry their paths: a class pattern and an attribute name select them.
     stack, scan_fwd = _nnx_block_stack()
     x = jax.random.normal(KEY, (2, 8))
     graphdef, state = nnx.split(stack)
-    for modules, want in ((None, F16), ({"Linear": "float32"}, F32)):
+    for modules, want in ((None, F16), ({"Linear": "float32"}, F32), ({"lin": "float32"}, F32)):
         amp = jaxamp.autocast(scan_fwd, dtype=F16, modules=modules)
 
         def pure(state, x, amp=amp):  # no module closed over by the trace
@@ -681,6 +681,29 @@ def test_nnx_module_rules_by_class_inside_nnx_scan():
         dots = [p for p in _prims(pure, state, x) if p[0] == "dot_general"]
         assert dots and all(d == np.dtype(want) for p in dots for d in p[1]), (modules, dots)
         assert _rel_err(amp(stack, x), scan_fwd(stack, x)) < 1e-2
+
+
+class _NnxTwoBlocks(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([_NnxBlock(rngs), _NnxBlock(rngs)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = nnx.remat(lambda b, x: b(x))(block, x)
+        return x
+
+
+def test_nnx_module_rules_by_path_inside_nnx_remat():
+    # nnx.remat rebuilds each block from autocast's named copy: a path rule
+    # holds there, as it does without nnx.remat.
+    graphdef, state = nnx.split(_NnxTwoBlocks(nnx.Rngs(0)))
+    amp = jaxamp.autocast(lambda m, x: m(x), dtype=F16, modules={"blocks/1": "float32"})
+
+    def pure(state, x):  # no module closed over by the trace (nnx.remat writes to it)
+        return amp(nnx.merge(graphdef, state), x)
+
+    dots = [p for p in _prims(pure, state, jax.random.normal(KEY, (2, 8))) if p[0] == "dot_general"]
+    assert [p[1] for p in dots] == [(F16, F16), (F32, F32)], dots
 
 
 def test_module_rules_validation():

@@ -24,16 +24,13 @@ import jax
 
 from jaxamp._utils.optional import loaded
 from jaxamp.casting._audit import _hlo_text
+from jaxamp.casting._audit._match import GEMM_TARGETS, dtypes, is_matmul, requests, size
+from jaxamp.casting._audit._names import module_path
 from jaxamp.casting._interpreter._decisions import OpRow, fresh_trace, recording, user_frame
-from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
+from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE
 
 __all__ = ["AuditReport", "MatmulRow", "OpRow", "audit"]
 
-_GEMM_TARGETS = {
-    "__cublas$lt$matmul$f8": "cuBLASLt FP8 GEMM",
-    "__cublas$lt$matmul": "cuBLASLt GEMM",
-    "__cublas$gemm": "cuBLAS GEMM",
-}
 _PASSTHROUGH = {"parameter", "convert", "bitcast", "copy", "transpose", "reshape", "broadcast"}
 
 
@@ -49,7 +46,7 @@ class MatmulRow:
       executed: operand and result dtypes XLA runs.
       accumulation: the accumulation dtype (the product's result type in HLO;
         float32 for cuBLASLt FP8, which always accumulates in float32).
-      shape: the result shape.
+      shape: the result shape, as one device runs it (a shard of it on a mesh).
       pass_: ``"forward"`` or ``"backward"`` (a transposed product).
       module: the module path (Flax module names, ``jax.named_scope``s).
       source: the user's ``file:line (function)`` it was traced from.
@@ -138,76 +135,10 @@ def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     ]
 
 
-def _split_scopes(op_name: str) -> list[str]:
-    parts, depth, cur = [], 0, ""
-    for ch in op_name:
-        if ch == "/" and depth == 0:
-            parts.append(cur)
-            cur = ""
-            continue
-        depth += (ch == "(") - (ch == ")")
-        cur += ch
-    return [*parts, cur]
-
-
-def _module_path(op_name: str) -> str:
-    """``jit(f)/transpose(jvp(jaxamp_autocast))/M/mid/dot_general`` -> ``M/mid``."""
-    names: list[str] = []
-    for i, part in enumerate(_split_scopes(op_name)[:-1]):
-        if i == 0 and re.match(r"^(jit|pjit|pmap|xla_pmap)\(", part):
-            continue
-        while (m := re.fullmatch(r"\w+\((.*)\)", part)) is not None:
-            part = m.group(1)
-        names += [p for p in _split_scopes(part) if p]
-    own = (AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE)
-    return "/".join(n for n in names if not n.startswith(own))
-
-
-def _is_matmul(ins: _hlo_text.Instr) -> bool:
-    if ins.opcode in ("dot", "convolution"):
-        return True
-    target = ins.attr("custom_call_target") or ""
-    return ins.opcode == "custom-call" and (target in _GEMM_TARGETS or "conv" in target)
-
-
-def _op_names(mod: _hlo_text.Module) -> dict[str, str]:
-    """Each instruction's op_name as the optimized HLO spells it: the text JAX
-    gives XLA names a called computation's instructions relative to their
-    ``call`` (``dot_general`` under ``jit(f)/jit(layer)``), which XLA inlines."""
-    full: dict[str, str] = {}
-
-    def name_of(ins: _hlo_text.Instr) -> str:
-        if ins.name not in full:
-            own = ins.attr("op_name") or ""
-            caller = mod.instrs.get(mod.callers.get(ins.computation, ""))
-            if caller is not None and caller.opcode == "call":
-                outer = name_of(caller)
-                if outer and not own.startswith(outer):
-                    own = f"{outer}/{own}" if own else outer
-            full[ins.name] = own
-        return full[ins.name]
-
-    for ins in mod.instrs.values():
-        name_of(ins)
-    return full
-
-
-def _key(mod: _hlo_text.Module, ins: _hlo_text.Instr, op_name: str) -> tuple[Any, ...]:
-    """What a product keeps through XLA's passes: its op_name, the user's line and
-    its result's size (XLA reshapes a (batch, seq, features) product to a 2-D one
-    and may transpose it, which changes the dims, not their product)."""
-    return (op_name, user_frame(mod.frames_of(ins)), _size(ins.dims))
-
-
-def _dtypes(mod: _hlo_text.Module, ins: _hlo_text.Instr, n: int) -> str:
-    ops = [mod.instrs[o].dtype for o in ins.operands[:n] if o in mod.instrs]
-    return " x ".join(ops) + f" -> {ins.dtype}"
-
-
 def _kernel(mod: _hlo_text.Module, ins: _hlo_text.Instr) -> str:
     if ins.opcode == "custom-call":
         target = ins.attr("custom_call_target") or "custom-call"
-        return _GEMM_TARGETS.get(target, target)
+        return GEMM_TARGETS.get(target, target)
     caller = mod.instrs.get(mod.callers.get(ins.computation, ""))
     if caller is not None and caller.opcode == "fusion":
         if "__triton_gemm" in caller.attrs:
@@ -268,7 +199,10 @@ def audit(fun: Callable[..., Any]) -> Callable[..., AuditReport]:
     inside ``autocast``. ``converts`` lists the unfused dtype conversions
     (``large_converts``: those of at least 2**20 elements;
     ``converts_of_at_least(n)``: of at least `n`). Works on any backend: on the CPU every FP8 and
-    bfloat16 product is flagged, since XLA:CPU computes them in float32.
+    bfloat16 product is flagged, since XLA:CPU computes them in float32. On a
+    mesh (a ``jit`` with ``in_shardings`` or sharded inputs, Auto or Explicit
+    axes) it lists the program one device runs: each product's shape is its
+    shard, with the request of the product it is a shard of.
 
     ``ops`` is the view before XLA: for each floating equation every
     ``autocast`` inside `fn` evaluated, the dtype it chose, the op class in
@@ -323,26 +257,15 @@ def _audit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     compiled = lowered.compile()
     pre, post = _hlo_text.parse(pre_text), _hlo_text.parse(compiled.as_text())
     platform = jax.devices()[0].platform
-    requests: dict[tuple[Any, ...], list[str]] = {}
-    names = _op_names(pre)
-    for ins in pre.instrs.values():
-        if _is_matmul(ins):
-            requests.setdefault(_key(pre, ins, names[ins.name]), []).append(_dtypes(pre, ins, 2))
+    products = [ins for ins in post.instrs.values() if is_matmul(ins)]
     rows = []
-    for ins in post.instrs.values():
-        if not _is_matmul(ins):
-            continue
+    for ins, requested in zip(products, requests(pre, post, products), strict=True):
         op_name = ins.attr("op_name") or ""
-        # In order; the last request of a key also answers the products XLA makes
-        # more of (a nested jit called twice is one computation before XLA inlines
-        # it, an unrolled loop body, a GEMM split in two).
-        queue = requests.get(_key(post, ins, op_name)) or ["?"]
-        requested = queue.pop(0) if len(queue) > 1 else queue[0]
-        executed, kernel = _dtypes(post, ins, 2), _kernel(post, ins)
+        executed, kernel = dtypes(post, ins), _kernel(post, ins)
         accumulation = "f32" if "FP8" in kernel else ins.dtype
         rows.append(MatmulRow(
             kernel, requested, executed, accumulation, ins.type,
-            "backward" if "transpose(" in op_name else "forward", _module_path(op_name),
+            "backward" if "transpose(" in op_name else "forward", module_path(op_name),
             user_frame(post.frames_of(ins)),
             tuple(_flags(requested, executed, kernel, op_name, platform)),
         ))  # fmt: skip
@@ -353,9 +276,9 @@ def _audit(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
         comp = post.computations.get(ins.computation, [])
         if all(post.instrs[n].opcode in _PASSTHROUGH for n in comp):
             src = post.instrs.get(ins.operands[0]) if ins.operands else None
-            converts.append((_size(ins.dims),
+            converts.append((size(ins.dims),
                 f"{src.type if src else '?'} -> {ins.type} at "
-                f"{_module_path(ins.attr('op_name') or '') or '-'} "
+                f"{module_path(ins.attr('op_name') or '') or '-'} "
                 f"({user_frame(post.frames_of(ins))})"
             ))  # fmt: skip
     return AuditReport(
@@ -382,10 +305,3 @@ def _nnx_lower(fn: Callable[..., Any]) -> Callable[..., Any] | None:
         return method(nnx.merge(graphdef, state), *args, **kwargs)
 
     return functools.partial(jax.jit(pure).lower, state)
-
-
-def _size(dims: tuple[int, ...]) -> int:
-    n = 1
-    for d in dims:
-        n *= d
-    return n

@@ -19,6 +19,7 @@ _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?\s*(?:->.*)?\{\s*
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\(.*?\)|\S+)\s+([\w\-]+)\((.*)$")
 _TABLE_ROW = re.compile(r'^(\d+)\s+(?:"(.*)"|\{(.*)\})\s*$')
 _KV = re.compile(r"(\w+)=(\d+)")
+_PARTITIONS = re.compile(r"^HloModule\s.*\bnum_partitions=(\d+)")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-,\s%]+)\}?")
 
 
@@ -57,6 +58,7 @@ class Module:
     functions: dict[int, str]
     locations: dict[int, tuple[int, int, int]]  # id -> (file id, function id, line)
     frames: dict[int, tuple[int, int]]  # id -> (location id, parent frame id or 0)
+    partitions: int = 1  # ``num_partitions`` of the module: how many devices share its SPMD program
 
     def users(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
@@ -110,7 +112,11 @@ def parse(text: str) -> Module:
     tables: dict[str, dict[int, str]] = {}
     table = None
     comp = ""
+    partitions = 1
     for line in text.splitlines():
+        if (p := _PARTITIONS.match(line)) is not None:
+            partitions = int(p.group(1))
+            continue
         stripped = line.strip()
         if stripped in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
             table = tables.setdefault(stripped, {})
@@ -150,4 +156,5 @@ def parse(text: str) -> Module:
             i: (d.get("file_location_id", 0), d.get("parent_frame_id", 0))
             for i, d in kv.get("StackFrames", {}).items()
         },
+        partitions,
     )

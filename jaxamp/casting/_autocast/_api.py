@@ -91,8 +91,8 @@ def autocast(
         ``LayerNorm_0`` and ``nn.LayerNorm(name="ln")`` both match
         ``"LayerNorm"``), or, with a ``/``, against its path, e.g.
         ``{"LayerNorm": "float32", "head": "float32"}``; a module's rule
-        covers its submodules. Modules that ``nnx.scan`` / ``nnx.vmap``
-        rebuild are matched by class only.
+        covers its submodules. A stack of nnx layers that ``nnx.scan`` runs
+        is one module (``layers``): a rule covers all its layers.
       unknown_higher_order: what to do with a primitive that carries a jaxpr
         but is not in the table: ``"warn"`` (default) or ``"as_written"`` run
         it in its original dtypes, ``"error"`` raises.

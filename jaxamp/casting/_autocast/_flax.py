@@ -4,9 +4,17 @@ Module rules match on the ``jax.named_scope`` stack of each equation. Linen
 names every module call itself; ``linen_class_scopes`` adds the class through
 flax's own ``nn.intercept_methods`` (a context, not a patch). nnx adds no
 scopes: autocast calls *its own* merged copy of the user's modules, and gives
-each copy a private subclass whose ``__call__`` opens the scope. The user's
-classes and objects are never modified, and the path table lives in a context
-variable of this call, so concurrent calls in other threads do not see it.
+each copy a private subclass whose ``__call__`` opens the scope ``rel[Class]``,
+``rel`` the module's path relative to the module whose call encloses it
+(``blocks/0`` in ``decoder``), so that the name stack reads as the model's own
+path (``decoder[Decoder]/blocks/0[Block]/mlp[MLP]``: ``decoder/blocks/0/mlp``),
+as linen's does; a module called from outside its parent's call is named under
+its caller (the whole path there). Each copy holds its path in an attribute,
+which nnx keeps in the graph it splits, so the modules an nnx transform
+rebuilds from a copy (``nnx.remat``, ``nnx.scan`` over a stack of layers) are
+named by it too. The user's classes and objects are never modified, and the
+copies are this call's own, so concurrent calls in other threads do not see
+each other's names.
 """
 
 from __future__ import annotations
@@ -16,15 +24,21 @@ import contextvars
 import functools
 import types
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from jaxamp._utils.optional import loaded
 
-# id(module copy) -> its path in the graph autocast was called with.
-_PATHS: contextvars.ContextVar[dict[int, str]] = contextvars.ContextVar("jaxamp_nnx_paths")
+# The attribute of a module copy that holds its path in the graph autocast was
+# called with (a static attribute to nnx: split and merged with the module).
+_PATH = "_jaxamp_nnx_path"
+# The path of the named module whose __call__ is running (None: none, or one
+# made inside the call, whose path is unknown).
+_CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jaxamp_nnx_caller", default=None
+)
 _NAMED: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
 _NAMED_SET: weakref.WeakSet[type] = weakref.WeakSet()  # the subclasses themselves
 
@@ -68,8 +82,17 @@ def same_leaves(xs: list[Any], var: Any) -> bool:
     return len(xs) == len(ys) and all(x is y for x, y in zip(xs, ys, strict=True))
 
 
+def _relative(path: str | None, caller: str | None) -> str:
+    """`path` relative to the path of the module whose call encloses it (see above)."""
+    if path is None:
+        return ""
+    if caller and path.startswith(caller + "/"):
+        return path[len(caller) + 1 :]
+    return "" if path == caller else path
+
+
 def _named_class(cls: type) -> type:
-    """A subclass of `cls` whose calls open a ``path[Class]`` named scope."""
+    """A subclass of `cls` whose calls open a ``rel[Class]`` named scope (see above)."""
     named = _NAMED.get(cls)
     if named is not None:
         return named
@@ -77,11 +100,15 @@ def _named_class(cls: type) -> type:
 
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # A module rebuilt inside an nnx transform (nnx.scan, nnx.vmap) from
-        # a graph of named copies is a new object: named by its class only.
-        path = _PATHS.get({}).get(id(self), "")
-        with jax.named_scope(f"{path}[{cls.__name__}]"):
-            return original(self, *args, **kwargs)
+        # A module made inside the call (not one of the copies, nor rebuilt
+        # from one) has no path: named by its class only.
+        path, caller = vars(self).get(_PATH), _CALLER.get()
+        token = _CALLER.set(path)
+        try:
+            with jax.named_scope(f"{_relative(path, caller)}[{cls.__name__}]"):
+                return original(self, *args, **kwargs)
+        finally:
+            _CALLER.reset(token)
 
     kwds = {"pytree": cls._pytree__is_pytree} if hasattr(cls, "_pytree__is_pytree") else {}
     named = types.new_class(
@@ -96,19 +123,13 @@ def _named_class(cls: type) -> type:
     return named
 
 
-@contextlib.contextmanager
-def nnx_scopes(nnx: Any, copies: Sequence[Any]) -> Iterator[None]:
-    """Names the calls of every module in `copies` (autocast's own merged copies)."""
-    paths: dict[int, str] = {}
+def name_nnx_calls(nnx: Any, copies: Sequence[Any]) -> None:
+    """Names the calls of every module in `copies` (autocast's own merged copies); a copy
+    split from a named one (an autocast inside another) keeps its path."""
     for root in copies:
         for path, node in nnx.iter_graph(root):
-            if isinstance(node, nnx.Module) and id(node) not in paths:
-                paths[id(node)] = "/".join(str(p) for p in path)
+            if isinstance(node, nnx.Module) and _PATH not in vars(node):
+                object.__setattr__(node, _PATH, "/".join(str(p) for p in path))
                 cls = type(node)
                 if cls not in _NAMED_SET and any("__call__" in vars(k) for k in cls.__mro__[:-1]):
                     object.__setattr__(node, "__class__", _named_class(cls))
-    token = _PATHS.set(paths)
-    try:
-        yield
-    finally:
-        _PATHS.reset(token)

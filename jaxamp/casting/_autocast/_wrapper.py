@@ -301,16 +301,16 @@ class _NnxCall:
         target = self.fn
         if self_node is not None:
             target = merged[-1] if method is None else functools.partial(method, merged[-1])
-        # FP8 names nnx modules too: its first / last layers and modules= rules.
-        named = cfg.modules or cfg.debug or cfg.fp8 is not None
-        names = _flax.nnx_scopes(nnx, merged) if named else contextlib.nullcontext()
+        # FP8 names nnx modules too: its first / last layers and modules= rules;
+        # and `jaxamp.audit`, whose reports name each op's module.
+        if cfg.modules or cfg.debug or cfg.fp8 is not None or _decisions.active():
+            _flax.name_nnx_calls(nnx, merged)
         # The leaf objects now (a Variable in the state is the live one).
         before = {
             path: jax.tree_util.tree_leaves(var)
             for path, var in _flax.flat_variables(nnx, nnx.state(merged))
         }
-        with names:
-            out = target(*a, **k)
+        out = target(*a, **k)
         # Only the Variables the call changed or created (BatchStat, RNG counts,
         # sow, nnx.capture's __captures__) come back and are written back:
         # unchanged parameters must not be written from inside a trace.

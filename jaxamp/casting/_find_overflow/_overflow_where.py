@@ -14,10 +14,8 @@ from typing import Any
 
 from jaxamp._utils import jax_compat
 from jaxamp.casting._find_overflow import _overflow_eval
-from jaxamp.casting._rules._scopes import AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
+from jaxamp.casting._rules._scopes import MARKERS
 
-# Scopes that name no module: jaxamp's own markers and remat's recomputation.
-MARKERS = (AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE, "rematted_computation")
 # Packages whose frames are not "the model's source": the report names the
 # innermost frame outside them (and outside the standard library).
 LIBRARIES = ("jax", "jaxlib", "flax", "optax", "chex", "jaxamp")
@@ -32,8 +30,9 @@ def stack_str(stack: _overflow_eval.Stack) -> str:
 
 def module_path(stack: _overflow_eval.Stack) -> tuple[str | None, str | None]:
     """(module path, class) from the scopes: linen names each module call by its
-    name (nested: the path); autocast's nnx scopes are ``path[Class]``, the path
-    absolute; ``[Class]`` alone (linen with ``modules=``) names a class."""
+    name (nested: the path); autocast's nnx scopes are ``rel[Class]``, the path
+    relative to the module before; ``[Class]`` alone (linen with ``modules=``)
+    names a class."""
     path: list[str] = []
     cls = None
     for kind, name in stack:
@@ -43,7 +42,7 @@ def module_path(stack: _overflow_eval.Stack) -> tuple[str | None, str | None]:
             prefix, _, klass = name[:-1].rpartition("[")
             cls = klass
             if prefix:
-                path = prefix.split("/")
+                path += prefix.split("/")
             continue
         path.append(name)
         cls = None

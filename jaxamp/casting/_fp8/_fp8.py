@@ -65,7 +65,7 @@ from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._fp8 import _fp8_gemm
 from jaxamp.casting._fp8._fp8_roots import NONE, SAME_VALUES, Roots, subjaxpr_roots
 from jaxamp.casting._rules import _rules
-from jaxamp.casting._rules._scopes import join, module_match, scope_parts
+from jaxamp.casting._rules._scopes import join, module_match, module_path, scope_parts
 
 __all__ = ["Fp8Config", "fp8"]
 
@@ -310,8 +310,8 @@ class Plan:
 
 
 def _paths(parts: list[list[str]]) -> set[str]:
-    """The module paths of name stacks, without the ``[Class]`` scopes."""
-    return {p for p in ("/".join(n for n in ns if not n.startswith("[")) for ns in parts) if p}
+    """The module paths of name stacks (their scope names)."""
+    return {p for p in map(module_path, parts) if p}
 
 
 def _dims(params: Mapping[str, Any]) -> _fp8_gemm.DotDims:

@@ -22,14 +22,9 @@ import numpy as np
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp.casting._rules import _scopes
 from jaxamp.casting._rules._rules import AS_WRITTEN, DEFAULT_RULES, FOLLOW
-from jaxamp.casting._rules._scopes import (
-    AUTOCAST_SCOPE,
-    FULL_PRECISION_SCOPE,
-    KEEP_FLOAT32_SCOPE,
-    join,
-    scope_parts,
-)
+from jaxamp.casting._rules._scopes import join, scope_parts
 
 if TYPE_CHECKING:
     from jaxamp.casting._interpreter._context import Context
@@ -188,11 +183,9 @@ def rule_of(ctx: Context, name: str) -> tuple[str, str]:
 
 
 def module_path(stack: str) -> str:
-    """A name stack without JAX's transformation wrappers, jaxamp's own markers and
-    the ``[Class]`` scopes autocast adds for ``modules=`` patterns."""
-    own = (AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE)
-    names = [p.partition("[")[0] for p in scope_parts(stack)]
-    return "/".join(n for n in names if n and not n.startswith(own))
+    """The module path of a name stack (``_scopes.module_path``), without JAX's
+    transformation wrappers."""
+    return _scopes.module_path(scope_parts(stack))
 
 
 def user_frame(frames: list[tuple[str, int, str]]) -> str:

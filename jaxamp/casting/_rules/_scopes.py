@@ -17,6 +17,8 @@ FULL_PRECISION_SCOPE = "jaxamp_full_precision"
 AUTOCAST_SCOPE = "jaxamp_autocast"
 #: The ``reduce_precision`` identity that ``keep_float32`` leaves in a jaxpr.
 KEEP_FLOAT32_SCOPE = "jaxamp_keep_float32"
+#: Scopes that name no module: jaxamp's own markers and remat's recomputation.
+MARKERS = (AUTOCAST_SCOPE, FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE, "rematted_computation")
 
 
 def join(outer: str, inner: str) -> str:
@@ -40,6 +42,15 @@ def scope_parts(stack: str) -> list[str]:
         depth += (ch == "(") - (ch == ")")
         cur += ch
     return parts
+
+
+def module_path(parts: list[str]) -> str:
+    """The module path of the scope names `parts` (``scope_parts``): linen's module
+    names and autocast's nnx ``rel[Class]`` scopes, each relative to the one before
+    (``decoder[Decoder]/blocks/0[Block]``: ``decoder/blocks/0``), and the user's
+    ``jax.named_scope``s, without the ``[Class]`` suffixes and jaxamp's markers."""
+    names = (p.partition("[")[0] for p in parts)
+    return "/".join(n for n in names if n and not n.startswith(MARKERS))
 
 
 def runs_as_written(parts: list[str]) -> str:
