@@ -43,6 +43,16 @@ def _code_of(nonneg: np.ndarray) -> list[_codes.Code]:
     return [_codes.NONNEGATIVE if n else _codes.SIGNED for n in nonneg]
 
 
+# Compiled once per shape and block size: run op by op, each of the code's operations
+# would compile on its own for every new shape.
+_quantize = jax.jit(_codes.quantize, static_argnums=2)
+_dequantize = jax.jit(_codes.dequantize, static_argnums=2)
+_requantize = jax.jit(_codes.requantize, static_argnums=2)
+_encode = jax.jit(_codes.encode, static_argnums=1)
+_decode = jax.jit(_codes.decode, static_argnums=1)
+_in_blocks = jax.jit(_codes._blocks, static_argnums=1)
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _round_trip(x, key, block_size):
     codes, scales = _codes.quantize(x, key, block_size)
@@ -93,14 +103,25 @@ def _check_against_reference(x: np.ndarray, block_size: int, scales, out) -> np.
 
 
 SHAPES = [(300,), (1, 5), (3, 64), (2, 3, 100), (4, 130), (7,)]
+# Each shape with the block sizes that make its layouts (every (shape, block size) pair
+# compiles its own program): rows shorter than a block, exactly one block, whole
+# blocks, whole blocks and a short last one, in 1, 2 and 3 dimensions.
+LAYOUTS = [
+    ((300,), 64),  # 4 whole blocks and one of 44
+    ((1, 5), 16),  # a row shorter than a block
+    ((3, 64), 64),  # one whole block per row
+    ((3, 64), 16),  # whole blocks only
+    ((2, 3, 100), 32),  # 3 whole blocks and one of 4, in 3 dimensions
+    ((4, 130), 16),  # 8 whole blocks and one of 2
+    ((7,), 32),  # a vector shorter than a block
+]
 
 
 @st.composite
 def _inputs(draw) -> tuple[np.ndarray, int]:
     """float32 arrays of many magnitudes: each block its own exponent, values spread over
     up to 2**40 below it; signed or non-negative rows; zeros and -0.0 sprinkled in."""
-    shape = draw(st.sampled_from(SHAPES))
-    block_size = draw(st.sampled_from([16, 32, 64]))
+    shape, block_size = draw(st.sampled_from(LAYOUTS))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     top = rng.integers(-100, 100, size=shape[:-1] + (1,))
     spread = draw(st.sampled_from([1, 8, 40]))
@@ -152,9 +173,9 @@ def test_encode_decode_are_inverse_on_every_code(code) -> None:
     assert (np.diff(grid) > 0).all()  # monotone: a code's order is its value's
     assert grid[-1] == code.largest and grid[1] == code.smallest
     c = jnp.arange(n, dtype=jnp.int32)
-    np.testing.assert_array_equal(np.asarray(_codes.decode(c, code), np.float64), grid)
+    np.testing.assert_array_equal(np.asarray(_decode(c, code), np.float64), grid)
     for draw in (0.0, 0.5, 1 - 2**-24):  # a value on the grid is never rounded away
-        back = _codes.encode(jnp.asarray(grid, jnp.float32), code, jnp.full(n, draw))
+        back = _encode(jnp.asarray(grid, jnp.float32), code, jnp.full(n, draw))
         np.testing.assert_array_equal(np.asarray(back), np.arange(n))
 
 
@@ -164,11 +185,11 @@ def test_every_byte_round_trips_through_dequantize(code) -> None:
     signed code's two zeros, 0 and 128, both come back as 0)."""
     codes = jnp.arange(256, dtype=jnp.uint8)[None]
     scale = jnp.array([[-1.0 if not code.signed else 1.0]], jnp.float32)
-    values = np.asarray(_codes.dequantize(codes, scale, 256))
+    values = np.asarray(_dequantize(codes, scale, 256))
     grid = _grid(code)
     want = np.concatenate([grid, -grid]) if code.signed else grid
     np.testing.assert_array_equal(values[0].astype(np.float64), want)
-    back, back_scale = _codes.quantize(jnp.asarray(values), jax.random.key(0), 256)
+    back, back_scale = _quantize(jnp.asarray(values), jax.random.key(0), 256)
     expect = np.arange(256)
     if code.signed:
         expect[128] = 0
@@ -240,8 +261,8 @@ def test_requantize_keeps_unchanged_blocks_bit_for_bit() -> None:
     x = rng.standard_normal((6, 200)).astype(np.float32)
     x[:3] = x[:3] ** 2  # non-negative rows too
     block = 64
-    codes, scales = _codes.quantize(jnp.asarray(x), jax.random.key(0), block)
-    stored = np.asarray(_codes.dequantize(codes, scales, block))
+    codes, scales = _quantize(jnp.asarray(x), jax.random.key(0), block)
+    stored = np.asarray(_dequantize(codes, scales, block))
     new = stored.copy()
     new[1, 70] *= 1.5  # block (1, 1) changes
     new[4, 199] = -new[4, 199] - 1  # block (4, 3), the short last one, changes
@@ -249,11 +270,11 @@ def test_requantize_keeps_unchanged_blocks_bit_for_bit() -> None:
     changed[1, 1] = changed[4, 3] = True
     for seed in range(5):  # under any key
         key = jax.random.key(100 + seed)
-        c2, s2 = _codes.requantize(jnp.asarray(new), key, block, codes, scales)
-        fresh_c, fresh_s = _codes.quantize(jnp.asarray(new), key, block)
-        c_blocks = np.asarray(_codes._blocks(c2, block))
-        old_blocks = np.asarray(_codes._blocks(codes, block))
-        fresh_blocks = np.asarray(_codes._blocks(fresh_c, block))
+        c2, s2 = _requantize(jnp.asarray(new), key, block, codes, scales)
+        fresh_c, fresh_s = _quantize(jnp.asarray(new), key, block)
+        c_blocks, old_blocks, fresh_blocks = (
+            np.asarray(_in_blocks(c, block)) for c in (c2, codes, fresh_c)
+        )
         np.testing.assert_array_equal(c_blocks[~changed], old_blocks[~changed])
         np.testing.assert_array_equal(np.asarray(s2)[~changed], np.asarray(scales)[~changed])
         # A changed block is quantized afresh.
@@ -270,18 +291,16 @@ def test_requantize_keeps_a_block_that_quantizing_again_would_move() -> None:
     # Just above largest / 2: the scale is 1, and the value sits between two codes.
     x = jnp.array([[largest / 2 + 2.0**-6, -0.25, 0.125, 0.0]], jnp.float32)
     for seed in range(64):
-        codes, scales = _codes.quantize(x, jax.random.key(seed), 4)
-        stored = _codes.dequantize(codes, scales, 4)
+        codes, scales = _quantize(x, jax.random.key(seed), 4)
+        stored = _dequantize(codes, scales, 4)
         if float(jnp.max(jnp.abs(stored))) <= largest / 2:
             break
     else:
         pytest.fail("no draw rounded the largest value down")
-    again_c, again_s = _codes.quantize(stored, jax.random.key(0), 4)
+    again_c, again_s = _quantize(stored, jax.random.key(0), 4)
     assert float(again_s[0, 0]) != float(scales[0, 0])  # the test's premise
-    np.testing.assert_array_equal(
-        np.asarray(_codes.dequantize(again_c, again_s, 4)), np.asarray(stored)
-    )
-    kept_c, kept_s = _codes.requantize(stored, jax.random.key(0), 4, codes, scales)
+    np.testing.assert_array_equal(np.asarray(_dequantize(again_c, again_s, 4)), np.asarray(stored))
+    kept_c, kept_s = _requantize(stored, jax.random.key(0), 4, codes, scales)
     np.testing.assert_array_equal(np.asarray(kept_c), np.asarray(codes))
     np.testing.assert_array_equal(np.asarray(kept_s), np.asarray(scales))
 
@@ -289,15 +308,14 @@ def test_requantize_keeps_a_block_that_quantizing_again_would_move() -> None:
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 def test_a_non_finite_block_gets_a_nan_scale(bad) -> None:
     x = np.array([[1.0, 2.0, bad, 3.0, 1.0, -2.0, 0.5, 0.25]], np.float32)
-    codes, scales = _codes.quantize(jnp.asarray(x), jax.random.key(0), 4)
-    scales = np.asarray(scales)
+    codes, scales, out = _round_trip(jnp.asarray(x), jax.random.key(0), 4)
+    scales, out = np.asarray(scales), np.asarray(out)
     assert np.isnan(scales[0, 0])
     assert np.isfinite(scales[0, 1])  # the other block is unaffected
-    out = np.asarray(_codes.dequantize(codes, jnp.asarray(scales), 4))
     assert np.isnan(out[0, :4]).all()
     assert (np.abs(out[0, 4:] - x[0, 4:]) <= _codes.bound(x[:, 4:], 4)[0]).all()
     # requantize sees the block as changed (NaN != NaN) and stores it non-finite again.
-    _, s2 = _codes.requantize(jnp.asarray(x), jax.random.key(1), 4, codes, jnp.asarray(scales))
+    _, s2 = _requantize(jnp.asarray(x), jax.random.key(1), 4, codes, jnp.asarray(scales))
     assert np.isnan(np.asarray(s2)[0, 0])
 
 

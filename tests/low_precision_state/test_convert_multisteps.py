@@ -18,9 +18,9 @@ def test_a_multisteps_object_converts_both_ways() -> None:
     plain = optax.MultiSteps(optax.adam(1e-2), 2)
     small = optax.MultiSteps(jaxamp.low_precision_state(optax.adam(1e-2), "8bit", min_size=64), 2)
     grads = {"w": jax.random.normal(jax.random.key(0), (16, 64))}
-    state = plain.init(PARAMS)
+    state, step = plain.init(PARAMS), jax.jit(plain.update)
     for _ in range(2):
-        _, state = plain.update(grads, state, PARAMS)
+        _, state = step(grads, state, PARAMS)
     converted = jaxamp.convert_state(state, small, PARAMS)
     mu = converted.inner_opt_state.inner_state[0].mu["w"]
     assert isinstance(mu, Quantized8)

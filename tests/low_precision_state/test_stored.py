@@ -18,6 +18,13 @@ from jaxamp.low_precision_state import Quantized8, Rounded16, _codes
 
 BF16 = np.dtype(jnp.bfloat16)
 
+# Compiled once per shape (run op by op, each operation would compile on its own).
+_store8 = jax.jit(Quantized8.store, static_argnums=(2, 3))
+_store16 = jax.jit(Rounded16.store, static_argnums=2)
+_restore = jax.jit(lambda s, x, key: s.restore(x, key))
+_value = jax.jit(lambda s: s.value())
+_identity = jax.jit(lambda t: t)
+
 
 def _x(shape=(5, 70), seed=0) -> jax.Array:
     rng = np.random.default_rng(seed)
@@ -28,22 +35,22 @@ def _x(shape=(5, 70), seed=0) -> jax.Array:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_quantized8_round_trip(dtype) -> None:
     x = _x()
-    q = Quantized8.store(x, jax.random.key(0), 32, dtype)
+    q = _store8(x, jax.random.key(0), 32, dtype)
     assert q.codes.dtype == np.uint8 and q.codes.shape == x.shape
     assert q.scales.dtype == np.float32 and q.scales.shape == (5, 3)
     assert q.dtype == np.dtype(dtype) and q.block_size == 32
-    v = q.value()
+    v = _value(q)
     assert v.dtype == np.float32  # the wrapped optimizer computes in float32
     err = np.abs(np.asarray(v, np.float64) - np.asarray(x, np.float64))
     assert (err <= _codes.bound(np.asarray(x), 32)).all()
     # restore: the next value stored in the same form, within the same bound.
     y = x * 1.5 + 1.0
-    r = q.restore(y, jax.random.key(1))
+    r = _restore(q, y, jax.random.key(1))
     assert (r.dtype, r.block_size) == (q.dtype, q.block_size)
-    err = np.abs(np.asarray(r.value(), np.float64) - np.asarray(y, np.float64))
+    err = np.abs(np.asarray(_value(r), np.float64) - np.asarray(y, np.float64))
     assert (err <= _codes.bound(np.asarray(y), 32)).all()
     # An unchanged value keeps its bytes under any key.
-    same = q.restore(v, jax.random.key(7))
+    same = _restore(q, v, jax.random.key(7))
     np.testing.assert_array_equal(np.asarray(same.codes), np.asarray(q.codes))
     np.testing.assert_array_equal(np.asarray(same.scales), np.asarray(q.scales))
 
@@ -57,17 +64,17 @@ def _ulp(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_rounded16_round_trip(dtype) -> None:
     x = _x()
-    r = Rounded16.store(x, jax.random.key(0), dtype)
+    r = _store16(x, jax.random.key(0), dtype)
     assert r.values.dtype == BF16 and r.values.shape == x.shape
     assert r.dtype == np.dtype(dtype)
-    v = r.value()
+    v = _value(r)
     assert v.dtype == np.float32
     x64 = np.asarray(x, np.float64)
     assert (np.abs(np.asarray(v, np.float64) - x64) < _ulp(x64)).all()
     y = np.asarray(x * -3.0, np.float64)
-    out = r.restore(jnp.asarray(y, jnp.float32), jax.random.key(1))
+    out = _restore(r, jnp.asarray(y, jnp.float32), jax.random.key(1))
     assert out.dtype == r.dtype
-    assert (np.abs(np.asarray(out.value(), np.float64) - y) < _ulp(y)).all()
+    assert (np.abs(np.asarray(_value(out), np.float64) - y) < _ulp(y)).all()
 
 
 def test_a_bfloat16_value_restores_to_itself() -> None:
@@ -75,7 +82,7 @@ def test_a_bfloat16_value_restores_to_itself() -> None:
     values[0, :4] = [0.0, -0.0, 1e-30, -3e38]
     r = Rounded16(jnp.asarray(values), np.dtype(np.float32))
     for seed in range(4):
-        out = r.restore(r.value(), jax.random.key(seed))
+        out = _restore(r, _value(r), jax.random.key(seed))
         np.testing.assert_array_equal(
             np.asarray(out.values).view(np.uint16), values.view(np.uint16)
         )
@@ -92,19 +99,17 @@ def _x64():
 def test_float64_moments_compute_in_float64() -> None:
     with _x64():
         x = jnp.asarray(np.linspace(-1, 1, 64), jnp.float64)
-        assert Quantized8.store(x, jax.random.key(0), 16, x.dtype).value().dtype == np.float64
-        assert Rounded16.store(x, jax.random.key(0), x.dtype).value().dtype == np.float64
+        q8 = jax.jit(lambda x, k: Quantized8.store(x, k, 16, x.dtype).value())
+        r16 = jax.jit(lambda x, k: Rounded16.store(x, k, x.dtype).value())
+        assert q8(x, jax.random.key(0)).dtype == np.float64
+        assert r16(x, jax.random.key(0)).dtype == np.float64
 
 
 @pytest.mark.parametrize("kind", ["q8", "r16"])
 def test_pytree_keeps_static_fields(kind) -> None:
-    x = _x((3, 40))
+    x = _x()
     key = jax.random.key(0)
-    s = (
-        Quantized8.store(x, key, 16, jnp.bfloat16)
-        if kind == "q8"
-        else Rounded16.store(x, key, jnp.bfloat16)
-    )
+    s = _store8(x, key, 16, jnp.bfloat16) if kind == "q8" else _store16(x, key, jnp.bfloat16)
     leaves, treedef = jax.tree.flatten(s)
     # The children are the arrays a checkpoint saves; dtype and block size are static.
     assert [leaf.dtype for leaf in leaves] == ([np.uint8, np.float32] if kind == "q8" else [BF16])
@@ -113,7 +118,7 @@ def test_pytree_keeps_static_fields(kind) -> None:
     if kind == "q8":
         assert back.block_size == 16
     # Through jit (as a train state is): the same node, the same static fields.
-    out = jax.jit(lambda t: t)(s)
+    out = _identity(s)
     assert type(out) is type(s) and out.dtype == s.dtype
     assert jax.tree.structure(out) == treedef
     for a, b in zip(jax.tree.leaves(out), leaves, strict=True):

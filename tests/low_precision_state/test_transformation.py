@@ -67,16 +67,21 @@ def _grads(steps: int, seed: int = 1) -> list[dict[str, jax.Array]]:
     return out
 
 
+@jax.jit
 def _decoded(inner_state):
     return jax.tree.map(lambda s: s.value() if is_stored(s) else s, inner_state, is_leaf=is_stored)
+
+
+def _first_step(tx, g, params, **extra_args):
+    """``tx.update``'s updates and state from ``tx.init(params)``, as one compiled
+    program (run op by op, each operation would compile on its own for every shape)."""
+    return jax.jit(lambda g, p, kw: tx.update(g, tx.init(p), p, **kw))(g, params, extra_args)
 
 
 def test_inject_hyperparams_stay_float32_scalars() -> None:
     tx = OPTIMIZERS["inject_adamw"]()
     lps = jaxamp.low_precision_state(tx, "8bit", min_size=1)
-    params = _params()
-    state = lps.init(params)
-    state = jax.jit(lps.update)(_grads(1)[0], state, params)[1]
+    state = _first_step(lps, _grads(1)[0], _params())[1]
     for name, h in state.inner_state.hyperparams.items():
         assert isinstance(h, jax.Array) and h.dtype == np.float32 and h.ndim == 0, name
     assert float(state.inner_state.hyperparams["learning_rate"]) == np.float32(LR)
@@ -86,10 +91,11 @@ def test_a_dtype_mapping_stores_only_the_named_fields() -> None:
     tx = optax.adam(LR)
     lps = jaxamp.low_precision_state(tx, {"mu": "8bit"}, min_size=MIN_SIZE, block_size=BLOCK)
     params = _params()
-    state, ref = lps.init(params), tx.init(params)
+    state, ref = jax.jit(lps.init)(params), tx.init(params)
+    step, ref_step = jax.jit(lps.update), jax.jit(tx.update)
     for g in _grads(2):
-        _, state = lps.update(g, state, params)
-        _, ref = tx.update(g, ref, params)
+        _, state = step(g, state, params)
+        _, ref = ref_step(g, ref, params)
     adam = state.inner_state[0]
     assert isinstance(adam.mu["w"], Quantized8) and isinstance(adam.mu["k"], Quantized8)
     assert not is_stored(adam.mu["b"])  # under min_size
@@ -102,21 +108,27 @@ def test_a_dtype_mapping_stores_only_the_named_fields() -> None:
 def test_the_innermost_named_field_decides() -> None:
     tx = optax.inject_hyperparams(optax.adam)(learning_rate=LR)
     dtype = {"inner_state": jnp.bfloat16, "mu": "8bit", "nu": None}
-    state = jaxamp.low_precision_state(tx, dtype, min_size=1).init(_params())
+    # Which leaves are stored, and how, is decided when init is traced: its abstract
+    # evaluation builds the same state tree.
+    state = jax.eval_shape(jaxamp.low_precision_state(tx, dtype, min_size=1).init, _params())
     adam = state.inner_state.inner_state[0]
     assert all(isinstance(x, Quantized8) for x in adam.mu.values())
     assert not any(is_stored(x) for x in adam.nu.values())
     # A dict key is not a field name: a param called "mu" is not a moment named mu.
     params = {"mu": jnp.ones((64, 64)), "nu": jnp.ones((64, 64))}
     with pytest.raises(ValueError, match="no field called"):
-        jaxamp.low_precision_state(optax.sgd(LR, momentum=0.9), {"mu": "8bit"}).init(params)
-    state = jaxamp.low_precision_state(optax.sgd(LR, momentum=0.9), {"trace": "8bit"}).init(params)
+        jax.eval_shape(
+            jaxamp.low_precision_state(optax.sgd(LR, momentum=0.9), {"mu": "8bit"}).init, params
+        )
+    sgd = jaxamp.low_precision_state(optax.sgd(LR, momentum=0.9), {"trace": "8bit"})
+    state = jax.eval_shape(sgd.init, params)
     assert all(isinstance(state.inner_state[0].trace[n], Quantized8) for n in params)
 
 
 def test_selection_rules() -> None:
     """Floating leaves of ndim >= 1 and at least min_size elements; not scalars,
-    ints, or optax.MultiSteps' gradient sum."""
+    ints, or optax.MultiSteps' gradient sum. Decided when init is traced: its abstract
+    evaluation builds the same state tree."""
     ms = optax.MultiSteps(optax.adam(LR), every_k_schedule=2).gradient_transformation()
     params = {
         "big": jnp.ones((64, 64)),
@@ -125,7 +137,7 @@ def test_selection_rules() -> None:
         "scalar": jnp.ones(()),
         "ints": jnp.ones((64, 64), jnp.int32),
     }
-    state = jaxamp.low_precision_state(ms, "8bit").init(params)
+    state = jax.eval_shape(jaxamp.low_precision_state(ms, "8bit").init, params)
     inner = state.inner_state
     adam = inner.inner_opt_state[0]
     assert isinstance(adam.mu["big"], Quantized8) and isinstance(adam.nu["edge"], Quantized8)
@@ -136,8 +148,8 @@ def test_selection_rules() -> None:
     # ints in the params: optax's zeros_like keeps int moments, never stored.
     assert not is_stored(adam.mu["ints"])
     # min_size=0 takes the small ones too, but never a scalar.
-    state = jaxamp.low_precision_state(optax.adam(LR), jnp.bfloat16, min_size=0).init(params)
-    mu = state.inner_state[0].mu
+    adam = jaxamp.low_precision_state(optax.adam(LR), jnp.bfloat16, min_size=0)
+    mu = jax.eval_shape(adam.init, params).inner_state[0].mu
     assert isinstance(mu["small"], Rounded16) and not is_stored(mu["scalar"])
 
 
@@ -146,10 +158,11 @@ def test_multisteps_accumulates_in_float32() -> None:
     ms = optax.MultiSteps(optax.adam(LR), every_k_schedule=3).gradient_transformation()
     lps = jaxamp.low_precision_state(ms, "8bit", min_size=MIN_SIZE, block_size=BLOCK)
     params = _params()
-    state, ref = lps.init(params), ms.init(params)
+    state, ref = jax.jit(lps.init)(params), ms.init(params)
+    step, ref_step = jax.jit(lps.update), jax.jit(ms.update)
     for g in _grads(2):
-        _, state = lps.update(g, state, params)
-        _, ref = ms.update(g, ref, params)
+        _, state = step(g, state, params)
+        _, ref = ref_step(g, ref, params)
     for n in params:
         np.testing.assert_array_equal(
             np.asarray(state.inner_state.acc_grads[n]), np.asarray(ref.acc_grads[n])
@@ -201,17 +214,15 @@ def test_extra_args_pass_through() -> None:
     tx = optax.polyak_sgd(max_learning_rate=1.0, f_min=0.0)
     lps = jaxamp.low_precision_state(optax.chain(tx, optax.trace(0.9)), "8bit", min_size=1)
     params, g = _params(), _grads(1)[0]
-    u, state = lps.update(g, lps.init(params), params, value=jnp.float32(2.5))
-    ref, _ = optax.chain(tx, optax.trace(0.9)).update(
-        g, optax.chain(tx, optax.trace(0.9)).init(params), params, value=jnp.float32(2.5)
-    )
+    u, state = _first_step(lps, g, params, value=jnp.float32(2.5))
+    ref, _ = _first_step(optax.chain(tx, optax.trace(0.9)), g, params, value=jnp.float32(2.5))
     for n in params:  # computed before anything is stored: plain optax's update
         np.testing.assert_allclose(np.asarray(u[n]), np.asarray(ref[n]), rtol=1e-6)
     with pytest.raises(TypeError, match="value"):
-        lps.update(g, state, params)
+        jax.jit(lps.update)(g, state, params)
     plateau = optax.chain(optax.adam(LR), optax.contrib.reduce_on_plateau())
     lps = jaxamp.low_precision_state(plateau, jnp.bfloat16, min_size=1)
-    u, _ = jax.jit(lps.update)(g, lps.init(params), params, value=jnp.float32(1.0))
+    u, _ = _first_step(lps, g, params, value=jnp.float32(1.0))
     assert jax.tree.structure(u) == jax.tree.structure(params)
 
 
@@ -222,37 +233,38 @@ def test_bfloat16_params_moments_computed_in_float32_and_stored() -> None:
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
     tx = optax.adam(LR)
     lps = jaxamp.low_precision_state(tx, "8bit", min_size=MIN_SIZE, block_size=BLOCK)
-    state = lps.init(params)
+    state = jax.jit(lps.init)(params)
     mu = state.inner_state[0].mu
     assert isinstance(mu["w"], Quantized8) and mu["w"].dtype == np.dtype(jnp.bfloat16)
     assert mu["b"].dtype == np.dtype(jnp.bfloat16)  # not stored: stays as optax built it
     params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    step, ref_step = jax.jit(lps.update), jax.jit(tx.update)
     for g in _grads(2):
         # float32 Adam from the decoded moments (at the first step, zeros: plain optax's).
         ref_state = jax.tree.map(
             lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x,
             _decoded(state.inner_state),
         )
-        u_ref, ref_state = tx.update(g, ref_state, params32)
-        u, state = lps.update(g, state, params)
+        u_ref, ref_state = ref_step(g, ref_state, params32)
+        u, state = step(g, state, params)
         assert u["w"].dtype == np.float32  # computed in float32, not rounded to bfloat16
         np.testing.assert_allclose(np.asarray(u["w"]), np.asarray(u_ref["w"]), rtol=1e-6)
         adam, ref = state.inner_state[0], ref_state[0]
         for name in ("mu", "nu"):
             stored, want = getattr(adam, name)["w"], np.asarray(getattr(ref, name)["w"])
             assert isinstance(stored, Quantized8) and stored.dtype == np.dtype(jnp.bfloat16)
-            err = np.abs(np.asarray(stored.value(), np.float64) - want)
+            err = np.abs(np.asarray(_decoded(stored), np.float64) - want)
             assert (err <= _codes.bound(want, BLOCK)).all()
 
 
 @pytest.mark.parametrize("dtype", ["8bit", jnp.bfloat16], ids=["8bit", "bf16"])
 def test_seed_decides_the_draws(dtype) -> None:
-    params, g = _params(), _grads(1)[0]
+    # One leaf: the draws are the seed's whatever the tree (each seed compiles a step).
+    params, g = {"w": _params()["w"]}, {"w": _grads(1)[0]["w"]}
 
     def stored(seed):
         lps = jaxamp.low_precision_state(optax.adam(LR), dtype, min_size=1, seed=seed)
-        _, state = jax.jit(lps.update)(g, lps.init(params), params)
-        return jax.tree.leaves(state)
+        return jax.tree.leaves(_first_step(lps, g, params)[1])
 
     a, b, c = stored(0), stored(0), stored(1)
     for x, y in zip(a, b, strict=True):
@@ -266,10 +278,10 @@ def test_each_step_draws_anew() -> None:
     params = {"w": jnp.zeros((64, 64))}
     rms = jaxamp.low_precision_state(optax.scale_by_rms(decay=0.0), jnp.bfloat16, min_size=1)
     g = {"w": jnp.full((64, 64), 1.0 + 2.0**-9)}  # its square lies between two bfloat16s
-    state = rms.init(params)
+    state, step = rms.init(params), jax.jit(rms.update)
     stored = []
     for _ in range(2):
-        _, state = rms.update(g, state, params)
+        _, state = step(g, state, params)
         stored.append(np.asarray(state.inner_state.nu["w"].values, np.float32))
     assert int(state.count) == 2
     assert not np.array_equal(stored[0], stored[1])
@@ -301,7 +313,7 @@ def test_a_jitted_step_makes_no_host_transfer() -> None:
         return optax.apply_updates(params, u), state
 
     grads = jax.device_put(_grads(3))
-    state = lps.init(params)
+    state = jax.jit(lps.init)(params)
     params, state = train_step(params, state, grads[0])  # compile outside the guard
     with jax.transfer_guard("disallow"):
         for g in grads[1:]:

@@ -15,6 +15,8 @@ two decades), gradients of 1e-5 to 1e-3 whose noise is as large as their signal.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,27 +47,33 @@ def naive_bf16_nu(inner: optax.GradientTransformation) -> optax.GradientTransfor
     return optax.GradientTransformation(lambda p: _nu_to_bf16(inner.init(p)), update)
 
 
+@functools.cache
+def _noise() -> jax.Array:
+    """Each step's gradient noise, as large as the signal at ``w = 0``: drawn once, the
+    same for every run."""
+    keys = jax.random.split(jax.random.key(1), STEPS)
+    return jax.jit(jax.vmap(lambda key: CURVATURE * jax.random.normal(key, (D,))))(keys)
+
+
 def _train(tx: optax.GradientTransformation) -> tuple[jax.Array, jax.Array]:
     """Final loss and params of ``STEPS`` noisy gradient steps from ``w = 0`` toward 1."""
 
     def loss(w):
         return 0.5 * jnp.sum(CURVATURE * (w - 1.0) ** 2)
 
-    def body(carry, key):
+    def body(carry, noise):
         w, state = carry
-        noise = CURVATURE * jax.random.normal(key, (D,))  # as large as the signal at w = 0
         g = jax.grad(loss)(w) + noise
         updates, state = tx.update(g, state, w)
         return (optax.apply_updates(w, updates), state), None
 
     @jax.jit
-    def run():
+    def run(noise):
         w = jnp.zeros((D,), jnp.float32)
-        keys = jax.random.split(jax.random.key(1), STEPS)
-        (w, _), _ = jax.lax.scan(body, (w, tx.init(w)), keys)
+        (w, _), _ = jax.lax.scan(body, (w, tx.init(w)), noise)
         return loss(w), w
 
-    return run()
+    return run(_noise())
 
 
 def test_naive_bf16_nu_stalls_and_low_precision_state_matches_float32():

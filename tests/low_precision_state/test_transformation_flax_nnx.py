@@ -20,7 +20,7 @@ def test_flax_nnx_optimizer_trains_as_plain_optax_does(dtype):
     model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     params = nnx.as_pure(nnx.state(model, nnx.Param))
-    state = tx.init(params)
+    state = jax.jit(tx.init)(params)
     xs = jax.random.normal(jax.random.key(1), (4, 3, 16))
 
     def loss(m, x):
