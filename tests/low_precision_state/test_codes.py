@@ -215,7 +215,7 @@ def test_stochastic_rounding_is_unbiased() -> None:
     keys = jax.random.split(jax.random.key(5), N_KEYS)
     out = np.asarray(_many(jnp.asarray(x), keys, 32), np.float64)
     gap = _codes.bound(x, 32)
-    # The draw is uniform on a 2**-23 grid: P(up) is the fraction to within 2**-23.
+    # The draw is uniform on a 2**-24 grid: P(up) is the fraction to within 2**-24.
     tol = 6 * gap / (2 * np.sqrt(N_KEYS)) + gap * 2.0**-22
     bias = np.abs(out.mean(axis=0) - x.astype(np.float64))
     assert (bias <= tol).all(), (bias / gap).max()

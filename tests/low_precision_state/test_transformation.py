@@ -296,11 +296,18 @@ def test_jit_and_no_jit_agree(dtype) -> None:
     for g in _grads(2):
         u_e, eager = lps.update(g, eager, params)
         u_j, jitted = step(g, jitted, params)
-        np.testing.assert_allclose(
-            np.asarray(ravel_pytree(u_e)[0]), np.asarray(ravel_pytree(u_j)[0]), rtol=1e-6
-        )
+        # From the same decoded moments, the two programs differ only in float32
+        # rounding: an optimising backend contracts multiply-adds (one rounding fewer
+        # per op, 2**-24 relative, over AdamW's ~8 ops), and the update is a difference
+        # (the Adam term minus the weight decay term), so the error is relative to the
+        # terms: bounded by the update's largest magnitude, not each element's.
+        e, j = np.asarray(ravel_pytree(u_e)[0]), np.asarray(ravel_pytree(u_j)[0])
+        np.testing.assert_allclose(e, j, rtol=8 * 2**-24, atol=8 * 2**-24 * np.abs(j).max())
     for x, y in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        if x.dtype == np.float32 and x.size < MIN_SIZE:  # a leaf kept as it is: as above
+            np.testing.assert_allclose(x, y, rtol=8 * 2**-24, atol=8 * 2**-24 * np.abs(y).max())
+        else:  # stored (codes, scales, bfloat16 values) and counts: the same bits
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_a_jitted_step_makes_no_host_transfer() -> None:
