@@ -38,7 +38,11 @@ def bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     h = jnp.broadcast_to(_mix(k[0]), shape)
     for axis in range(len(shape)):
         i = lax.broadcasted_iota(jnp.uint32, shape, axis)
-        h = _mix((h ^ k[1]) + i * _ODD)
+        # The index is hashed before it meets the rest: ``mix(h + i * odd)`` would make
+        # each row (and each key's) bits a window of one sequence ``mix(j * odd)``,
+        # rows whose offsets ``h`` fall within a row length of each other repeating
+        # each other's bits, shifted.
+        h = _mix(_mix(i * _ODD + k[1]) ^ h)
     return h
 
 

@@ -87,7 +87,12 @@ class Rounded16:
 
 def _round(x: jax.Array, key: jax.Array) -> jax.Array:
     x = x.astype(jnp.float32)
-    return _round_with_draw(x, draws.uniform(key, x.shape), jnp.bfloat16)
+    rounded = _round_with_draw(x, draws.uniform(key, x.shape), jnp.bfloat16)
+    # Beyond bfloat16's largest value a moment is stored as inf, as the 8-bit code stores
+    # a NaN scale, so that a guard sees it and skips: the rounding's saturation (right
+    # for a weight, whose next update pulls it back) would clip a moment silently.
+    big = jnp.abs(x) > jnp.finfo(jnp.bfloat16).max.astype(jnp.float32)
+    return jnp.where(big, (jnp.sign(x) * jnp.inf).astype(jnp.bfloat16), rounded)
 
 
 Stored = Quantized8 | Rounded16

@@ -88,6 +88,21 @@ def test_a_bfloat16_value_restores_to_itself() -> None:
         )
 
 
+def test_a_moment_beyond_bfloat16s_range_is_stored_as_inf_never_clipped() -> None:
+    """float32 values above bfloat16's largest (3.3895e38) have no bfloat16 above them
+    but inf: stored as inf with their sign on every draw, so a guard sees them (the
+    8-bit code stores a NaN scale there); bfloat16's largest itself, and values that
+    round to it from below, stay finite."""
+    big = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+    f32max = float(np.finfo(np.float32).max)
+    x = jnp.asarray([[3.40e38, -f32max, big, -big, np.nextafter(np.float32(big), 0)] + [1.0] * 3])
+    for seed in range(8):
+        out = np.asarray(_value(_store16(x, jax.random.key(seed), np.dtype(np.float32))))
+        np.testing.assert_array_equal(out[0, :2], [np.inf, -np.inf])
+        np.testing.assert_array_equal(out[0, 2:4], [big, -big])
+        assert np.isfinite(out[0, 4]) and abs(out[0, 4]) <= big
+
+
 def _x64():
     if hasattr(jax, "enable_x64"):
         return jax.enable_x64(True)

@@ -62,6 +62,28 @@ def test_neighbours_keys_and_steps_are_unrelated() -> None:
         assert abs(float(((x ^ y) & 1).mean()) - 0.5) < 6 * 0.5 / np.sqrt(x.size), name
 
 
+def _repeated_pairs(b: np.ndarray) -> int:
+    """How many (word, next word) pairs along the last axis occur more than once: for
+    random 32-bit words about ``n**2 / 2**65`` of ``n`` pairs (well under one here), so a
+    repeat is structure, e.g. two rows drawing the same bits shifted."""
+    b = b.astype(np.uint64)
+    pairs = ((b[..., :-1] << np.uint64(32)) | b[..., 1:]).ravel()
+    return int(pairs.size - np.unique(pairs).size)
+
+
+def test_rows_of_a_draw_and_steps_of_a_leaf_are_not_shifted_copies() -> None:
+    """A hash linear in the index along a row (``mix(c + i * odd)``, ``c`` from the key
+    and the leading indices) makes every row a window of one sequence: rows, leaves and
+    steps whose ``c`` fall within a row's length of each other repeat each other's bits.
+    Blocks of 256 as the 8-bit code draws them, and a 1-D leaf over 2048 steps."""
+    b = np.asarray(jax.jit(draws.bits, static_argnums=1)(jax.random.key(0), (8192, 256)))
+    assert _repeated_pairs(b) == 0
+    seed = jax.random.key(0)
+    keys = jax.vmap(lambda t: jax.random.fold_in(seed, t))(jnp.arange(2048))
+    b = np.asarray(jax.jit(jax.vmap(lambda k: draws.bits(k, (1024,))))(keys))
+    assert _repeated_pairs(b) == 0
+
+
 def test_the_bits_depend_on_the_index_not_the_shape() -> None:
     """What makes a sharded moment draw what the whole one does: a block of rows or
     columns, wherever it sits, gets the bits of those indices."""
