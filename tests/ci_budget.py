@@ -74,6 +74,11 @@ LEFT_OUT: dict[str, dict[str, str]] = {
         ),
         "test_small_example_runs[flax_train_state]": "the matrix's train_state cells",
         "test_small_example_runs[module_rules]": "tests/casting's module-rule tests",
+        "test_small_example_runs[checkpointing]": "tests/checkpoint's round trips",
+        "test_clipping_equals_plain_clip_then_adam[unscaled_grads]": "its grad_clipping twin",
+        "test_accumulation_inf_costs_exactly_one_window": (
+            "tests/skip/test_every_k.py's windows against PyTorch's loop"
+        ),
     },
     # ---- one path's second model or second configuration.
     "tests/casting/test_autocast_program.py": {
