@@ -87,15 +87,21 @@ def test_inject_hyperparams_stay_float32_scalars() -> None:
     assert float(state.inner_state.hyperparams["learning_rate"]) == np.float32(LR)
 
 
+def _side_by_side(lps, tx, params, steps: int):
+    """``lps`` and the optimizer it wraps, each stepped on the same gradients (jitted)."""
+    state, ref = jax.jit(lps.init)(params), tx.init(params)
+    step, ref_step = jax.jit(lps.update), jax.jit(tx.update)
+    for g in _grads(steps):
+        _, state = step(g, state, params)
+        _, ref = ref_step(g, ref, params)
+    return state, ref
+
+
 def test_a_dtype_mapping_stores_only_the_named_fields() -> None:
     tx = optax.adam(LR)
     lps = jaxamp.low_precision_state(tx, {"mu": "8bit"}, min_size=MIN_SIZE, block_size=BLOCK)
     params = _params()
-    state, ref = jax.jit(lps.init)(params), tx.init(params)
-    step, ref_step = jax.jit(lps.update), jax.jit(tx.update)
-    for g in _grads(2):
-        _, state = step(g, state, params)
-        _, ref = ref_step(g, ref, params)
+    state, ref = _side_by_side(lps, tx, params, steps=2)
     adam = state.inner_state[0]
     assert isinstance(adam.mu["w"], Quantized8) and isinstance(adam.mu["k"], Quantized8)
     assert not is_stored(adam.mu["b"])  # under min_size
@@ -158,11 +164,7 @@ def test_multisteps_accumulates_in_float32() -> None:
     ms = optax.MultiSteps(optax.adam(LR), every_k_schedule=3).gradient_transformation()
     lps = jaxamp.low_precision_state(ms, "8bit", min_size=MIN_SIZE, block_size=BLOCK)
     params = _params()
-    state, ref = jax.jit(lps.init)(params), ms.init(params)
-    step, ref_step = jax.jit(lps.update), jax.jit(ms.update)
-    for g in _grads(2):
-        _, state = step(g, state, params)
-        _, ref = ref_step(g, ref, params)
+    state, ref = _side_by_side(lps, ms, params, steps=2)
     for n in params:
         np.testing.assert_array_equal(
             np.asarray(state.inner_state.acc_grads[n]), np.asarray(ref.acc_grads[n])
