@@ -198,9 +198,16 @@ def convert_state(
             "convert_state: `opt_state` is not a state of `tx` (read with each stored moment "
             f"as its values and each LowPrecisionState as the state it wraps): {found}. {_HOW}"
         )
-    key = jax.random.key(_SEED)
-    leaves = (
-        _convert_leaf(s, t, jax.random.fold_in(key, i))
-        for i, (s, t) in enumerate(zip(sources, targets, strict=True))
-    )
-    return _wrap(target, leaves, counts)
+
+    # One program for the whole state: op by op, each leaf's rounding would dispatch (and
+    # compile, on a restored state's shapes) a dozen eager ops.
+    @jax.jit
+    def convert(sources: list[Any], counts: dict[str, Any]) -> Any:
+        key = jax.random.key(_SEED)
+        leaves = (
+            _convert_leaf(s, t, jax.random.fold_in(key, i))
+            for i, (s, t) in enumerate(zip(sources, targets, strict=True))
+        )
+        return _wrap(target, leaves, counts)
+
+    return convert(sources, counts)
