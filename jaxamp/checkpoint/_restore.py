@@ -44,7 +44,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from jaxamp.checkpoint import _every_k, _nnx_record, _spike_windows
+from jaxamp.checkpoint import _every_k, _nnx_record, _spike_windows, _stored_blocks
 from jaxamp.checkpoint._metadata import check_restorable, child, saved_tree
 from jaxamp.checkpoint._validate import validate_restored
 
@@ -70,6 +70,7 @@ def _explain_failure(read_metadata: Any, target: Any, where: str, error: Excepti
     try:
         _every_k.explain(tree, target, where)
         _spike_windows.explain(tree, target, child, where)  # before: it says why leaves lack
+        _stored_blocks.explain(tree, target, child, where)
         check_restorable(tree, target, where=where)
     except ValueError as clear:
         raise clear from error
