@@ -207,8 +207,9 @@ def fp8_health(
     model, or all of it). The returned function gives ``((value, health),
     grads)``: ``value`` and ``grads`` as ``jax.value_and_grad(fun, argnums,
     has_aux)`` gives them, and ``health`` a dict of scalar arrays, one entry per
-    FP8 product named by its module path (``Dense_1``, ``decoder/mlp/fc1``;
-    ``name#2`` for a module's second product), holding one dict per cast:
+    FP8 product named by its module path as ``jaxamp.audit`` names it
+    (``Dense_1``, ``decoder/mlp/fc1``; ``dot_general`` outside any module;
+    ``name#2`` for the second product of the same name), holding one dict per cast:
     ``"lhs"`` and ``"rhs"`` (the forward's e4m3 operands) and ``"grad"`` (the
     backward's e5m2 gradient; rowwise ``"grad_dgrad"`` and ``"grad_wgrad"``,
     one per backward product), each with ``"amax"`` (the largest magnitude
@@ -241,8 +242,10 @@ def fp8_health(
       ...                       fp8=jaxamp.fp8(first_last_bf16=False))
       >>> loss_fn = lambda p: jnp.mean(fwd(p, x) ** 2)
       >>> (loss, health), grads = jaxamp.fp8_health(loss_fn)(params)
-      >>> sorted(health), sorted(health["Dense_0"]), sorted(health["Dense_0"]["grad"])
-      (['Dense_0'], ['grad', 'lhs', 'rhs'], ['amax', 'flushed', 'saturated'])
+      >>> sorted(health)
+      ['Dense']
+      >>> sorted(health["Dense"]), sorted(health["Dense"]["grad"])
+      (['grad', 'lhs', 'rhs'], ['amax', 'flushed', 'saturated'])
     """
     if not callable(fun):
         raise TypeError(f"jaxamp.fp8_health: fun must be callable, got {type(fun).__name__}")
