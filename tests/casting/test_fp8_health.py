@@ -239,3 +239,15 @@ def test_bad_arguments_are_refused():
         warnings.simplefilter("error")
         (_, health), g = jaxamp.fp8_health(lambda x: jnp.sum(x**2))(jnp.ones(3))
     assert health == {} and g.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_an_autocast_call_on_no_differentiated_argument_is_named_unmeasured():
+    """It runs as its own jit (autocast's eager call), traced apart from the loss."""
+    w, v = jax.random.normal(jax.random.key(5), (2, D, D))
+    f = jaxamp.autocast(lambda w, x: x @ w, dtype=jnp.bfloat16, fp8=FP8_ALL)
+    x = jnp.ones((B, D))
+    with pytest.warns(UserWarning, match=r"not measured: \['dot_general#2'\]"):
+        (_, health), grad = jaxamp.fp8_health(lambda w, v: jnp.sum(f(w, x)) + jnp.sum(f(v, x)))(
+            w, v
+        )
+    assert sorted(health) == ["dot_general"] and grad.shape == (D, D)

@@ -290,13 +290,9 @@ def fp8_health(
             return measured(count, *a, **k)
 
         jax.eval_shape(counted, *(leaves[i] for i in arrays))
-        if count.unmeasured:
-            warnings.warn(
-                "jaxamp.fp8_health: these FP8 products run inside a nested jit, loop body, "
-                f"remat or shard_map and are not measured: {count.unmeasured}",
-                UserWarning,
-                stacklevel=2,
-            )
+        # An upper bound: every array is traced here, while the measured call traces
+        # only the differentiated ones (an autocast call on the others alone runs as
+        # its own jit, unmeasured).
         n = len(count.names)
         positions = [a % len(args) if -len(args) <= a < len(args) else a for a in nums]
         col = _Collector(probes=None)
@@ -310,6 +306,14 @@ def fp8_health(
         grad_fn = jax.value_and_grad(with_probes, argnums=(*positions, len(args)), has_aux=True)
         probes = jnp.zeros((n, 2, len(STATS)), _F32)
         (loss, (aux, forward)), grads = grad_fn(*args, probes, **kwargs)
+        if col.unmeasured:
+            warnings.warn(
+                "jaxamp.fp8_health: these FP8 products are traced apart from the loss (a "
+                "nested jit, loop body, remat or shard_map, or an autocast call on no "
+                f"differentiated argument) and are not measured: {col.unmeasured}",
+                UserWarning,
+                stacklevel=2,
+            )
         health = _report(col.names, col.rowwise, forward, grads[-1])
         value = (loss, aux) if has_aux else loss
         grads = grads[0] if isinstance(argnums, int) else tuple(grads[:-1])
