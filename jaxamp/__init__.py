@@ -23,6 +23,7 @@ from jaxamp.casting import (
     autocast,
     find_overflow,
     fp8,
+    fp8_health,
     full_precision,
     keep_float32,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "explain",
     "find_overflow",
     "fp8",
+    "fp8_health",
     "full_precision",
     "get_loss_scale",
     "keep_float32",

@@ -328,3 +328,14 @@ def custom_vjp_bwd(params: dict[str, Any]) -> Callable[..., list[Any]]:
         ]
 
     return call
+
+
+def current_trace() -> Any:
+    """The trace JAX is tracing in now (``jax._src.core.trace_ctx``: not public API).
+
+    Values made in another trace (a nested ``jit``'s, a loop body's) cannot be
+    handed to this one: the FP8 health collector compares traces to know
+    whether a product's statistics may leave with the caller's results."""
+    from jax._src import core
+
+    return core.trace_ctx.trace

@@ -17,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
 
 from jaxamp._utils.optional import loaded
-from jaxamp.casting._audit import _hlo_text
+from jaxamp.casting._audit import _health, _hlo_text
 from jaxamp.casting._audit._match import GEMM_TARGETS, dtypes, is_matmul, requests, size
 from jaxamp.casting._audit._names import module_path
 from jaxamp.casting._interpreter._decisions import OpRow, fresh_trace, recording, user_frame
@@ -105,6 +105,21 @@ class AuditReport:
         A method of the report rather than an argument of ``audit``, whose
         keyword arguments are all `fn`'s."""
         return tuple(text for size, text in self.converts if size >= elements)
+
+    def health_table(self, health: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+        """`health` (what ``jaxamp.fp8_health`` returned for a step of the audited
+        function) as a table beside the products: per FP8 product and cast, the
+        amax, the fractions saturated and flushed to zero, the kernel XLA runs
+        the product on, and a flag for a cast with inf / NaN or at least 0.1 %
+        flushed. Reads the arrays (a host transfer): call it outside the step.
+
+        A method of the report, not of ``audit``: audit compiles the function
+        and never runs it, and the health of a cast is a figure of the values."""
+        rows = _health.table(self.matmuls, health)
+        flagged = sum(1 for r in rows if r[-1])
+        lines = [f"FP8 health: {len(health)} products, {flagged} casts flagged"]
+        lines += _table(("module", "cast", "amax", "saturated", "flushed", "kernel", "flags"), rows)
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         lines = [f"jaxamp.audit ({self.platform}): {len(self.matmuls)} products, "

@@ -62,7 +62,7 @@ from jax.extend.core import Jaxpr, Literal
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._fp8 import _fp8_gemm
+from jaxamp.casting._fp8 import _fp8_gemm, _fp8_health
 from jaxamp.casting._fp8._fp8_roots import NONE, SAME_VALUES, Roots, subjaxpr_roots
 from jaxamp.casting._rules import _rules
 from jaxamp.casting._rules._scopes import join, module_match, module_path, scope_parts
@@ -300,7 +300,7 @@ class Plan:
         # entered it already (``Config.lines``: a second time would repeat the
         # module path).
         with contextlib.nullcontext() if entered else jax_compat.source_info_context(eqn):
-            outs = [_fp8_gemm.fp8_dot_general(lhs, rhs, gemm)]
+            outs = [_fp8_health.dot(lhs, rhs, gemm, module_path(scope_parts(stack)))]
         on = rules.get(FP8_KEY)
         why = f" (jaxamp.fp8(modules={{{on[0]!r}: True}}))" if on else ""
         return (

@@ -1,0 +1,322 @@
+"""FP8 health: per FP8 product, how much of each cast saturates or flushes to zero.
+
+``jaxamp.fp8_health(loss_fn)`` is ``jax.value_and_grad`` that also returns, for
+every FP8 product autocast runs inside `loss_fn`, three statistics of each of
+its FP8 casts: the amax of the values cast, the fraction of them that
+saturate (are inf or NaN) and the fraction that flush to zero (nonzero,
+rounded to 0 in FP8 under the product's scale). Forward: the two e4m3
+operands; backward: the e5m2 gradient (one cast tensorwise; rowwise two, one
+per backward product, each with its own scales).
+
+The backward statistics exist only once ``jax.grad`` runs the products'
+backward rules, after the loss is computed. They leave as a gradient: each
+product takes a zero "probe" input, and its backward rule returns the
+statistics as the probe's cotangent, so they come out of the same
+``value_and_grad`` call as the parameters' gradients, with no host transfer
+and no state. The probes' count is known only after a trace of `loss_fn`:
+``fp8_health`` traces it once more (``jax.eval_shape``) to count the products.
+
+Nothing here runs without ``fp8_health``: ``Plan.dot`` calls ``dot``, which is
+``fp8_dot_general`` itself unless a collector is active in this very trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxamp._utils import jax_compat
+from jaxamp.casting._fp8 import _fp8_gemm
+
+__all__ = ["STATS", "fp8_health"]
+
+#: The statistics of one cast, in the order of its row.
+STATS = ("amax", "saturated", "flushed")
+_F32 = np.dtype(np.float32)
+
+
+def cast_stats(x: Any, dtype: np.dtype, reduce_axes: Sequence[int] | None) -> Any:
+    """``[amax, saturated, flushed]`` (float32) of `x`'s cast to `dtype` as
+    ``_fp8_gemm.quantize`` makes it with `reduce_axes`.
+
+    ``flushed`` compares the FP8 values themselves with the float32 ones: the
+    elements that are finite and nonzero before the cast and zero after it.
+    ``saturated`` counts the inf and NaN elements: under current scaling a
+    finite element never exceeds the FP8 maximum (the scale maps the amax to
+    it), so non-finite input is the only way a cast overflows. The
+    quantization repeats the product's own, operand for operand: XLA computes
+    it once (CSE)."""
+    x32 = x.astype(_F32)
+    q, _ = _fp8_gemm.quantize(x, dtype, reduce_axes)
+    finite = jnp.isfinite(x32)
+    flushed = finite & (x32 != 0) & (q.astype(_F32) == 0)
+    # One variadic reduction reads the operand once for all its statistics
+    # (separate reductions would read it once each; benchmarks/fp8_health_cost.py),
+    # except a tensorwise amax: quantize's own reduction, which XLA computes once.
+    counts = ((~finite).astype(jnp.int32), flushed.astype(jnp.int32))
+    zero = np.int32(0)
+    if reduce_axes is None:
+        amax = jnp.max(jnp.abs(x32))
+        saturated, flushed = lax.reduce(
+            counts, (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(x.ndim))
+        )
+    else:
+        amax, saturated, flushed = lax.reduce(
+            (jnp.abs(x32), *counts),
+            (np.float32(-np.inf), zero, zero),
+            lambda a, b: (lax.max(a[0], b[0]), a[1] + b[1], a[2] + b[2]),
+            tuple(range(x.ndim)),
+        )
+    n = np.float32(max(x.size, 1))
+    return jnp.stack([amax, saturated.astype(_F32) / n, flushed.astype(_F32) / n])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """A product's static part with its operands' ranks (the backward's axes)."""
+
+    gemm: _fp8_gemm.Gemm
+    nl: int
+    nr: int
+
+    def reduce_axes(self) -> tuple[Any, Any, Any, Any]:
+        """The amax axes of the lhs, rhs and the gradient's two casts (None: tensorwise)."""
+        if not self.gemm.rowwise:
+            return None, None, None, None
+        (lc, rc), _ = self.gemm.dims
+        d_dims, _ = _fp8_gemm.dgrad_dims(self.gemm.dims, self.nl, self.nr)
+        w_dims, _ = _fp8_gemm.wgrad_dims(self.gemm.dims, self.nl, self.nr)
+        return lc, rc, d_dims[0][0], w_dims[0][1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _measured_dot(lhs: Any, rhs: Any, probe: Any, static: _Static) -> tuple[Any, Any]:
+    """``(fp8_dot_general(lhs, rhs), forward statistics)``; the backward statistics
+    are `probe`'s cotangent (`probe` itself is never read)."""
+    return _measured_fwd(lhs, rhs, probe, static)[0]
+
+
+def _measured_fwd(lhs: Any, rhs: Any, probe: Any, static: _Static) -> tuple[tuple[Any, Any], Any]:
+    # The product's own forward and backward rule, whatever they are.
+    out, vjp = jax.vjp(functools.partial(_fp8_gemm.fp8_dot_general, gemm=static.gemm), lhs, rhs)
+    al, ar, _, _ = static.reduce_axes()
+    fwd = jnp.stack([
+        cast_stats(lhs, _fp8_gemm.E4M3, al), cast_stats(rhs, _fp8_gemm.E4M3, ar)
+    ])  # fmt: skip
+    return (out, fwd), vjp
+
+
+def _measured_bwd(static: _Static, vjp: Any, cts: tuple[Any, Any]) -> tuple[Any, Any, Any]:
+    g, _ = cts
+    _, _, ad, aw = static.reduce_axes()
+    dgrad = cast_stats(g, _fp8_gemm.E5M2, ad)
+    # Tensorwise both backward products read the one e5m2 cast of the gradient.
+    wgrad = cast_stats(g, _fp8_gemm.E5M2, aw) if static.gemm.rowwise else dgrad
+    dl, dr = vjp(g)
+    return dl, dr, jnp.stack([dgrad, wgrad])
+
+
+_measured_dot.defvjp(_measured_fwd, _measured_bwd)
+
+
+@dataclasses.dataclass
+class _Collector:
+    """The products of one ``fp8_health`` trace: their names, scaling and forward
+    statistics, in program order; `probes`: None while counting."""
+
+    probes: Any
+    trace: Any = None
+    names: list[str] = dataclasses.field(default_factory=list)
+    rowwise: list[bool] = dataclasses.field(default_factory=list)
+    forward: list[Any] = dataclasses.field(default_factory=list)
+    unmeasured: list[str] = dataclasses.field(default_factory=list)
+
+
+_local = threading.local()
+
+
+def _active() -> _Collector | None:
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def _collecting(col: _Collector) -> Iterator[_Collector]:
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(col)
+    try:
+        yield col
+    finally:
+        stack.pop()
+
+
+def dot(lhs: Any, rhs: Any, gemm: _fp8_gemm.Gemm, name: str) -> Any:
+    """The FP8 product ``Plan.dot`` emits, named `name` (its module path): measured
+    when an ``fp8_health`` trace is collecting in this very trace, else exactly
+    ``fp8_dot_general``."""
+    col = _active()
+    if col is None:
+        return _fp8_gemm.fp8_dot_general(lhs, rhs, gemm)
+    name = _unique(name or "dot_general", col.names + col.unmeasured)
+    if jax_compat.current_trace() is not col.trace:
+        # A nested jit's, loop body's or remat's trace: its values cannot leave
+        # with the loss.
+        col.unmeasured.append(name)
+        return _fp8_gemm.fp8_dot_general(lhs, rhs, gemm)
+    i = len(col.names)
+    col.names.append(name)
+    col.rowwise.append(gemm.rowwise)
+    if col.probes is None:  # counting
+        return _fp8_gemm.fp8_dot_general(lhs, rhs, gemm)
+    if i >= col.probes.shape[0]:
+        raise RuntimeError(
+            "jaxamp.fp8_health: the loss function ran more FP8 products than when it was "
+            "counted; it must trace the same program each time it is traced"
+        )
+    out, fwd = _measured_dot(lhs, rhs, col.probes[i], _Static(gemm, lhs.ndim, rhs.ndim))
+    col.forward.append(fwd)
+    return out
+
+
+def _unique(name: str, taken: list[str]) -> str:
+    """`name`, or ``name#k`` for its k-th product (a layer called twice, or with two)."""
+    if name not in taken:
+        return name
+    k = 2
+    while f"{name}#{k}" in taken:
+        k += 1
+    return f"{name}#{k}"
+
+
+def _report(
+    names: list[str], rowwise: list[bool], forward: list[Any], backward: Any
+) -> dict[str, dict[str, dict[str, Any]]]:
+    out = {}
+    for i, name in enumerate(names):
+        casts = {"lhs": forward[i][0], "rhs": forward[i][1]}
+        if rowwise[i]:
+            casts.update(grad_dgrad=backward[i][0], grad_wgrad=backward[i][1])
+        else:
+            casts["grad"] = backward[i][0]
+        out[name] = {c: dict(zip(STATS, row, strict=True)) for c, row in casts.items()}
+    return out
+
+
+def fp8_health(
+    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., tuple[tuple[Any, dict[str, Any]], Any]]:
+    """``jax.value_and_grad(fun)`` that also measures every FP8 product inside `fun`.
+
+    `fun` runs ``jaxamp.autocast(..., fp8=jaxamp.fp8(...))`` somewhere (its
+    model, or all of it). The returned function gives ``((value, health),
+    grads)``: ``value`` and ``grads`` as ``jax.value_and_grad(fun, argnums,
+    has_aux)`` gives them, and ``health`` a dict of scalar arrays, one entry per
+    FP8 product named by its module path as ``jaxamp.audit`` names it
+    (``Dense_1``, ``decoder/mlp/fc1``; ``dot_general`` outside any module;
+    ``name#2`` for the second product of the same name), holding one dict per cast:
+    ``"lhs"`` and ``"rhs"`` (the forward's e4m3 operands) and ``"grad"`` (the
+    backward's e5m2 gradient; rowwise ``"grad_dgrad"`` and ``"grad_wgrad"``,
+    one per backward product), each with ``"amax"`` (the largest magnitude
+    cast), ``"saturated"`` (the fraction of elements that are inf or NaN: under
+    current scaling the only ones past the FP8 range) and ``"flushed"`` (the
+    fraction that are nonzero and become 0 in FP8).
+
+    Jit-safe: no host transfer; return ``health`` from the train step as
+    metrics. It costs a few reductions per cast (docs/fp8.md gives the
+    measured bytes and flops); ``fun`` is traced one more time to count its
+    products. Without ``fp8_health`` nothing is measured and the program is
+    unchanged. Products that autocast runs inside a nested ``jit`` with
+    shardings, a loop body, ``remat`` or ``shard_map`` are not measured (a
+    warning names them).
+
+    Args:
+      fun: the loss function, returning a scalar loss (or ``(loss, aux)`` with
+        `has_aux`).
+      argnums: the positional arguments to differentiate, as in ``jax.value_and_grad``.
+      has_aux: whether `fun` returns ``(loss, aux)``.
+
+    Returns:
+      A function of `fun`'s arguments returning ``((value, health), grads)``.
+
+    Examples:
+      >>> model = flax.linen.Dense(32)
+      >>> x = jnp.ones((16, 64))
+      >>> params = model.init(jax.random.key(0), x)
+      >>> fwd = jaxamp.autocast(model.apply, dtype=jnp.bfloat16,
+      ...                       fp8=jaxamp.fp8(first_last_bf16=False))
+      >>> loss_fn = lambda p: jnp.mean(fwd(p, x) ** 2)
+      >>> (loss, health), grads = jaxamp.fp8_health(loss_fn)(params)
+      >>> sorted(health)
+      ['Dense']
+      >>> sorted(health["Dense"]), sorted(health["Dense"]["grad"])
+      (['grad', 'lhs', 'rhs'], ['amax', 'flushed', 'saturated'])
+    """
+    if not callable(fun):
+        raise TypeError(f"jaxamp.fp8_health: fun must be callable, got {type(fun).__name__}")
+    nums = argnums if isinstance(argnums, tuple | list) else (argnums,)
+    if not nums or not all(isinstance(n, int) and not isinstance(n, bool) for n in nums):
+        raise TypeError(
+            f"jaxamp.fp8_health: argnums must be an int or a sequence of ints, got {argnums!r}"
+        )
+
+    def measured(col: _Collector, *args: Any, **kwargs: Any) -> Any:
+        col.trace = jax_compat.current_trace()
+        with _collecting(col):
+            return fun(*args, **kwargs)
+
+    @functools.wraps(fun)
+    def run(*args: Any, **kwargs: Any) -> tuple[tuple[Any, dict[str, Any]], Any]:
+        count = _Collector(probes=None)
+        # Traced on its array leaves, as the measured call will be (autocast runs an
+        # eager call as its own jit), its other leaves (flags) as they are.
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
+
+        def counted(*vals: Any) -> Any:
+            full = list(leaves)
+            for i, v in zip(arrays, vals, strict=True):
+                full[i] = v
+            a, k = jax.tree_util.tree_unflatten(treedef, full)
+            return measured(count, *a, **k)
+
+        jax.eval_shape(counted, *(leaves[i] for i in arrays))
+        # An upper bound: every array is traced here, while the measured call traces
+        # only the differentiated ones (an autocast call on the others alone runs as
+        # its own jit, unmeasured).
+        n = len(count.names)
+        positions = [a % len(args) if -len(args) <= a < len(args) else a for a in nums]
+        col = _Collector(probes=None)
+
+        def with_probes(*all_args: Any, **kw: Any) -> Any:
+            col.probes = all_args[-1]
+            out = measured(col, *all_args[:-1], **kw)
+            loss, aux = out if has_aux else (out, None)
+            return loss, (aux, col.forward)
+
+        grad_fn = jax.value_and_grad(with_probes, argnums=(*positions, len(args)), has_aux=True)
+        probes = jnp.zeros((n, 2, len(STATS)), _F32)
+        (loss, (aux, forward)), grads = grad_fn(*args, probes, **kwargs)
+        if col.unmeasured:
+            warnings.warn(
+                "jaxamp.fp8_health: these FP8 products are traced apart from the loss (a "
+                "nested jit, loop body, remat or shard_map, or an autocast call on no "
+                f"differentiated argument) and are not measured: {col.unmeasured}",
+                UserWarning,
+                stacklevel=2,
+            )
+        health = _report(col.names, col.rowwise, forward, grads[-1])
+        value = (loss, aux) if has_aux else loss
+        grads = grads[0] if isinstance(argnums, int) else tuple(grads[:-1])
+        return (value, health), grads
+
+    return run

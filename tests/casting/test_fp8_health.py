@@ -1,0 +1,253 @@
+"""``jaxamp.fp8_health``: per FP8 product, the amax and the fractions of each cast that
+saturate and flush to zero (issue 46, item 3).
+
+The fractions are checked against a float64 computation of the same casts from
+their definitions: an element saturates when it is inf or NaN, and flushes when
+it is finite, nonzero, and its magnitude times the scale ``fmax / amax`` is at most
+half the FP8 type's smallest subnormal (round to nearest even: it rounds to 0).
+The planted values sit far from that threshold (1e-12 of the amax against e5m2's
+1.3e-10), so float32 and float64 agree on every element and the counts must
+match exactly.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxamp
+from jaxamp.casting._fp8 import _fp8, _fp8_gemm
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+FP8_ALL = jaxamp.fp8(first_last_bf16=False)
+B, D = 32, 64
+
+
+def reference(x, dtype, axes) -> tuple[float, float, float]:
+    """``(amax, saturated, flushed)`` of `x` cast to `dtype`, the amax over `axes`
+    (None: the whole tensor), in float64."""
+    x = np.asarray(x, np.float64)
+    fi = jnp.finfo(dtype)
+    mag = np.abs(x)
+    with np.errstate(invalid="ignore"):
+        amax = np.max(mag, axis=axes, keepdims=axes is not None)
+        scaled = mag * (float(fi.max) / np.maximum(amax, float(fi.max) * 2.0**-126))
+    finite = np.isfinite(x)
+    flushed = finite & (x != 0) & (scaled <= float(fi.smallest_subnormal) / 2)
+    return float(np.max(mag)), float(np.mean(~finite)), float(np.mean(flushed))
+
+
+class Planted(nn.Module):
+    """``sat`` reads an input with infs (its output masked back to finite, as a
+    sentinel is); ``under``'s output gradient spans 12 decades."""
+
+    @nn.compact
+    def __call__(self, x, x_inf):
+        h = nn.Dense(D, name="first")(x)
+        s = nn.Dense(D, name="sat")(x_inf)
+        s = jnp.where(jnp.isfinite(s), s, 0.0)
+        h = nn.Dense(D, name="mid")(jax.nn.relu(h + s))
+        return nn.Dense(D, name="under")(h)
+
+
+def _planted(scaling: str):
+    kx, ki, kc, kp, kw = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(kx, (B, D))
+    x_inf = jax.random.normal(ki, (B, D))
+    x_inf = x_inf.at[3, 5].set(jnp.inf).at[17, 40].set(-jnp.inf)
+    # A gradient of ones with a fifth of its entries 1e-12: every row and column
+    # keeps an amax of 1, so the small entries flush rowwise too.
+    small = jax.random.bernoulli(kc, 0.2, (B, D))
+    c = jnp.where(small, 1e-12, 1.0)
+    model = Planted()
+    params = model.init(kp, x, x)
+    fwd = jaxamp.autocast(
+        model.apply, dtype=jnp.bfloat16, fp8=jaxamp.fp8(scaling, first_last_bf16=False)
+    )
+
+    def loss(params, x, x_inf):
+        return jnp.sum(fwd(params, x, x_inf) * c)
+
+    return loss, params, x, x_inf, c
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_planted_layers_are_named_with_their_fractions(scaling):
+    loss, params, x, x_inf, c = _planted(scaling)
+    (_, health), _ = jax.jit(jaxamp.fp8_health(loss))(params, x, x_inf)
+    health = jax.tree.map(float, health)
+    names = {"Planted/first", "Planted/sat", "Planted/mid", "Planted/under"}
+    assert set(health) == names
+    grads = ("grad_dgrad", "grad_wgrad") if scaling == "rowwise" else ("grad",)
+    for name in names:
+        assert set(health[name]) == {"lhs", "rhs", *grads}
+
+    def having(cast, stat):
+        return {n for n, casts in health.items() if casts[cast][stat] > 0}
+
+    assert having("lhs", "saturated") == {"Planted/sat"}
+    assert having("lhs", "flushed") == {"Planted/sat"}
+    assert having("rhs", "saturated") == having("rhs", "flushed") == set()
+    for g in grads:
+        assert having(g, "flushed") == {"Planted/under"}
+        assert having(g, "saturated") == set()
+
+    # Tensorwise the inf is the amax of the whole operand: every finite element
+    # flushes; rowwise only the two rows holding an inf do.
+    row = 1 if scaling == "rowwise" else None
+    amax, sat, flush = reference(x_inf, E4M3, row)
+    got = health["Planted/sat"]["lhs"]
+    assert got["amax"] == amax == np.inf
+    assert got["saturated"] == pytest.approx(sat, abs=0.5 / x_inf.size) and sat == 2 / x_inf.size
+    assert got["flushed"] == pytest.approx(flush, abs=0.5 / x_inf.size) and flush > 0
+    # autocast rounds the input to bfloat16 before the product quantizes it.
+    x16 = x.astype(jnp.bfloat16)
+    assert health["Planted/first"]["lhs"]["amax"] == reference(x16, E4M3, None)[0]
+
+    # The gradient reaching `under` is `c`, rounded to bfloat16 (far from any threshold).
+    c16 = np.asarray(c.astype(jnp.bfloat16), np.float64)
+    casts = {"grad": None} if scaling == "tensorwise" else {"grad_dgrad": 1, "grad_wgrad": 0}
+    for cast, axes in casts.items():
+        amax, sat, flush = reference(c16, E5M2, axes)
+        got = health["Planted/under"][cast]
+        assert got["amax"] == amax == 1.0
+        assert got["saturated"] == sat == 0.0
+        assert got["flushed"] == pytest.approx(flush, abs=0.5 / c.size)
+        assert flush == pytest.approx(float(np.mean(c16 < 1)))
+
+
+def test_rowwise_rescues_a_row_that_tensorwise_flushes():
+    """A row of tiny gradients flushes under one tensorwise scale and keeps its
+    own scale rowwise in the dgrad cast (not in the wgrad cast, whose amax runs
+    down the columns)."""
+    w = jax.random.normal(jax.random.key(1), (D, D)) / 8
+    x = jax.random.normal(jax.random.key(2), (B, D))
+    c = jnp.ones((B, D)).at[4].set(1e-12)
+
+    def flushed(scaling):
+        f = jaxamp.autocast(
+            lambda w, x: x @ w, dtype=jnp.bfloat16, fp8=jaxamp.fp8(scaling, first_last_bf16=False)
+        )
+        (_, health), _ = jaxamp.fp8_health(lambda w: jnp.sum(f(w, x) * c))(w)
+        return {k: float(v["flushed"]) for k, v in health["dot_general"].items()}
+
+    tensorwise, rowwise = flushed("tensorwise"), flushed("rowwise")
+    assert tensorwise["grad"] == pytest.approx(1 / B)
+    assert rowwise["grad_dgrad"] == 0.0
+    assert rowwise["grad_wgrad"] == pytest.approx(1 / B)
+
+
+def test_value_and_grads_are_jax_value_and_grads_and_no_host_transfer():
+    loss, params, x, x_inf, _ = _planted("tensorwise")
+    x = jax.device_put(x)
+    plain = jax.jit(jax.value_and_grad(lambda p: loss(p, x, x)))(params)
+    step = jax.jit(jaxamp.fp8_health(lambda p, x: (loss(p, x, x), 2.0), has_aux=True))
+    with jax.transfer_guard("disallow"):
+        ((value, aux), health), grads = step(params, x)
+        step(params, x)  # and again, from the cache
+    assert float(value) == float(plain[0]) and float(aux) == 2.0
+    jax.tree.map(np.testing.assert_array_equal, grads, plain[1])
+    assert health["Planted/first"]["rhs"]["amax"].dtype == jnp.float32
+
+
+def test_off_by_default_the_program_is_unchanged(monkeypatch):
+    """Without fp8_health the traced step is exactly the one that calls the FP8
+    product directly, before and after a measured trace of the same function."""
+    loss, params, x, x_inf, _ = _planted("tensorwise")
+    step = jax.grad(loss)
+    before = str(jax.make_jaxpr(step)(params, x, x_inf))
+    measured = str(jax.make_jaxpr(jaxamp.fp8_health(loss))(params, x, x_inf))
+    after = str(jax.make_jaxpr(step)(params, x, x_inf))
+    monkeypatch.setattr(
+        _fp8._fp8_health,
+        "dot",
+        lambda lhs, rhs, gemm, name: _fp8_gemm.fp8_dot_general(lhs, rhs, gemm),
+    )
+    direct = str(jax.make_jaxpr(step)(params, x, x_inf))
+    assert before == after == direct
+    # The model's own mask reads is_finite once; each measured cast once more.
+    assert measured.count("is_finite") > before.count("is_finite")
+
+
+def test_nnx_names_are_module_paths_as_audit_names_them():
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.fc1 = nnx.Linear(D, D, rngs=rngs)
+            self.fc2 = nnx.Linear(D, D, rngs=rngs)
+
+        def __call__(self, x):
+            return self.fc2(jax.nn.relu(self.fc1(x)))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.block = Block(rngs)
+            self.head = nnx.Linear(D, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.block(x))
+
+    graphdef, state = nnx.split(Net(nnx.Rngs(0)))
+    x = jnp.ones((B, D))
+
+    def loss(state, x):
+        model = nnx.merge(graphdef, state)
+        return jnp.mean(jaxamp.autocast(model, dtype=jnp.bfloat16, fp8=FP8_ALL)(x) ** 2)
+
+    (_, health), grads = jax.jit(jaxamp.fp8_health(loss))(state, x)
+    assert sorted(health) == ["block/fc1", "block/fc2", "head"]
+    report = jaxamp.audit(jaxamp.fp8_health(loss))(state, x)
+    assert {r.module for r in report.matmuls} == set(health)
+    assert isinstance(grads, nnx.State)
+
+
+def test_a_product_called_twice_is_two_entries():
+    w = jax.random.normal(jax.random.key(3), (D, D))
+    f = jaxamp.autocast(lambda w, x: (x @ w) @ w, dtype=jnp.bfloat16, fp8=FP8_ALL)
+    (_, health), _ = jaxamp.fp8_health(lambda w: jnp.sum(f(w, jnp.ones((B, D)))))(w)
+    assert sorted(health) == ["dot_general", "dot_general#2"]
+    assert float(health["dot_general"]["lhs"]["amax"]) == 1.0
+    assert float(health["dot_general#2"]["lhs"]["amax"]) > 1.0
+
+
+def test_products_in_a_loop_body_are_named_unmeasured():
+    w = jax.random.normal(jax.random.key(4), (D, D)) / 8
+
+    def body(h, _):
+        return jnp.tanh(h @ w), None
+
+    f = jaxamp.autocast(
+        lambda w, x: jax.lax.scan(body, x @ w, None, length=2)[0],
+        dtype=jnp.bfloat16, fp8=FP8_ALL,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"not measured: \['dot_general#2'\]"):
+        (_, health), _ = jaxamp.fp8_health(lambda w: jnp.sum(f(w, jnp.ones((B, D)))))(w)
+    assert sorted(health) == ["dot_general"]
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(TypeError, match="fun must be callable"):
+        jaxamp.fp8_health(3)
+    with pytest.raises(TypeError, match="argnums"):
+        jaxamp.fp8_health(lambda x: x, argnums="0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (_, health), g = jaxamp.fp8_health(lambda x: jnp.sum(x**2))(jnp.ones(3))
+    assert health == {} and g.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_an_autocast_call_on_no_differentiated_argument_is_named_unmeasured():
+    """It runs as its own jit (autocast's eager call), traced apart from the loss."""
+    w, v = jax.random.normal(jax.random.key(5), (2, D, D))
+    f = jaxamp.autocast(lambda w, x: x @ w, dtype=jnp.bfloat16, fp8=FP8_ALL)
+    x = jnp.ones((B, D))
+    with pytest.warns(UserWarning, match=r"not measured: \['dot_general#2'\]"):
+        (_, health), grad = jaxamp.fp8_health(lambda w, v: jnp.sum(f(w, x)) + jnp.sum(f(v, x)))(
+            w, v
+        )
+    assert sorted(health) == ["dot_general"] and grad.shape == (D, D)
