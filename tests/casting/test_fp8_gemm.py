@@ -181,3 +181,25 @@ def test_the_ops_around_each_fp8_product_against_bfloat16():
     bf16 = _compiled_ops(None)
     fp8 = _compiled_ops(jaxamp.fp8(first_last_bf16=False))
     assert len(fp8) - len(bf16) <= 5 * 3, (bf16, fp8)
+
+
+def test_a_float16_product_dequantizes_in_float32():
+    # The dequantization factor of a gradient of 1e-4 is ~5e-9, below float16's
+    # smallest subnormal (6e-8): dequantized in float16, dx and dw were all zeros.
+    from tests.casting.test_fp8 import E4M3, E5M2, _f64, fp8_bound
+
+    rng = np.random.default_rng(1)
+    x, w = (jnp.asarray(rng.standard_normal(s), jnp.float16) for s in [(16, 32), (32, 48)])
+    g = jnp.asarray(rng.standard_normal((16, 48)) * 1e-4, jnp.float16)
+    f = jaxamp.autocast(
+        lambda x, w: x @ w, dtype=jnp.float16, fp8=jaxamp.fp8(first_last_bf16=False)
+    )
+    dx, dw = jax.jit(lambda x, w, g: jax.vjp(f, x, w)[1](g))(x, w, g)
+    x64, w64, g64 = _f64(x), _f64(w), _f64(g)
+    for got, spec, a, b, da, db, k in [
+        (dx, "mn,kn->mk", g64, w64, E5M2, E4M3, 48),
+        (dw, "mk,mn->kn", x64, g64, E4M3, E5M2, 16),
+    ]:
+        assert got.dtype == jnp.float16
+        err = np.abs(_f64(got) - np.einsum(spec, a, b))
+        assert np.all(err <= fp8_bound(spec, a, b, da, db, k)), spec
