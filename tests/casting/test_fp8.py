@@ -206,6 +206,8 @@ def parse_hlo(text: str) -> dict[str, tuple[str, str, list[str]]]:
         if m is None:
             continue
         name, typ, op, args = m.groups()
+        if op == "custom-call" and 'custom_call_target="Sharding"' in line:
+            op = "Sharding"  # an Explicit mesh's annotation: the partitioner removes it
         names = re.findall(r"%([\w.\-]+)", args) if "%" in args else [
             a.strip() for a in args.split(",") if a.strip()
         ]  # fmt: skip
@@ -224,14 +226,21 @@ _COMMUTING = {"bitcast", "broadcast", "copy", "dynamic-slice", "pad", "reshape",
               "transpose"}  # fmt: skip
 
 
+def _through(instrs, name: str) -> tuple[str, tuple[str, str, list[str]]]:
+    """`name` and its instruction, past Explicit-mesh ``Sharding`` annotations."""
+    while instrs[name][1] == "Sharding":
+        name = instrs[name][2][0]
+    return name, instrs[name]
+
+
 def _one_element(instrs, name: str) -> bool:
     """Whether `name` is a broadcast of one value (a scalar scale): followed through
     the reshapes, broadcasts and converts JAX emits around a size-1 array."""
-    typ, op, ops = instrs[name]
+    typ, op, ops = _through(instrs, name)[1]
     if op != "broadcast":
         return False
     while True:
-        typ, op, ops = instrs[ops[0]]
+        typ, op, ops = _through(instrs, ops[0])[1]
         dims = typ.partition("[")[2].rstrip("]")
         if all(d.strip() in ("", "1") for d in dims.split(",")):
             return True
@@ -244,20 +253,20 @@ def fp8_operand(instrs, name: str) -> tuple[str, str] | None:
     when the operand is f8 itself, "dequantized" when it is ``convert(f8)``
     multiplied (or divided) by a broadcast scalar, each possibly followed by the
     commuting ops; None when the rewriter would not see an FP8 operand."""
-    typ, op, ops = instrs[name]
+    typ, op, ops = _through(instrs, name)[1]
     while op in _COMMUTING and not _dtype(typ).startswith("f8"):
-        typ, op, ops = instrs[ops[0]]
+        typ, op, ops = _through(instrs, ops[0])[1]
     if _dtype(typ).startswith("f8"):
         return _dtype(typ), "f8"
     if op not in ("multiply", "divide") or len(ops) != 2:
         return None
     for i, (conv, scale) in enumerate([ops, ops[::-1]]):
-        c_typ, c_op, c_ops = instrs[conv]
+        c_typ, c_op, c_ops = _through(instrs, conv)[1]
         if op == "divide" and i == 1:
             break
-        if c_op == "convert" and _dtype(instrs[c_ops[0]][0]).startswith("f8"):
-            if _one_element(instrs, scale):
-                return _dtype(instrs[c_ops[0]][0]), "dequantized"
+        src = _dtype(_through(instrs, c_ops[0])[1][0]) if c_op == "convert" else ""
+        if src.startswith("f8") and _one_element(instrs, scale):
+            return src, "dequantized"
     return None
 
 
@@ -296,6 +305,8 @@ def fp8_dots(text: str, rowwise: bool = False) -> list[tuple[str, str]]:
             assert {form for _, form in srcs} == {"f8"}, (name, srcs)
             assert _dtype(typ) == "f32", (name, typ)
             (user,) = users[name]
+            while instrs[user][1] == "Sharding":
+                (user,) = users[user]
             u_typ, u_op, u_ops = instrs[user]
             assert u_op == "multiply" and u_typ == typ, (name, instrs[user])
         found.append((_dims(typ), "e5m2" if "f8e5m2" in kinds else "e4m3"))

@@ -43,18 +43,33 @@ _COMMUTING = {"bitcast", "broadcast", "copy", "dynamic-slice", "pad", "reshape",
               "transpose"}  # fmt: skip
 
 
+def _producer(mod: _hlo_text.Module, name: str) -> _hlo_text.Instr | None:
+    """The instruction `name` is, past the ``Sharding`` annotations JAX puts around
+    every value on an Explicit mesh (the partitioner removes them before the
+    rewriter runs)."""
+    ins = mod.instrs.get(name)
+    while (
+        ins is not None
+        and ins.opcode == "custom-call"
+        and ins.attr("custom_call_target") == "Sharding"
+        and ins.operands
+    ):
+        ins = mod.instrs.get(ins.operands[0])
+    return ins
+
+
 def _dequantized_from(mod: _hlo_text.Module, name: str) -> str | None:
     """The f8 dtype of ``convert(f8) * scale`` (or ``/ scale``) that `name` is, past
     the commuting ops; None if it is not one."""
-    ins = mod.instrs[name]
-    while ins.opcode in _COMMUTING and ins.operands and ins.operands[0] in mod.instrs:
-        ins = mod.instrs[ins.operands[0]]
-    if ins.opcode not in ("multiply", "divide"):
+    ins = _producer(mod, name)
+    while ins is not None and ins.opcode in _COMMUTING and ins.operands:
+        ins = _producer(mod, ins.operands[0])
+    if ins is None or ins.opcode not in ("multiply", "divide"):
         return None
     for o in ins.operands[:1] if ins.opcode == "divide" else ins.operands:
-        conv = mod.instrs.get(o)
+        conv = _producer(mod, o)
         if conv is not None and conv.opcode == "convert" and conv.operands:
-            src = mod.instrs.get(conv.operands[0])
+            src = _producer(mod, conv.operands[0])
             if src is not None and src.dtype.startswith("f8"):
                 return src.dtype
     return None
