@@ -116,9 +116,45 @@ def equations(jaxpr, primitive: str = "dot_general") -> list:
     return [e for e in all_equations(jaxpr) if e.primitive.name == primitive]
 
 
+def _with_producers(jaxpr, skip: tuple[str, ...] = ()):
+    """``all_equations`` (same order), each with the map from the variables of its
+    own jaxpr to the equations that produce them."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    for eqn in jaxpr.eqns:
+        yield eqn, producers
+        if eqn.primitive.name in skip:
+            continue
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (ClosedJaxpr, Jaxpr)):
+                    yield from _with_producers(sub, skip)
+
+
+def _dequantized_from(var, producers) -> np.dtype:
+    """The FP8 dtype `var` was dequantized from (``convert(q) * scale``, the form
+    ``_fp8_gemm.dequantize`` emits for XLA's FP8 GEMM rewriter), else its own."""
+    eqn = producers.get(var)
+    if eqn is not None and eqn.primitive.name == "mul":
+        for v in eqn.invars:
+            conv = producers.get(v)
+            if conv is not None and conv.primitive.name == "convert_element_type":
+                src = np.dtype(conv.invars[0].aval.dtype)
+                if "float8" in src.name:
+                    return src
+    return np.dtype(var.aval.dtype)
+
+
 def dot_input_dtypes(jaxpr, primitive: str = "dot_general") -> list[tuple[np.dtype, ...]]:
-    """Input dtypes of every `primitive` in `jaxpr` (closed or not), sub-jaxprs included."""
-    return [tuple(np.dtype(v.aval.dtype) for v in e.invars) for e in equations(jaxpr, primitive)]
+    """Input dtypes of every `primitive` in `jaxpr` (closed or not), sub-jaxprs included;
+    an FP8 operand dequantized just before the product counts as its FP8 dtype."""
+    return [
+        tuple(_dequantized_from(v, producers) for v in e.invars)
+        for e, producers in _with_producers(jaxpr)
+        if e.primitive.name == primitive
+    ]
 
 
 def dyadic(seed, shape, denom):

@@ -260,7 +260,7 @@ def test_nnx_modules_are_named_by_their_paths_under_every_jit(fp8):
 
     model, x = _nnx_model(), jnp.ones((16, 32))
     before = [(type(n), dict(vars(n))) for n in _modules(model)]
-    want = "f8e4m3fn x f8e4m3fn -> f32" if fp8 else "bf16 x bf16 -> bf16"
+    want = "f8e4m3fn x f8e4m3fn -> bf16" if fp8 else "bf16 x bf16 -> bf16"
     fp8 = jaxamp.fp8(first_last_bf16=False) if fp8 else None
     graphdef, state = nnx.split(model)
     forms = {

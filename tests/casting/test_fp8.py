@@ -8,10 +8,9 @@ or, for the incoming gradient, e5m2 (2**-3), plus, below the format's smallest
 normal, an absolute error of half its smallest subnormal times the
 dequantization factor ``amax / fmax``; that bound is carried through the
 contraction, the float32 accumulation and the final rounding to bfloat16
-(``fp8_bound``). The products whose HLO is inspected are checked for the shape
-XLA's GPU GEMM rewriter turns into a cuBLASLt FP8 call (``gemm_rewriter.cc``:
-``MatchFp8Param`` takes an f8 ``dot`` operand, ``F8ScaleD`` folds the multiply
-of the float32 result by a broadcast scalar into the call).
+(``fp8_bound``). The products whose HLO is inspected are checked for the form
+XLA's GPU GEMM rewriter turns into a cuBLASLt FP8 call (``gemm_rewriter.cc``,
+``MatchFp8Param``: see ``fp8_dots``).
 """
 
 from __future__ import annotations
@@ -44,8 +43,9 @@ FP8_ALL = jaxamp.fp8(first_last_bf16=False)  # a lone product is both first and 
 
 def _unit(dtype) -> float:
     # Round to nearest: half the epsilon; 2**-20 covers the float32 rounding of
-    # the scale and of its inverse (relative 2**-24 each).
-    return float(jnp.finfo(dtype).eps) / 2 + 2.0**-20
+    # the scale and of its inverse (relative 2**-24 each); 2**-9 the bfloat16
+    # rounding of a tensorwise dequantized operand (``convert(q) * inv``).
+    return float(jnp.finfo(dtype).eps) / 2 + 2.0**-20 + 2.0**-9
 
 
 def _abs_floor(x: np.ndarray, dtype) -> float:
@@ -206,6 +206,8 @@ def parse_hlo(text: str) -> dict[str, tuple[str, str, list[str]]]:
         if m is None:
             continue
         name, typ, op, args = m.groups()
+        if op == "custom-call" and 'custom_call_target="Sharding"' in line:
+            op = "Sharding"  # an Explicit mesh's annotation: the partitioner removes it
         names = re.findall(r"%([\w.\-]+)", args) if "%" in args else [
             a.strip() for a in args.split(",") if a.strip()
         ]  # fmt: skip
@@ -217,11 +219,70 @@ def _dtype(typ: str) -> str:
     return typ.split("[")[0]
 
 
+# The ops XLA's GEMM rewriter lets stand between a dequantization and the dot
+# (``MatchFp8Param`` in gemm_rewriter.cc), all of which commute with it. A
+# select against zero commutes too; no product here needs one.
+_COMMUTING = {"bitcast", "broadcast", "copy", "dynamic-slice", "pad", "reshape", "slice",
+              "transpose"}  # fmt: skip
+
+
+def _through(instrs, name: str) -> tuple[str, tuple[str, str, list[str]]]:
+    """`name` and its instruction, past Explicit-mesh ``Sharding`` annotations."""
+    while instrs[name][1] == "Sharding":
+        name = instrs[name][2][0]
+    return name, instrs[name]
+
+
+def _one_element(instrs, name: str) -> bool:
+    """Whether `name` is a broadcast of one value (a scalar scale): followed through
+    the reshapes, broadcasts and converts JAX emits around a size-1 array."""
+    typ, op, ops = _through(instrs, name)[1]
+    if op != "broadcast":
+        return False
+    while True:
+        typ, op, ops = _through(instrs, ops[0])[1]
+        dims = typ.partition("[")[2].rstrip("]")
+        if all(d.strip() in ("", "1") for d in dims.split(",")):
+            return True
+        if op not in ("reshape", "broadcast", "convert"):
+            return False
+
+
+def fp8_operand(instrs, name: str) -> tuple[str, str] | None:
+    """``(f8 dtype, form)`` of a dot operand the rewriter takes as FP8: form "f8"
+    when the operand is f8 itself, "dequantized" when it is ``convert(f8)``
+    multiplied (or divided) by a broadcast scalar, each possibly followed by the
+    commuting ops; None when the rewriter would not see an FP8 operand."""
+    typ, op, ops = _through(instrs, name)[1]
+    while op in _COMMUTING and not _dtype(typ).startswith("f8"):
+        typ, op, ops = _through(instrs, ops[0])[1]
+    if _dtype(typ).startswith("f8"):
+        return _dtype(typ), "f8"
+    if op not in ("multiply", "divide") or len(ops) != 2:
+        return None
+    for i, (conv, scale) in enumerate([ops, ops[::-1]]):
+        c_typ, c_op, c_ops = _through(instrs, conv)[1]
+        if op == "divide" and i == 1:
+            break
+        src = _dtype(_through(instrs, c_ops[0])[1][0]) if c_op == "convert" else ""
+        if src.startswith("f8") and _one_element(instrs, scale):
+            return src, "dequantized"
+    return None
+
+
+def _dims(typ: str) -> str:
+    return "[" + typ.partition("[")[2]
+
+
 def fp8_dots(text: str, rowwise: bool = False) -> list[tuple[str, str]]:
-    """The FP8 dots of an HLO module, each checked for the shape XLA's GEMM
-    rewriter fuses: both operands f8 (one of them e4m3fn), a float32 result,
-    whose only use is a multiply by a broadcast scale (a scalar tensorwise).
-    Returns each one's (result type, "e4m3" or "e5m2": its gradient operand's)."""
+    """The FP8 dots of an HLO module, each checked for the form XLA's GPU GEMM
+    rewriter folds into one cuBLASLt FP8 call. Tensorwise: both operands
+    dequantized (``convert(f8) * broadcast(scalar)``, the scale becoming the
+    call's scale operand), the result in the operands' dtype. Rowwise (per-row
+    scales are not scalars; the rewriter folds none): both operands f8, a
+    float32 result whose only use is a multiply by the broadcast factors.
+    Either way one operand is e4m3fn. Returns each one's (result dimensions,
+    "e4m3" or "e5m2": its gradient operand's)."""
     instrs = parse_hlo(text)
     users: dict[str, list[str]] = {}
     for name, (_, _, ops) in instrs.items():
@@ -229,19 +290,26 @@ def fp8_dots(text: str, rowwise: bool = False) -> list[tuple[str, str]]:
             users.setdefault(o, []).append(name)
     found = []
     for name, (typ, op, ops) in instrs.items():
-        if op != "dot" or not any(_dtype(instrs[o][0]).startswith("f8") for o in ops):
+        if op != "dot":
             continue
-        kinds = sorted(_dtype(instrs[o][0]) for o in ops)
+        srcs = [fp8_operand(instrs, o) for o in ops]
+        if not any(srcs):
+            continue
+        assert all(srcs), (name, srcs)
+        kinds = sorted(dtype for dtype, _ in srcs)
         assert kinds in (["f8e4m3fn", "f8e4m3fn"], ["f8e4m3fn", "f8e5m2"]), (name, kinds)
-        assert _dtype(typ) == "f32", (name, typ)
-        (user,) = users[name]
-        u_typ, u_op, u_ops = instrs[user]
-        assert u_op == "multiply" and u_typ == typ, (name, instrs[user])
-        (scale,) = [o for o in u_ops if o != name]
-        s_typ, s_op, s_ops = instrs[scale]
         if not rowwise:
-            assert s_op == "broadcast" and instrs[s_ops[0]][0] == "f32[]", (name, instrs[scale])
-        found.append((typ, "e5m2" if "f8e5m2" in kinds else "e4m3"))
+            assert {form for _, form in srcs} == {"dequantized"}, (name, srcs)
+            assert {_dtype(instrs[o][0]) for o in ops} == {_dtype(typ)}, (name, typ)
+        else:
+            assert {form for _, form in srcs} == {"f8"}, (name, srcs)
+            assert _dtype(typ) == "f32", (name, typ)
+            (user,) = users[name]
+            while instrs[user][1] == "Sharding":
+                (user,) = users[user]
+            u_typ, u_op, u_ops = instrs[user]
+            assert u_op == "multiply" and u_typ == typ, (name, instrs[user])
+        found.append((_dims(typ), "e5m2" if "f8e5m2" in kinds else "e4m3"))
     return found
 
 
@@ -286,10 +354,15 @@ def test_every_fp8_matmul_of_a_training_step_has_the_shape_xla_fuses(scaling):
     # dgrad and wgrad ([32,64], [64,80]) and layer 2's ([32,48], [48,64]) with
     # the gradient in e5m2.
     assert sorted(dots) == sorted(
-        [("f32[32,64]", "e4m3"), ("f32[32,80]", "e4m3")]
-        + [(t, "e5m2") for t in ["f32[32,64]", "f32[64,80]", "f32[32,48]", "f32[48,64]"]]
+        [("[32,64]", "e4m3"), ("[32,80]", "e4m3")]
+        + [(t, "e5m2") for t in ["[32,64]", "[64,80]", "[32,48]", "[48,64]"]]
     )
-    bf16_dots = [_norm(t) for t, op, _ in parse_hlo(text).values() if op == "dot" and "bf16" in t]
+    instrs = parse_hlo(text)
+    bf16_dots = [
+        _norm(t)
+        for t, op, ops in instrs.values()
+        if op == "dot" and "bf16" in t and not any(fp8_operand(instrs, o) for o in ops)
+    ]
     # Layer 1's forward and wgrad, layer 4's forward, dgrad and wgrad stay bfloat16.
     assert sorted(bf16_dots) == sorted(
         ["bf16[32,48]", "bf16[32,48]", "bf16[16,32]", "bf16[32,80]", "bf16[16,80]"]
@@ -399,12 +472,12 @@ def _norm(typ: str) -> str:
 
 
 def _forward_fp8_shapes(text: str) -> set[str]:
-    """The (sorted) result shapes of the forward FP8 dots: both operands e4m3."""
+    """The (sorted) result dimensions of the forward FP8 dots: both operands e4m3."""
     instrs = parse_hlo(text)
     return {
-        _norm(t)
+        _norm(_dims(t))
         for t, op, ops in instrs.values()
-        if op == "dot" and all(_dtype(instrs[o][0]) == "f8e4m3fn" for o in ops)
+        if op == "dot" and all((fp8_operand(instrs, o) or ("",))[0] == "f8e4m3fn" for o in ops)
     }
 
 
@@ -436,7 +509,7 @@ def test_models_train_in_fp8_with_first_and_last_layers_in_bfloat16(framework):
         loss, ref = mlp_loss(fp8_batched), mlp_loss(batched)
 
     text = jax.jit(jax.grad(loss)).lower(params, x, y).as_text(dialect="hlo")
-    assert _forward_fp8_shapes(text) == {"f32[32,64]", "f32[32,80]"}, framework
+    assert _forward_fp8_shapes(text) == {"[32,64]", "[32,80]"}, framework
     _close_to_float32(loss, ref, params, x, y)
 
 
@@ -444,9 +517,10 @@ def _layer_dtypes(fn, *args, batch: int) -> list[tuple[int, str]]:
     """Each ``dot_general`` of `fn`'s forward program, in order: the layer it
     belongs to (by its output width in ``SIZES``) and its operands' dtype."""
     found = []
-    for eqn in equations(jax.make_jaxpr(fn)(*args)):
+    jaxpr = jax.make_jaxpr(fn)(*args)
+    for eqn, ins in zip(equations(jaxpr), dot_input_dtypes(jaxpr), strict=True):
         (width,) = set(eqn.outvars[0].aval.shape) - {batch}
-        lhs, rhs = (str(v.aval.dtype) for v in eqn.invars)
+        lhs, rhs = (str(d) for d in ins)
         found.append((SIZES[1:].index(width), lhs if lhs == rhs else "mixed"))
     return found
 
@@ -552,10 +626,10 @@ def test_module_rules_override_the_first_last_default():
 
     # Sorted dims: the last layer's [32,16] reads [16,32].
     assert shapes(jaxamp.fp8(modules={"layer3": True, "layer1": False})) == {
-        "f32[32,80]", "f32[16,32]"
+        "[32,80]", "[16,32]"
     }  # fmt: skip
     assert shapes(jaxamp.fp8(first_last_bf16=False)) == {
-        "f32[32,48]", "f32[32,64]", "f32[32,80]", "f32[16,32]"
+        "[32,48]", "[32,64]", "[32,80]", "[16,32]"
     }  # fmt: skip
     assert shapes(jaxamp.fp8(modules={"Dense": False})) == set()
 

@@ -151,6 +151,22 @@ def test_explicit_mesh_scales_with_the_global_amax(scaling):
     _assert_same_as_one_device(got, scaling)
 
 
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_explicit_mesh_products_keep_the_form_xla_fuses(scaling):
+    # On an Explicit mesh JAX wraps every value in a Sharding annotation (the
+    # partitioner removes them before the GEMM rewriter runs); past them, each
+    # product has the form fp8_dots checks: forward, dgrad and wgrad.
+    from tests.casting.test_fp8 import fp8_dots
+
+    mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Explicit,))
+    x, w, c = _arrays()
+    with jax.set_mesh(mesh):
+        xs, cs = jax.device_put(x, P("data")), jax.device_put(c, P("data"))
+        text = jax.jit(_run(scaling)).lower(xs, w, cs).as_text(dialect="hlo")
+    dots = fp8_dots(text, rowwise=scaling == "rowwise")
+    assert sorted(kind for _, kind in dots) == ["e4m3", "e5m2", "e5m2"]
+
+
 @pytest.mark.parametrize(
     "autocast_outside", [True, False], ids=["autocast(shard_map)", "shard_map(autocast)"]
 )

@@ -42,7 +42,8 @@ class MatmulRow:
       kernel: how XLA runs it (``"cuBLASLt FP8 GEMM"``, ``"cuBLAS GEMM"``,
         ``"Triton GEMM"``, ``"dot"``, ``"convolution"``, a custom call target).
       requested: operand and result dtypes in the program XLA was given, e.g.
-        ``"f8e4m3fn x f8e4m3fn -> f32"`` (``"?"``: XLA made this product itself).
+        ``"f8e4m3fn x f8e4m3fn -> bf16"``, an operand dequantized from FP8 right
+        before the product counted as FP8 (``"?"``: XLA made this product itself).
       executed: operand and result dtypes XLA runs.
       accumulation: the accumulation dtype (the product's result type in HLO;
         float32 for cuBLASLt FP8, which always accumulates in float32).

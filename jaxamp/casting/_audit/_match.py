@@ -25,10 +25,54 @@ def is_matmul(ins: _hlo_text.Instr) -> bool:
     return ins.opcode == "custom-call" and (target in GEMM_TARGETS or "conv" in target)
 
 
-def dtypes(mod: _hlo_text.Module, ins: _hlo_text.Instr) -> str:
-    """``"bf16 x bf16 -> f32"``: its two operands' dtypes and its result's."""
-    ops = [mod.instrs[o].dtype for o in ins.operands[:2] if o in mod.instrs]
+def dtypes(mod: _hlo_text.Module, ins: _hlo_text.Instr, requested: bool = False) -> str:
+    """``"bf16 x bf16 -> f32"``: its two operands' dtypes and its result's. With
+    `requested`, an operand dequantized from FP8 right before the product counts
+    as its FP8 dtype (``"f8e4m3fn x f8e4m3fn -> bf16"``)."""
+    ops = [
+        (_dequantized_from(mod, o) if requested else None) or mod.instrs[o].dtype
+        for o in ins.operands[:2]
+        if o in mod.instrs
+    ]
     return " x ".join(ops) + f" -> {ins.dtype}"
+
+
+# What XLA's GPU GEMM rewriter lets stand between an FP8 dequantization and the
+# product (``MatchFp8Param`` in ``xla/service/gpu/transforms/gemm_rewriter.cc``).
+_COMMUTING = {"bitcast", "broadcast", "copy", "dynamic-slice", "pad", "reshape", "slice",
+              "transpose"}  # fmt: skip
+
+
+def _producer(mod: _hlo_text.Module, name: str) -> _hlo_text.Instr | None:
+    """The instruction `name` is, past the ``Sharding`` annotations JAX puts around
+    every value on an Explicit mesh (the partitioner removes them before the
+    rewriter runs)."""
+    ins = mod.instrs.get(name)
+    while (
+        ins is not None
+        and ins.opcode == "custom-call"
+        and ins.attr("custom_call_target") == "Sharding"
+        and ins.operands
+    ):
+        ins = mod.instrs.get(ins.operands[0])
+    return ins
+
+
+def _dequantized_from(mod: _hlo_text.Module, name: str) -> str | None:
+    """The f8 dtype of ``convert(f8) * scale`` (or ``/ scale``) that `name` is, past
+    the commuting ops; None if it is not one."""
+    ins = _producer(mod, name)
+    while ins is not None and ins.opcode in _COMMUTING and ins.operands:
+        ins = _producer(mod, ins.operands[0])
+    if ins is None or ins.opcode not in ("multiply", "divide"):
+        return None
+    for o in ins.operands[:1] if ins.opcode == "divide" else ins.operands:
+        conv = _producer(mod, o)
+        if conv is not None and conv.opcode == "convert" and conv.operands:
+            src = _producer(mod, conv.operands[0])
+            if src is not None and src.dtype.startswith("f8"):
+                return src.dtype
+    return None
 
 
 def _op_names(mod: _hlo_text.Module) -> dict[str, str]:
@@ -123,7 +167,7 @@ def requests(
     for ins in pre.instrs.values():
         if is_matmul(ins):
             key = _key(pre, ins, names[ins.name])
-            asked.setdefault(key, []).append(_Request(ins.dims, dtypes(pre, ins)))
+            asked.setdefault(key, []).append(_Request(ins.dims, dtypes(pre, ins, requested=True)))
     fits = [
         _fitting(asked.get(_key(post, ins, ins.attr("op_name") or ""), []), ins.dims,
                  post.partitions)

@@ -4,17 +4,22 @@ Forward: both operands scaled by ``fp8 max / amax`` of this call's values and
 rounded to float8_e4m3fn; backward: the incoming gradient scaled the same way
 and rounded to float8_e5m2 (two more exponent bits, one less mantissa bit:
 gradients span a wider range); dgrad and wgrad are each one FP8 product.
-Every product accumulates in float32 (``preferred_element_type``), is
-multiplied by the two inverse scales, one after the other, and rounded once to
-the output dtype.
 
-The HLO this emits per product is the shape XLA's GPU GEMM rewriter turns into
-one cuBLASLt FP8 call (``xla/service/gpu/transforms/gemm_rewriter.cc``):
-``MatchFp8Param`` accepts a ``dot`` operand that is itself f8, and the
-``dot``'s only user is a multiply by a broadcast scale. So each operand enters
-the ``dot`` in f8 and the scales are applied to its float32 result (scalars
-tensorwise; per-row and per-column factors rowwise), where it fuses with the
-ops after the product. What XLA compiles it to on a GPU is in docs/fp8.md.
+Each product is emitted in the form XLA's GPU GEMM rewriter
+(``xla/service/gpu/transforms/gemm_rewriter.cc``) folds into one cuBLASLt FP8
+call. Tensorwise, every operand of the ``dot`` is ``convert(q) *
+broadcast(inv)``, the f8 array dequantized to the product's dtype
+(``MatchFp8Param`` takes the f8 array as the call's operand and the scalar
+``inv`` as its scale), and the ``dot`` produces the output dtype directly: no
+pass after the call. Rowwise scales are vectors, which the rewriter does not
+fold (``CreateF8CustomCall`` accepts scalar scales only), so there the f8
+operands enter the ``dot`` themselves and the per-row and per-column factors
+multiply its float32 result. docs/fp8.md gives the rewriter's conditions.
+
+Tensorwise, the f8 operands and their scales are the residuals: the weight is
+quantized once per step for the forward product and the dgrad. Rowwise, the
+dgrad contracts the weight's other axis, so it needs scales along that axis:
+the weight is quantized again.
 
 Nothing here is stateful: the scales are recomputed from each call's operands
 (current scaling), so there is nothing to checkpoint.
@@ -72,9 +77,14 @@ def _manual_axes() -> tuple[str, ...]:
     return tuple(n for n, t in zip(mesh.axis_names, types, strict=True) if t == manual)
 
 
-def quantize(x: Any, dtype: np.dtype, reduce_axes: Sequence[int] | None) -> tuple[Any, Any]:
+def quantize(
+    x: Any, dtype: np.dtype, reduce_axes: Sequence[int] | None, inv_dtype: np.dtype = F32
+) -> tuple[Any, Any]:
     """``(q, inv)``: `x` scaled into `dtype`'s range and rounded, and the factor
-    that undoes the scale (``x ~ q * inv``).
+    that undoes the scale (``x ~ q * inv``), in `inv_dtype`.
+
+    `x` is divided by `inv` as it is rounded to `inv_dtype`, so dequantizing
+    with it (``dequantize``) undoes exactly the scale that was applied.
 
     `reduce_axes` None is tensorwise (one scale); otherwise the amax is taken
     over those axes (kept as size 1), one scale per remaining index. A
@@ -94,11 +104,14 @@ def quantize(x: Any, dtype: np.dtype, reduce_axes: Sequence[int] | None) -> tupl
         if names:
             amax = lax.pmax(amax, names)
     amax = jnp.maximum(amax, _floor(dtype))
-    scaled = x32 * (fmax / amax)
-    # |scaled| <= fmax up to the rounding of the scale; e4m3fn has no inf and
-    # converts anything past fmax + half an ulp to NaN, so clamp first.
+    inv = (amax / fmax).astype(inv_dtype)
+    scaled = x32 / inv.astype(F32)
+    # |scaled| <= fmax up to the rounding of `inv` (a bfloat16 one: 2**-9, less
+    # than half an e4m3 / e5m2 step at fmax, so the clamp changes no rounded
+    # value); e4m3fn has no inf and converts anything past fmax + half an ulp
+    # to NaN, so clamp first.
     q = _to_fp8(lax.clamp(np.float32(-fmax), scaled, np.float32(fmax)), dtype)
-    return q, amax / fmax
+    return q, inv
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -160,20 +173,62 @@ def _order(ndim: int, dropped: Sequence[int], want: Sequence[int]) -> list[int]:
     return [kept.index(a) for a in want]
 
 
+def _dequantized_dtype(out_dtype: np.dtype) -> np.dtype:
+    """The dtype a tensorwise product's operands are dequantized to: the product's
+    own where it has float32's exponent range (bfloat16, float32), else float32.
+    A float16 scale ``amax / fmax`` of a small gradient is below float16's
+    smallest subnormal: the operand would dequantize to zeros."""
+    out_dtype = np.dtype(out_dtype)
+    return out_dtype if out_dtype in (np.dtype(jnp.bfloat16), F32) else F32
+
+
+def dequantize(q: Any, inv: Any, dtype: np.dtype) -> Any:
+    """``convert(q) * broadcast(inv)`` in `dtype`: the operand form XLA's GPU GEMM
+    rewriter folds into a cuBLASLt FP8 call, `inv` becoming its scale operand."""
+    return q.astype(dtype) * inv.astype(dtype)
+
+
 def scaled_dot(
-    ql: Any, inv_l: Any, qr: Any, inv_r: Any, dims: DotDims, gemm: Gemm, out_sharding: Any
+    ql: Any,
+    inv_l: Any,
+    qr: Any,
+    inv_r: Any,
+    dims: DotDims,
+    gemm: Gemm,
+    out_sharding: Any,
+    out_dtype: np.dtype,
 ) -> Any:
-    """The FP8 product of two quantized operands, dequantized, in float32."""
+    """The FP8 product of two quantized operands, dequantized, in `out_dtype`.
+
+    Tensorwise, each operand is dequantized before the ``dot`` (``dequantize``):
+    its value is the operand's own, so the product has the range of the
+    unquantized one. Rowwise, the f8 operands enter the ``dot`` themselves and
+    the per-row and per-column factors multiply its float32 result
+    (``_out_factors``): XLA folds only scalar scales into the call.
+    """
     kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+    if not gemm.rowwise:
+        dtype = _dequantized_dtype(out_dtype)
+        out = lax.dot_general(
+            dequantize(ql, inv_l, dtype),
+            dequantize(qr, inv_r, dtype),
+            dims,
+            precision=gemm.precision,
+            preferred_element_type=dtype,
+            **kwargs,
+        )
+        return out.astype(out_dtype)
     acc = lax.dot_general(
         ql, qr, dims, precision=gemm.precision, preferred_element_type=F32, **kwargs
     )
     fl, fr = _out_factors(inv_l, inv_r, ql.ndim, qr.ndim, dims, gemm.rowwise)
-    return (acc * fl) * fr
+    return ((acc * fl) * fr).astype(out_dtype)
 
 
-def _quantize_for(x: Any, dtype: np.dtype, contract: Sequence[int], rowwise: bool) -> Any:
-    return quantize(x, dtype, contract if rowwise else None)
+def _quantize_for(x: Any, dtype: np.dtype, contract: Sequence[int], gemm: Gemm) -> Any:
+    if gemm.rowwise:
+        return quantize(x, dtype, contract)
+    return quantize(x, dtype, None, _dequantized_dtype(gemm.out_dtype))
 
 
 # --------------------------------------------------------------------------
@@ -273,14 +328,14 @@ def fp8_dot_general(lhs: Any, rhs: Any, gemm: Gemm) -> Any:
 
 def _fwd(lhs: Any, rhs: Any, gemm: Gemm) -> tuple[Any, tuple[Any, ...]]:
     (lc, rc), _ = gemm.dims
-    ql, il = _quantize_for(lhs, E4M3, lc, gemm.rowwise)
-    qr, ir = _quantize_for(rhs, E4M3, rc, gemm.rowwise)
-    out = scaled_dot(ql, il, qr, ir, gemm.dims, gemm, gemm.out_sharding)
+    ql, il = _quantize_for(lhs, E4M3, lc, gemm)
+    qr, ir = _quantize_for(rhs, E4M3, rc, gemm)
+    out = scaled_dot(ql, il, qr, ir, gemm.dims, gemm, gemm.out_sharding, gemm.out_dtype)
     # Tensorwise, the backward products reuse the FP8 operands and their scales
     # (one byte per element kept, not two). Rowwise, each backward product
     # contracts other axes, so its scales differ: keep the operands themselves.
     res = (lhs, rhs) if gemm.rowwise else (ql, il, qr, ir)
-    return out.astype(gemm.out_dtype), res
+    return out, res
 
 
 def _bwd(gemm: Gemm, res: tuple[Any, ...], g: Any) -> tuple[Any, Any]:
@@ -291,19 +346,23 @@ def _bwd(gemm: Gemm, res: tuple[Any, ...], g: Any) -> tuple[Any, Any]:
         ql, il, qr, ir = res
         nl, nr = ql.ndim, qr.ndim
         lhs, rhs = ql, qr  # for their shardings
-        qg, ig = quantize(g, E5M2, None)
+        qg, ig = _quantize_for(g, E5M2, (), gemm)
     d_dims, d_perm = dgrad_dims(gemm.dims, nl, nr)
     w_dims, w_perm = wgrad_dims(gemm.dims, nl, nr)
     if gemm.rowwise:
         qg, ig = quantize(g, E5M2, d_dims[0][0])
         qr, ir = quantize(rhs, E4M3, d_dims[0][1])
-    dl = scaled_dot(qg, ig, qr, ir, d_dims, gemm, _sharding_before(lhs, d_perm, qg, qr))
+    dl = scaled_dot(
+        qg, ig, qr, ir, d_dims, gemm, _sharding_before(lhs, d_perm, qg, qr), gemm.lhs_dtype
+    )
     if gemm.rowwise:
         ql, il = quantize(lhs, E4M3, w_dims[0][0])
         qg, ig = quantize(g, E5M2, w_dims[0][1])
-    dr = scaled_dot(ql, il, qg, ig, w_dims, gemm, _sharding_before(rhs, w_perm, ql, qg))
-    dl = lax.transpose(dl.astype(gemm.lhs_dtype), d_perm)
-    dr = lax.transpose(dr.astype(gemm.rhs_dtype), w_perm)
+    dr = scaled_dot(
+        ql, il, qg, ig, w_dims, gemm, _sharding_before(rhs, w_perm, ql, qg), gemm.rhs_dtype
+    )
+    dl = lax.transpose(dl, d_perm)
+    dr = lax.transpose(dr, w_perm)
     return dl, dr
 
 
