@@ -47,7 +47,7 @@ the value stored before; there, stochastically. A fast first moment (``b1 = 0.9`
 moves by more than half a step on most steps: rounding to nearest loses nothing there
 and its error, at most half a step and not carried as noise, is smaller than
 stochastic rounding's, whose noise on the first moment (Adam's update is linear in
-it, with 3 mantissa bits) makes a run's result depend on the seed. Where a value
+it, with 3 mantissa bits) spreads runs by their seed. Where a value
 moves by less than half a step, nearest would give the stored value back at every
 step and freeze it (a slow signed EMA: ``b1 = 0.99``, or an EMA of params); there
 the rounding is stochastic, so the value moves in expectation exactly as before. The
