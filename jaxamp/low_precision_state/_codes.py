@@ -40,11 +40,25 @@ update sums; rounding to nearest's error is a bias that does not. The non-negati
 code's extra mantissa bit halves ``s`` for the second moment, where ``1 - b`` is
 smallest and the carried noise largest (of 4 exponent bits and 4 of mantissa, 3 and 5
 or 5 and 3, the first tracks a second moment best: fewer exponent bits clamp a
-block's small values up to the smallest code, fewer mantissa bits add noise). A fast
-first moment (``b1 = 0.9``: each step moves it by more than half a step) would lose
-nothing to rounding to nearest and carry less noise, but the code does not know the
-decay of the moment it stores, and a slow one (``b1 = 0.99``, an EMA of params)
-would lose its decay: both codes round stochastically.
+block's small values up to the smallest code, fewer mantissa bits add noise).
+
+A signed block's next value (``requantize``) rounds to nearest unless that gives back
+the value stored before; there, stochastically. A fast first moment (``b1 = 0.9``)
+moves by more than half a step on most steps: rounding to nearest loses nothing there
+and its error, at most half a step and not carried as noise, is smaller than
+stochastic rounding's, whose noise on the first moment (Adam's update is linear in
+it, with 3 mantissa bits) spreads runs by their seed. Where a value
+moves by less than half a step, nearest would give the stored value back at every
+step and freeze it (a slow signed EMA: ``b1 = 0.99``, or an EMA of params); there
+the rounding is stochastic, so the value moves in expectation exactly as before. The
+code does not know the decay of the moment it stores, and it need not: the rule
+looks at each value's move. Its bias, outside that band, is nearest's half a step of
+a value that moved by more than half a step, and a signed moment's moves go either
+way, so it does not add up. A non-negative block (a second moment) rounds
+stochastically: its moves are one-sided (small decays, and jumps up where a gradient
+is large), so nearest's errors on the jumps would not average out and its mean
+would drift from float32's. ``quantize`` (a first store, a conversion) has no value
+before and rounds stochastically.
 """
 
 from __future__ import annotations
@@ -116,17 +130,34 @@ def _scaled(a: jax.Array, n: jax.Array) -> jax.Array:
     return a * _pow2(half) * _pow2(n - half)
 
 
-def _encode(a: jax.Array, m: jax.Array | int, draw: jax.Array) -> jax.Array:
+def _encode(
+    a: jax.Array,
+    m: jax.Array | int,
+    draw: jax.Array,
+    kept: jax.Array | None = None,
+    nearest: jax.Array | bool = False,
+) -> jax.Array:
     """int32 codes of magnitudes ``0 <= a <= largest`` of the code with ``m`` mantissa
-    bits, rounded stochastically: ``a / step + (e - EMIN) * 2**m`` for ``a``'s binade
-    ``e`` and that binade's step ``2**(e - m)``: piecewise linear and increasing, so
-    rounding ``a / step`` up across a binade's end lands on the next binade's first
-    code."""
+    bits: ``a / step + (e - EMIN) * 2**m`` for ``a``'s binade ``e`` and that binade's
+    step ``2**(e - m)``, piecewise linear and increasing, so rounding ``a / step`` up
+    across a binade's end lands on the next binade's first code.
+
+    Rounded stochastically; where ``nearest``, to the nearer neighbour (ties up)
+    unless that is the magnitude ``kept`` (the one stored before, in ``a``'s units):
+    then stochastically, so that a change below half a step still moves it in
+    expectation."""
     e = jnp.maximum(_exponent(a), EMIN)
+    step = _pow2(e - m)
     t = a * _pow2(m - e)  # exact: a power-of-two scaling
     whole = jnp.floor(t)
-    up = (draw < t - whole).astype(jnp.int32)  # P(up) = the fraction
-    return whole.astype(jnp.int32) + up + ((e - EMIN) << m)
+    fraction = t - whole
+    up = draw < fraction  # P(up) = the fraction
+    if kept is not None:
+        near = fraction >= 0.5
+        # (whole + near) * step is exact: a code's magnitude, on a's scale.
+        frozen = (whole + near.astype(jnp.float32)) * step == kept
+        up = jnp.where(nearest & ~frozen, near, up)
+    return whole.astype(jnp.int32) + up.astype(jnp.int32) + ((e - EMIN) << m)
 
 
 def _decode(c: jax.Array, m: jax.Array | int) -> jax.Array:
@@ -186,10 +217,16 @@ def _mantissa_bits(nonneg: jax.Array) -> jax.Array:
 
 
 def _quantize_blocks(
-    xb: jax.Array, absmax: jax.Array, nonneg: jax.Array, key: jax.Array
+    xb: jax.Array,
+    absmax: jax.Array,
+    nonneg: jax.Array,
+    key: jax.Array,
+    kept: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Block-form uint8 codes and float32 scales of float32 blocks ``xb``, given each
-    block's largest magnitude and whether it has no negative value."""
+    block's largest magnitude and whether it has no negative value. ``kept``: the
+    values stored before (block form); with it, signed blocks round to nearest unless
+    that gives back the value kept (``_encode``)."""
     largest = jnp.where(nonneg, NONNEGATIVE.largest, SIGNED.largest)
     # The smallest power of two 2**k with absmax <= largest * 2**k (largest is in
     # [1, 2), so k is absmax's exponent or the next); never a float32 subnormal
@@ -203,7 +240,14 @@ def _quantize_blocks(
     k = jnp.where(finite, k, 0)
     m = _mantissa_bits(nonneg)[..., None]
     a = jnp.minimum(_scaled(jnp.abs(xb), -k[..., None]), largest[..., None])
-    c = _encode(a, m, draws.uniform(key, xb.shape))
+    if kept is None:
+        c = _encode(a, m, draws.uniform(key, xb.shape))
+    else:
+        # The value kept, as a magnitude on this block's new scale, or -1 (no code's)
+        # where its sign is not the new value's: nearest cannot give it back there.
+        same_sign = (kept < 0) == (xb < 0)
+        was = jnp.where(same_sign | (kept == 0), _scaled(jnp.abs(kept), -k[..., None]), -1.0)
+        c = _encode(a, m, draws.uniform(key, xb.shape), was, ~nonneg[..., None])
     c = jnp.where(
         nonneg[..., None],
         jnp.where(xb > 0, jnp.maximum(c, 1), c),  # a positive value is never stored as 0
@@ -229,14 +273,18 @@ def quantize(x: jax.Array, key: jax.Array, block_size: int) -> tuple[jax.Array, 
 def requantize(
     x: jax.Array, key: jax.Array, block_size: int, codes: jax.Array, scales: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """``quantize(x)``, except that each block whose values equal what ``codes`` and
-    ``scales`` decode to keeps them."""
+    """``x`` quantized as the next value of what ``codes`` and ``scales`` store: each
+    block whose values equal what they decode to keeps them; a signed block's values
+    round to nearest unless that gives back the value stored, then stochastically (the
+    module's docstring says why); a non-negative block's stochastically, as
+    ``quantize``'s."""
     xb = _blocks(x.astype(jnp.float32), block_size)
     cb = _blocks(codes, block_size)
     absmax = jnp.max(jnp.abs(xb), axis=-1)
     nonneg = jnp.all(xb >= 0, axis=-1)
-    same = jnp.all(xb == _dequantize_blocks(cb, scales), axis=-1)
-    new_codes, new_scales = _quantize_blocks(xb, absmax, nonneg, key)
+    kept = _dequantize_blocks(cb, scales)
+    same = jnp.all(xb == kept, axis=-1)
+    new_codes, new_scales = _quantize_blocks(xb, absmax, nonneg, key, kept)
     new_codes = _rows(jnp.where(same[..., None], cb, new_codes), x.shape[-1])
     return new_codes, jnp.where(same, scales, new_scales)
 

@@ -101,8 +101,10 @@ def low_precision_state(
     Each step decodes the stored moments to float32, runs ``inner.update`` on them
     unchanged, and stores the new moments with stochastic rounding (unbiased: a
     moment's decay by ``b2 = 0.999``, far below a step of either format, is kept in
-    expectation, where rounding to nearest would lose it). Between steps no float32
-    copy exists.
+    expectation, where rounding to nearest would lose it); in 8 bits a signed block (a
+    first moment) rounds to nearest where its value moved by more than half a step,
+    stochastically where nearest would give the stored value back. Between steps no
+    float32 copy exists.
 
     - ``jnp.bfloat16``: 2 bytes per element (float32's range, 8 bits of precision).
     - ``"8bit"``: 1 byte per element and a float32 scale per ``block_size`` elements
