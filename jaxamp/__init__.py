@@ -23,6 +23,7 @@ from jaxamp.casting import (
     autocast,
     find_overflow,
     fp8,
+    fp8_select,
     full_precision,
     keep_float32,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "explain",
     "find_overflow",
     "fp8",
+    "fp8_select",
     "full_precision",
     "get_loss_scale",
     "keep_float32",
@@ -116,6 +118,7 @@ __all__ = [
 _NEW_IN_0_4 = (
     "AuditReport",
     "Fp8Config",
+    "Fp8Selection",
     "LowPrecisionState",
     "Quantized8",
     "Rounded16",
