@@ -153,7 +153,11 @@ def fp8_select(
     once per candidate and once per one that could join (at most twice the
     candidates, plus the reference): a calibration, not a train step.
 
-    Use it once before training::
+    FP8 costs the gradient least at init: calibrate at parameters like the ones
+    it will train (a checkpoint part way through; after a few hundred bfloat16
+    steps where there is none), on a batch of the training data.
+
+    Use it once before training in FP8::
 
         selection = jaxamp.fp8_select(loss_fun)(params, batch)
         print(selection)  # each module: FP8 or bf16, and the measured reason
