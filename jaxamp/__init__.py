@@ -24,6 +24,7 @@ from jaxamp.casting import (
     find_overflow,
     fp8,
     fp8_health,
+    fp8_select,
     full_precision,
     keep_float32,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "find_overflow",
     "fp8",
     "fp8_health",
+    "fp8_select",
     "full_precision",
     "get_loss_scale",
     "keep_float32",
@@ -118,6 +120,7 @@ __all__ = [
 _NEW_IN_0_4 = (
     "AuditReport",
     "Fp8Config",
+    "Fp8Selection",
     "LowPrecisionState",
     "Quantized8",
     "Rounded16",

@@ -3,7 +3,7 @@ and checkpoints. None of them is built by hand; each comes from the function nam
 docstring (``jaxamp.explain`` returns an ``Explanation``, ``tx.init`` of
 ``jaxamp.skip_nonfinite`` a ``SkipNonfiniteState``, ...)."""
 
-from jaxamp.casting import AuditReport, Fp8Config, OverflowReport
+from jaxamp.casting import AuditReport, Fp8Config, Fp8Selection, OverflowReport
 from jaxamp.loss_scale import Mode, Unscaled
 from jaxamp.low_precision_params import KahanSummationState, StochasticRoundingState
 from jaxamp.low_precision_state import LowPrecisionState, Quantized8, Rounded16
@@ -20,6 +20,7 @@ __all__ = [
     "AuditReport",
     "Explanation",
     "Fp8Config",
+    "Fp8Selection",
     "KahanSummationState",
     "LowPrecisionState",
     "Mode",

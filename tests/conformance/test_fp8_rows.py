@@ -26,6 +26,13 @@ def test_fp8_conformance_with_the_documented_exclusion(name: str, scaling: str) 
     fp8.check(fp8.evaluate(name, scaling, exclude=fp8.EXCLUDE[name]))
 
 
+@pytest.mark.skipif(not harness.FULL, reason="FP8 rows: full suite only (make conformance)")
+@pytest.mark.parametrize("scaling", fp8.SCALINGS)
+@pytest.mark.parametrize("name", fp8.MODELS)
+def test_fp8_conformance_with_the_selection(name: str, scaling: str) -> None:
+    fp8.check(fp8.evaluate(name, scaling, selected=True))
+
+
 def test_fp8_rows_name_models_of_the_corpus() -> None:
     from . import models
 
@@ -51,3 +58,8 @@ def test_a_documented_miss_is_a_note_and_an_undocumented_one_fails() -> None:
     assert fp8.failures(row("hf-t5", 1.0 + fp8.MISS_BOUND + 0.01))  # beyond the bound
     assert fp8.failures(row("hf-gpt2", 1.03))  # no documented miss
     assert fp8.failures(row("hf-gpt2", 1.005)) == []
+    for scaling in fp8.SCALINGS:  # a selection's row: the goal, whatever the model
+        chosen = {**row("flax-linen-transformer", 1.011, "fp8_select (budget 0.05)"),
+                  "scaling": scaling, "selection": {}}  # fmt: skip
+        assert fp8.failures(chosen)
+        assert fp8.failures({**chosen, "fp8": {"final": 1.009, "nonfinite": 0}}) == []

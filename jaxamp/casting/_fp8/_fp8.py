@@ -74,6 +74,9 @@ SCALINGS = ("tensorwise", "rowwise")
 #: value is the ``modules=`` verdict, ``(pattern, on)``, or None (no rule). A new
 #: mapping per such scope also keeps autocast's per-call-site cache apart.
 FP8_KEY = "jaxamp.fp8"
+#: The key a scope's rules carry where a ``select=`` entry names its module path:
+#: ``(path, on, why)``.
+SELECT_KEY = "jaxamp.fp8_select"
 #: Higher-order primitives whose body runs more than once per call.
 _LOOPS = frozenset({"scan", "while"})
 
@@ -88,12 +91,16 @@ class Fp8Config:
       first_last_bf16: keep the first and last matrix-product layers in the
         autocast dtype.
       batched: run products with batch dimensions (attention's) in FP8 too.
+      select: ``(module path, on, why)`` triples of a layer selection
+        (``jaxamp.fp8_select``), sorted by path: an exact path whose ``on`` is
+        False keeps its products in the autocast dtype, `why` saying why.
     """
 
     scaling: str = "tensorwise"
     modules: tuple[tuple[str, bool], ...] = ()
     first_last_bf16: bool = True
     batched: bool = False
+    select: tuple[tuple[str, bool, str], ...] = ()
 
 
 def fp8(
@@ -102,6 +109,7 @@ def fp8(
     modules: Mapping[str, bool] | None = None,
     first_last_bf16: bool = True,
     batched: bool = False,
+    select: Mapping[str, bool] | None = None,
 ) -> Fp8Config:
     """FP8 matrix products for ``jaxamp.autocast``, with current scaling.
 
@@ -145,13 +153,21 @@ def fp8(
         loop) and for a weight tied to another layer.
       batched: also run products with batch dimensions (attention's score and
         value products, a ``vmap``'d matmul inside `f`) in FP8 (default False).
+      select: a layer selection, module path -> bool, as ``jaxamp.fp8_select``
+        returns it (an ``Fp8Selection``, or a plain dict of it read back from
+        JSON or a checkpoint, edited or not). A path is matched exactly (not as
+        a pattern) against the module path ``jaxamp.audit`` prints; False keeps
+        that module's products in the autocast dtype, True leaves them to the
+        rules above (FP8 where they are eligible). An ``Fp8Selection`` also
+        gives ``audit`` the measured reason of each decision.
 
     Returns:
       An ``Fp8Config`` for ``autocast(..., fp8=...)``.
 
     Raises:
       ValueError: `scaling` is not ``"tensorwise"`` or ``"rowwise"``.
-      TypeError: a `modules` key is not a pattern string or a value is not a bool.
+      TypeError: a `modules` key is not a pattern string or a value is not a bool;
+        a `select` key is not a module path string or a value is not a bool.
 
     Examples:
       >>> model = flax.linen.Dense(32)
@@ -184,8 +200,36 @@ def fp8(
     if not isinstance(batched, bool):
         raise TypeError(f"jaxamp.fp8: batched must be True or False, got {batched!r}")
     return Fp8Config(
-        scaling=scaling, modules=tuple(pairs), first_last_bf16=first_last_bf16, batched=batched
+        scaling=scaling,
+        modules=tuple(pairs),
+        first_last_bf16=first_last_bf16,
+        batched=batched,
+        select=_selected(select),
     )
+
+
+def _selected(select: Mapping[str, bool] | None) -> tuple[tuple[str, bool, str], ...]:
+    """`select` as ``Fp8Config.select``: sorted, each path's reason (an ``Fp8Selection``'s
+    ``reasons``; a plain mapping has none)."""
+    if select is None:
+        return ()
+    if not isinstance(select, Mapping):
+        raise TypeError(
+            f"jaxamp.fp8: select={select!r}; write select=jaxamp.fp8_select(...) or a dict "
+            "of module path -> bool (what it returns, read back from JSON or a checkpoint)"
+        )
+    reasons = getattr(select, "reasons", {})
+    out = []
+    for path, on in select.items():
+        if not isinstance(path, str):
+            raise TypeError(f"jaxamp.fp8: select keys are module paths (str), got {path!r}")
+        if not isinstance(on, bool):
+            raise TypeError(
+                f"jaxamp.fp8: select[{path!r}]={on!r}; write True (FP8 where eligible) or "
+                "False (keep the module's products in the autocast dtype)"
+            )
+        out.append((path, on, str(reasons.get(path, ""))))
+    return tuple(sorted(out))
 
 
 def resolve(value: Any) -> Fp8Config | None:
@@ -244,13 +288,20 @@ class Plan:
         for pattern, on in self.config.modules:
             if module_match(pattern, parts):
                 verdict = (pattern, on)
-        if verdict is None and not any(k[2] == stack for k in self.excluded):
+        path = module_path(parts)
+        chosen = next((c for c in self.config.select if c[0] == path), None)
+        if verdict is None and chosen is None and not any(k[2] == stack for k in self.excluded):
             return rules
-        return {**rules, FP8_KEY: verdict}
+        return {**rules, FP8_KEY: verdict, SELECT_KEY: chosen}
 
     def refusal(self, eqn: Any, site: tuple[int, ...], stack: str, rules: Mapping[str, str]) -> str:
         """Why this product, at `site` under `stack`, stays out of FP8 by the config
         (``""``: it does not)."""
+        chosen = rules.get(SELECT_KEY)
+        if chosen is not None and not chosen[1]:
+            return f"jaxamp.fp8(select=...) keeps {chosen[0]!r} out" + (
+                f": {chosen[2]}" if chosen[2] else ""
+            )
         verdict = rules.get(FP8_KEY)
         if verdict is not None:
             pattern, on = verdict
@@ -301,8 +352,10 @@ class Plan:
         # module path).
         with contextlib.nullcontext() if entered else jax_compat.source_info_context(eqn):
             outs = [_fp8_health.dot(lhs, rhs, gemm, module_path(scope_parts(stack)))]
-        on = rules.get(FP8_KEY)
+        on, chosen = rules.get(FP8_KEY), rules.get(SELECT_KEY)
         why = f" (jaxamp.fp8(modules={{{on[0]!r}: True}}))" if on else ""
+        if chosen is not None and chosen[2]:
+            why += f" (jaxamp.fp8(select=...): {chosen[2]})"
         return (
             outs,
             f"FP8 {self.config.scaling}: float8_e4m3fn operands, float8_e5m2 gradients{why}",
