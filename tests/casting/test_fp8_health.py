@@ -251,3 +251,39 @@ def test_an_autocast_call_on_no_differentiated_argument_is_named_unmeasured():
             w, v
         )
     assert sorted(health) == ["dot_general"] and grad.shape == (D, D)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_flushed_is_the_products_own_rounding_under_its_rounded_scale(out_dtype, seed):
+    """Random operands crowding the flush threshold: ``flushed`` must count the
+    elements the product itself rounds to 0. A tensorwise product's scale is
+    rounded to its dequantization dtype (bfloat16 for a bfloat16 product), which
+    moves the threshold by up to 2**-8 of it; the float64 reference applies the
+    same rounded scale, so each element's verdict is exact (no element within a
+    float32 ulp of the threshold but on it: float32 and float64 agree on every one;
+    one exactly on it rounds to even, 0)."""
+    rng = np.random.default_rng(seed)
+    amax = float(rng.uniform(1.0, 2.0)) * 2.0 ** int(rng.integers(-8, 8))
+    fmax, tiny = float(jnp.finfo(E4M3).max), float(jnp.finfo(E4M3).smallest_subnormal)
+    # Magnitudes within 2 % of the threshold, both signs, and the amax itself.
+    near = amax * tiny / 2 / fmax * rng.uniform(0.98, 1.02, (B, D))
+    x = (near * rng.choice([-1.0, 1.0], (B, D))).astype(np.float32)
+    x[0, 0] = amax
+    x = np.asarray(jnp.asarray(x, out_dtype), np.float64)  # the operand the product sees
+    amax = float(np.max(np.abs(x)))
+    w = jax.random.normal(jax.random.key(seed), (D, D), out_dtype)
+    f = jaxamp.autocast(lambda w, x: x @ w, dtype=out_dtype, fp8=FP8_ALL)
+    (_, health), _ = jaxamp.fp8_health(lambda w, x: jnp.sum(f(w, x).astype(jnp.float32)))(
+        w, jnp.asarray(x, out_dtype)
+    )
+    dequantized = _fp8_gemm._dequantized_dtype(np.dtype(out_dtype))
+    inv = float(np.asarray(np.float32(amax / fmax)).astype(dequantized))
+    scaled = np.abs(x) / inv
+    off = np.abs(scaled - tiny / 2)
+    assert not np.any((off > 0) & (off <= tiny / 2 * 2.0**-23))  # exact ties round to 0
+    expected = np.count_nonzero((x != 0) & (scaled <= tiny / 2)) / x.size
+    assert 0 < expected < 1
+    assert float(health["dot_general"]["lhs"]["flushed"]) == pytest.approx(
+        expected, abs=0.1 / x.size
+    )

@@ -225,10 +225,15 @@ def scaled_dot(
     return ((acc * fl) * fr).astype(out_dtype)
 
 
+def scale_dtype(gemm: Gemm) -> np.dtype:
+    """The dtype of a product's ``inv`` factors: tensorwise, its dequantization
+    dtype (the operands are dequantized in it); rowwise, float32 (the factors
+    multiply the float32 result)."""
+    return F32 if gemm.rowwise else _dequantized_dtype(gemm.out_dtype)
+
+
 def _quantize_for(x: Any, dtype: np.dtype, contract: Sequence[int], gemm: Gemm) -> Any:
-    if gemm.rowwise:
-        return quantize(x, dtype, contract)
-    return quantize(x, dtype, None, _dequantized_dtype(gemm.out_dtype))
+    return quantize(x, dtype, contract if gemm.rowwise else None, scale_dtype(gemm))
 
 
 # --------------------------------------------------------------------------

@@ -45,19 +45,22 @@ STATS = ("amax", "saturated", "flushed")
 _F32 = np.dtype(np.float32)
 
 
-def cast_stats(x: Any, dtype: np.dtype, reduce_axes: Sequence[int] | None) -> Any:
+def cast_stats(
+    x: Any, dtype: np.dtype, reduce_axes: Sequence[int] | None, inv_dtype: np.dtype
+) -> Any:
     """``[amax, saturated, flushed]`` (float32) of `x`'s cast to `dtype` as
-    ``_fp8_gemm.quantize`` makes it with `reduce_axes`.
+    ``_fp8_gemm.quantize`` makes it with `reduce_axes` and `inv_dtype`.
 
     ``flushed`` compares the FP8 values themselves with the float32 ones: the
     elements that are finite and nonzero before the cast and zero after it.
     ``saturated`` counts the inf and NaN elements: under current scaling a
     finite element never exceeds the FP8 maximum (the scale maps the amax to
     it), so non-finite input is the only way a cast overflows. The
-    quantization repeats the product's own, operand for operand: XLA computes
-    it once (CSE)."""
+    quantization repeats the product's own, operand for operand, its scale
+    rounded to the same `inv_dtype` (the rounding moves the flush threshold):
+    XLA computes it once (CSE)."""
     x32 = x.astype(_F32)
-    q, _ = _fp8_gemm.quantize(x, dtype, reduce_axes)
+    q, _ = _fp8_gemm.quantize(x, dtype, reduce_axes, inv_dtype)
     finite = jnp.isfinite(x32)
     flushed = finite & (x32 != 0) & (q.astype(_F32) == 0)
     # One variadic reduction reads the operand once for all its statistics
@@ -110,8 +113,9 @@ def _measured_fwd(lhs: Any, rhs: Any, probe: Any, static: _Static) -> tuple[tupl
     # The product's own forward and backward rule, whatever they are.
     out, vjp = jax.vjp(functools.partial(_fp8_gemm.fp8_dot_general, gemm=static.gemm), lhs, rhs)
     al, ar, _, _ = static.reduce_axes()
+    inv = _fp8_gemm.scale_dtype(static.gemm)
     fwd = jnp.stack([
-        cast_stats(lhs, _fp8_gemm.E4M3, al), cast_stats(rhs, _fp8_gemm.E4M3, ar)
+        cast_stats(lhs, _fp8_gemm.E4M3, al, inv), cast_stats(rhs, _fp8_gemm.E4M3, ar, inv)
     ])  # fmt: skip
     return (out, fwd), vjp
 
@@ -119,9 +123,10 @@ def _measured_fwd(lhs: Any, rhs: Any, probe: Any, static: _Static) -> tuple[tupl
 def _measured_bwd(static: _Static, vjp: Any, cts: tuple[Any, Any]) -> tuple[Any, Any, Any]:
     g, _ = cts
     _, _, ad, aw = static.reduce_axes()
-    dgrad = cast_stats(g, _fp8_gemm.E5M2, ad)
+    inv = _fp8_gemm.scale_dtype(static.gemm)
+    dgrad = cast_stats(g, _fp8_gemm.E5M2, ad, inv)
     # Tensorwise both backward products read the one e5m2 cast of the gradient.
-    wgrad = cast_stats(g, _fp8_gemm.E5M2, aw) if static.gemm.rowwise else dgrad
+    wgrad = cast_stats(g, _fp8_gemm.E5M2, aw, inv) if static.gemm.rowwise else dgrad
     dl, dr = vjp(g)
     return dl, dr, jnp.stack([dgrad, wgrad])
 
