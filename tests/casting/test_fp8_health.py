@@ -287,3 +287,16 @@ def test_flushed_is_the_products_own_rounding_under_its_rounded_scale(out_dtype,
     assert float(health["dot_general"]["lhs"]["flushed"]) == pytest.approx(
         expected, abs=0.1 / x.size
     )
+
+
+@pytest.mark.parametrize("wrap", [jax.checkpoint, lambda f: lambda w: jax.jit(f)(w)])
+def test_products_in_a_cached_nested_trace_are_named_unmeasured(wrap):
+    """``jax.checkpoint`` and ``jax.jit`` trace their function once and reuse the
+    jaxpr: the counting pass traced it, so the measured pass never meets the
+    product. It is still not measured, and the warning must still say so."""
+    w = jax.random.normal(jax.random.key(6), (D, D))
+    f = jaxamp.autocast(lambda w, x: x @ w, dtype=jnp.bfloat16, fp8=FP8_ALL)
+    loss = wrap(lambda w: jnp.sum(f(w, jnp.ones((B, D)))))
+    with pytest.warns(UserWarning, match=r"not measured: \['dot_general'\]"):
+        (_, health), _ = jaxamp.fp8_health(loss)(w)
+    assert health == {}

@@ -311,11 +311,14 @@ def fp8_health(
         grad_fn = jax.value_and_grad(with_probes, argnums=(*positions, len(args)), has_aux=True)
         probes = jnp.zeros((n, 2, len(STATS)), _F32)
         (loss, (aux, forward)), grads = grad_fn(*args, probes, **kwargs)
-        if col.unmeasured:
+        # A nested jit or remat traces its function once: the counting pass met its
+        # products, the measured pass reuses the jaxpr and never meets them.
+        unmeasured = list(dict.fromkeys(col.unmeasured + count.unmeasured))
+        if unmeasured:
             warnings.warn(
                 "jaxamp.fp8_health: these FP8 products are traced apart from the loss (a "
                 "nested jit, loop body, remat or shard_map, or an autocast call on no "
-                f"differentiated argument) and are not measured: {col.unmeasured}",
+                f"differentiated argument) and are not measured: {unmeasured}",
                 UserWarning,
                 stacklevel=2,
             )
