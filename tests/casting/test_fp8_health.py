@@ -300,3 +300,15 @@ def test_products_in_a_cached_nested_trace_are_named_unmeasured(wrap):
     with pytest.warns(UserWarning, match=r"not measured: \['dot_general'\]"):
         (_, health), _ = jaxamp.fp8_health(loss)(w)
     assert health == {}
+
+
+def test_argnums_are_read_as_jax_reads_them_and_out_of_range_is_named():
+    w = jax.random.normal(jax.random.key(7), (D, D))
+    f = jaxamp.autocast(lambda w, x: x @ w, dtype=jnp.bfloat16, fp8=FP8_ALL)
+    loss = lambda w, x: jnp.sum(f(w, x))  # noqa: E731
+    x = jnp.ones((B, D))
+    (_, health), g = jaxamp.fp8_health(loss, argnums=np.int64(0))(w, x)
+    np.testing.assert_array_equal(g, jax.grad(loss, argnums=np.int64(0))(w, x))
+    # The probes fp8_health appends are its own: the error counts the caller's arguments.
+    with pytest.raises(TypeError, match=r"argnums=\(0, 2\).*2 positional arguments"):
+        jaxamp.fp8_health(loss, argnums=(0, 2))(w, x)

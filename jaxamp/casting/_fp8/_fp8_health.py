@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -268,8 +269,12 @@ def fp8_health(
     """
     if not callable(fun):
         raise TypeError(f"jaxamp.fp8_health: fun must be callable, got {type(fun).__name__}")
-    nums = argnums if isinstance(argnums, tuple | list) else (argnums,)
-    if not nums or not all(isinstance(n, int) and not isinstance(n, bool) for n in nums):
+    single = not isinstance(argnums, tuple | list)
+    try:  # numpy integers too, as jax.value_and_grad reads them
+        nums = tuple(operator.index(n) for n in ((argnums,) if single else argnums))
+    except TypeError:
+        nums = ()
+    if not nums or any(isinstance(n, bool) for n in ((argnums,) if single else argnums)):
         raise TypeError(
             f"jaxamp.fp8_health: argnums must be an int or a sequence of ints, got {argnums!r}"
         )
@@ -299,7 +304,14 @@ def fp8_health(
         # only the differentiated ones (an autocast call on the others alone runs as
         # its own jit, unmeasured).
         n = len(count.names)
-        positions = [a % len(args) if -len(args) <= a < len(args) else a for a in nums]
+        if any(not -len(args) <= a < len(args) for a in nums):
+            # jax would count the probes appended to the arguments.
+            raise TypeError(
+                f"jaxamp.fp8_health: differentiating with respect to argnums={argnums!r} "
+                f"requires more positional arguments, but the function was called with "
+                f"{len(args)} positional arguments."
+            )
+        positions = [a % len(args) for a in nums]
         col = _Collector(probes=None)
 
         def with_probes(*all_args: Any, **kw: Any) -> Any:
@@ -324,7 +336,7 @@ def fp8_health(
             )
         health = _report(col.names, col.rowwise, forward, grads[-1])
         value = (loss, aux) if has_aux else loss
-        grads = grads[0] if isinstance(argnums, int) else tuple(grads[:-1])
+        grads = grads[0] if single else tuple(grads[:-1])
         return (value, health), grads
 
     return run
