@@ -44,6 +44,8 @@ __all__ = ["STATS", "fp8_health"]
 #: The statistics of one cast, in the order of its row.
 STATS = ("amax", "saturated", "flushed")
 _F32 = np.dtype(np.float32)
+#: The name of a product outside any module (audit's empty module path).
+UNNAMED = "dot_general"
 
 
 def cast_stats(
@@ -173,7 +175,7 @@ def dot(lhs: Any, rhs: Any, gemm: _fp8_gemm.Gemm, name: str) -> Any:
     col = _active()
     if col is None:
         return _fp8_gemm.fp8_dot_general(lhs, rhs, gemm)
-    name = _unique(name or "dot_general", col.names + col.unmeasured)
+    name = _unique(name or UNNAMED, col.names + col.unmeasured)
     if jax_compat.current_trace() is not col.trace:
         # A nested jit's, loop body's or remat's trace: its values cannot leave
         # with the loss.
