@@ -288,24 +288,6 @@ def fp8_health(
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> tuple[tuple[Any, dict[str, Any]], Any]:
-        count = _Collector(probes=None)
-        # Traced on its array leaves, as the measured call will be (autocast runs an
-        # eager call as its own jit), its other leaves (flags) as they are.
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
-
-        def counted(*vals: Any) -> Any:
-            full = list(leaves)
-            for i, v in zip(arrays, vals, strict=True):
-                full[i] = v
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
-            return measured(count, *a, **k)
-
-        jax.eval_shape(counted, *(leaves[i] for i in arrays))
-        # An upper bound: every array is traced here, while the measured call traces
-        # only the differentiated ones (an autocast call on the others alone runs as
-        # its own jit, unmeasured).
-        n = len(count.names)
         if any(not -len(args) <= a < len(args) for a in nums):
             # jax would count the probes appended to the arguments.
             raise TypeError(
@@ -314,6 +296,21 @@ def fp8_health(
                 f"{len(args)} positional arguments."
             )
         positions = [a % len(args) for a in nums]
+        differentiated = list(dict.fromkeys(positions))
+        count = _Collector(probes=None)
+
+        # Traced on the differentiated arguments only, as jax.value_and_grad traces
+        # them: the others stay as the caller passed them (a numpy batch read with
+        # numpy), and an autocast call on them alone runs as its own jit in both
+        # passes, so both count the same products.
+        def counted(*vals: Any) -> Any:
+            full = list(args)
+            for i, v in zip(differentiated, vals, strict=True):
+                full[i] = v
+            return measured(count, *full, **kwargs)
+
+        jax.eval_shape(counted, *(args[i] for i in differentiated))
+        n = len(count.names)
         col = _Collector(probes=None)
 
         def with_probes(*all_args: Any, **kw: Any) -> Any:
