@@ -120,10 +120,13 @@ def _measured_fwd(lhs: Any, rhs: Any, probe: Any, static: _Static) -> tuple[tupl
     fwd = jnp.stack([
         cast_stats(lhs, _fp8_gemm.E4M3, al, inv), cast_stats(rhs, _fp8_gemm.E4M3, ar, inv)
     ])  # fmt: skip
-    return (out, fwd), vjp
+    return (out, fwd), (vjp, probe)
 
 
-def _measured_bwd(static: _Static, vjp: Any, cts: tuple[Any, Any]) -> tuple[Any, Any, Any]:
+def _measured_bwd(
+    static: _Static, res: tuple[Any, Any], cts: tuple[Any, Any]
+) -> tuple[Any, Any, Any]:
+    vjp, probe = res
     g, _ = cts
     _, _, ad, aw = static.reduce_axes()
     inv = _fp8_gemm.scale_dtype(static.gemm)
@@ -131,7 +134,9 @@ def _measured_bwd(static: _Static, vjp: Any, cts: tuple[Any, Any]) -> tuple[Any,
     # Tensorwise both backward products read the one e5m2 cast of the gradient.
     wgrad = cast_stats(g, _fp8_gemm.E5M2, aw, inv) if static.gemm.rowwise else dgrad
     dl, dr = vjp(g)
-    return dl, dr, jnp.stack([dgrad, wgrad])
+    # Inside shard_map the probe varies over every manual axis (``fp8_health``), the
+    # statistics over those the gradient does: the cotangent must have the probe's type.
+    return dl, dr, jax_compat.like_varying(jnp.stack([dgrad, wgrad]), probe)
 
 
 _measured_dot.defvjp(_measured_fwd, _measured_bwd)
@@ -243,7 +248,10 @@ def fp8_health(
     metrics. It costs a few reductions per cast (docs/fp8.md gives the
     measured bytes and flops); ``fun`` is traced one more time to count its
     products. Without ``fp8_health`` nothing is measured and the program is
-    unchanged. Products that autocast runs inside a nested ``jit`` with
+    unchanged. Called inside a ``shard_map`` body (a per-device step), each
+    device measures its own shard: the figures vary over the mesh axes, to be
+    reduced like the loss (``lax.pmax`` the amax, ``lax.pmean`` the fractions
+    of equal shards). Products that autocast runs inside a nested ``jit`` with
     shardings, a loop body, ``remat`` or ``shard_map`` are not measured (a
     warning names them).
 
@@ -320,7 +328,11 @@ def fp8_health(
             return loss, (aux, col.forward)
 
         grad_fn = jax.value_and_grad(with_probes, argnums=(*positions, len(args)), has_aux=True)
-        probes = jnp.zeros((n, 2, len(STATS)), _F32)
+        # Inside a shard_map body each device measures its own shard: the probes, whose
+        # cotangents carry the backward figures, vary over the mesh axes as those do.
+        probes = jax_compat.varying_over(
+            jnp.zeros((n, 2, len(STATS)), _F32), _fp8_gemm.manual_axes()
+        )
         (loss, (aux, forward)), grads = grad_fn(*args, probes, **kwargs)
         # A nested jit or remat traces its function once: the counting pass met its
         # products, the measured pass reuses the jaxpr and never meets them.
