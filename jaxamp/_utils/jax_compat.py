@@ -121,7 +121,12 @@ def like_varying(x: Any, other: Any) -> Any:
     them: zeros built in one branch vary over none, the updates of the other over
     the mapped axis. Marking a value varying is free (no data moves).
     """
-    missing = tuple(sorted(varying_axes(other) - varying_axes(x)))
+    return varying_over(x, varying_axes(other))
+
+
+def varying_over(x: Any, names: Any) -> Any:
+    """``x`` made to vary over the shard_map axes `names` too (free: no data moves)."""
+    missing = tuple(sorted(frozenset(names) - varying_axes(x)))
     if not missing:
         return x
     if hasattr(jax.lax, "pcast"):

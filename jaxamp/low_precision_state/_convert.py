@@ -8,6 +8,7 @@ abstractly, holding the source's values, each moment stored in the target's form
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -199,15 +200,50 @@ def convert_state(
             f"as its values and each LowPrecisionState as the state it wraps): {found}. {_HOW}"
         )
 
-    # One program for the whole state: op by op, each leaf's rounding would dispatch (and
-    # compile, on a restored state's shapes) a dozen eager ops.
-    @jax.jit
-    def convert(sources: list[Any], counts: dict[str, Any]) -> Any:
-        key = jax.random.key(_SEED)
-        leaves = (
-            _convert_leaf(s, t, jax.random.fold_in(key, i))
-            for i, (s, t) in enumerate(zip(sources, targets, strict=True))
+    # One program per set of devices, not a dozen eager ops per leaf (each leaf's
+    # rounding would dispatch, and compile on a restored state's shapes, its own). A
+    # restored state can hold leaves committed to different devices (a scalar on one,
+    # the moments on a mesh): one jit cannot take both. Leaves kept as they are stay
+    # out of it, each with its own buffer and sharding.
+    leaves = list(sources)
+    groups: dict[Any, list[int]] = {}
+    for i, (s, t) in enumerate(zip(sources, targets, strict=True)):
+        if not _kept(s, t):
+            groups.setdefault(_devices(s), []).append(i)
+    anywhere = groups.pop(None, [])
+    if anywhere:  # uncommitted: they join any program
+        first = next(iter(groups), None)
+        groups[first] = groups.get(first, []) + anywhere
+    for indices in groups.values():
+        converted = jax.jit(functools.partial(_convert_leaves, targets=targets, indices=indices))(
+            [sources[i] for i in indices]
         )
-        return _wrap(target, leaves, counts)
+        for i, x in zip(indices, converted, strict=True):
+            leaves[i] = x
+    return _wrap(target, iter(leaves), counts)
 
-    return convert(sources, counts)
+
+def _kept(source: Any, target: Any) -> bool:
+    """Whether ``_convert_leaf`` returns `source` itself."""
+    if is_stored(target):
+        return is_stored(source) and jax.tree.structure(source) == jax.tree.structure(target)
+    return not is_stored(source) and getattr(source, "dtype", None) == target.dtype
+
+
+def _devices(source: Any) -> frozenset[Any] | None:
+    """The devices `source`'s committed arrays are on (None: none committed)."""
+    found: set[Any] = set()
+    for x in jax.tree.leaves(source):
+        if isinstance(x, jax.Array) and getattr(x, "committed", getattr(x, "_committed", False)):
+            found |= x.sharding.device_set
+    return frozenset(found) or None
+
+
+def _convert_leaves(sources: list[Any], targets: list[Any], indices: list[int]) -> list[Any]:
+    """``sources`` (the leaves at `indices`) in their targets' forms, each rounded from
+    the key of its index in the whole state (the same bits however they are grouped)."""
+    key = jax.random.key(_SEED)
+    return [
+        _convert_leaf(s, targets[i], jax.random.fold_in(key, i))
+        for s, i in zip(sources, indices, strict=True)
+    ]

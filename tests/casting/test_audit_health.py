@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 import jaxamp
 from tests.casting.test_fp8_health import _planted
@@ -24,3 +25,20 @@ def test_the_planted_casts_are_the_flagged_ones():
     assert f"{share:.3%} flushed to zero" in rows["Planted/under", "grad"]
     # On the CPU XLA runs the FP8 products as dots.
     assert all(" dot " in f" {line} " for line in rows.values())
+
+
+def test_a_product_outside_any_module_is_joined_to_its_kernel():
+    """fp8_health names it ``dot_general``, audit by its empty module path: the
+    table must still find its kernel."""
+    w = jax.random.normal(jax.random.key(0), (64, 64))
+    f = jaxamp.autocast(
+        lambda w, x: x @ w, dtype=jnp.bfloat16, fp8=jaxamp.fp8(first_last_bf16=False)
+    )
+    step = jaxamp.fp8_health(lambda w, x: jnp.sum(f(w, x)))
+    x = jnp.ones((32, 64))
+    (_, health), _ = step(w, x)
+    rows = jaxamp.audit(step)(w, x).health_table(health).splitlines()[2:]
+    assert [line.split()[:2] for line in rows] == [
+        ["dot_general", c] for c in ("lhs", "rhs", "grad")
+    ]
+    assert all(" dot " in f" {line} " and "?" not in line for line in rows)

@@ -60,3 +60,25 @@ def test_another_block_size_is_named_and_convert_state_moves_the_restored_state(
         assert np.max(np.abs(a - b)) <= 2 * np.max(np.abs(a)) / 8, field
     if how == "manager":
         ckptr.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a checkpoint does not record block_size: another block size cutting the last "
+    "axis into as many blocks (512 elements: 256 and 300 both make 2) restores without "
+    "error, and the moments decode with the wrong block boundaries",
+)
+def test_another_block_size_with_as_many_blocks_is_refused_or_decodes_the_saved_values(tmp_path):
+    saved = _trained(_tx(256))
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(tmp_path / "c", saved)
+    ckptr.wait_until_finished()
+    target = jax.eval_shape(_tx(300).init, PARAMS)
+    try:
+        restored = jaxamp.checkpoint.restore(ckptr, target, directory=tmp_path / "c")
+    except ValueError as err:
+        assert "block_size" in str(err)
+        return
+    was = saved.inner_state[0].mu["w"].value()
+    now = restored.inner_state[0].mu["w"].value()
+    np.testing.assert_array_equal(np.asarray(now), np.asarray(was))

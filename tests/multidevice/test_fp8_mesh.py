@@ -209,3 +209,36 @@ def test_shard_map_keeps_a_model_called_twice_its_first_and_last_layers():
     x = jnp.ones((N_DEV * 32, 32), F32)
     bf, f8 = "bfloat16", "float8_e4m3fn"
     assert _dot_dtypes(f, mlp_params(), x, x) == [bf, f8, f8, bf] * 2
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fp8_health_inside_a_shard_map_step(scaling):
+    """A per-device step (shard_map around value_and_grad, gradients psum'd): each
+    device's figures are those of its shard (varying over the mesh axis), the
+    gradients exactly jax.value_and_grad's in the same body."""
+    x, w, c = _arrays()
+    mesh = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Auto,))
+    f = jaxamp.autocast(
+        lambda w, x: x @ w, dtype=BF16, fp8=jaxamp.fp8(scaling, first_last_bf16=False)
+    )
+
+    def loss(w, x, c):
+        return jnp.sum((f(w, x) * c).astype(F32))
+
+    def body(w, x, c):
+        (value, health), grad = jaxamp.fp8_health(loss)(w, x, c)
+        ref_value, ref_grad = jax.value_and_grad(loss)(w, x, c)
+        same = jnp.all(grad == ref_grad) & (value == ref_value)
+        amax = jax.lax.pmax(health["dot_general"]["lhs"]["amax"], "data")
+        per_device = jax.tree.map(lambda a: a[None], health["dot_general"])
+        return jax.lax.pmin(same.astype(jnp.int32), "data"), amax, per_device
+
+    run = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=(P(), P(), P("data"))
+    )
+    same, amax, per_device = jax.jit(run)(w, x, c)
+    assert int(same) == 1
+    assert float(amax) == float(jnp.max(jnp.abs(x.astype(F32))))
+    # One amax per device: the largest of its own rows.
+    rows = x.astype(F32).reshape(N_DEV, -1, x.shape[1])
+    np.testing.assert_array_equal(per_device["lhs"]["amax"], jnp.max(jnp.abs(rows), axis=(1, 2)))

@@ -117,3 +117,21 @@ def test_sharded_equals_unsharded_bit_for_bit(dtype) -> None:
             assert arr.sharding.is_equivalent_to(want, arr.ndim), (name, arr.sharding)
     for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(unsharded), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_convert_state_of_leaves_on_different_devices():
+    """A restored state can hold a scalar committed to one device (orbax restores
+    it where the target's sharding, taken from a live state, put it) beside moments
+    on the mesh: convert_state converts each as it is, as on one device."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    params = {k: jax.device_put(x, NamedSharding(mesh, SPECS[k])) for k, x in _params().items()}
+    plain = optax.adam(1e-3)
+    state = plain.init(params)
+    adam = state[0]._replace(count=jax.device_put(jnp.int32(5), jax.devices()[0]))
+    state = (adam, *state[1:])
+    tx = jaxamp.low_precision_state(optax.adam(1e-3), "8bit", block_size=BLOCK, min_size=0)
+    got = jaxamp.convert_state(state, tx, params)
+    want = jaxamp.convert_state(jax.device_get(state), tx, _params())
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    assert got.inner_state[0].count.sharding == adam.count.sharding
+    assert got.inner_state[0].mu["w"].codes.sharding.spec == SPECS["w"]

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxamp.casting._fp8._fp8_health import UNNAMED
+
 #: The fraction of a cast flushed to zero from which the table flags it: one
 #: element in a thousand, a share of the gradient or activation that FP8 drops.
 FLUSH_FLAG = 1e-3
@@ -39,7 +41,7 @@ def table(
     kernels: dict[str, str] = {}
     for r in matmuls:
         if r.pass_ == "forward" and r.requested.startswith("f8"):
-            kernels.setdefault(r.module, r.kernel)
+            kernels.setdefault(r.module or UNNAMED, r.kernel)
     rows = []
     for name, casts in health.items():
         module = name.partition("#")[0]

@@ -66,7 +66,7 @@ def _floor(dtype: np.dtype) -> float:
     return float(jnp.finfo(dtype).max) * 2.0**-126
 
 
-def _manual_axes() -> tuple[str, ...]:
+def manual_axes() -> tuple[str, ...]:
     """The mesh axes a ``shard_map`` body being traced is manual over (else none)."""
     get = getattr(jax.sharding, "get_abstract_mesh", None)
     mesh = get() if get is not None else None
@@ -100,7 +100,7 @@ def quantize(
     axes = tuple(range(x.ndim)) if reduce_axes is None else tuple(reduce_axes)
     amax = jnp.max(jnp.abs(x32), axis=axes, keepdims=reduce_axes is not None)
     if reduce_axes is None:
-        names = _manual_axes()
+        names = manual_axes()
         if names:
             amax = lax.pmax(amax, names)
     amax = jnp.maximum(amax, _floor(dtype))
@@ -225,10 +225,15 @@ def scaled_dot(
     return ((acc * fl) * fr).astype(out_dtype)
 
 
+def scale_dtype(gemm: Gemm) -> np.dtype:
+    """The dtype of a product's ``inv`` factors: tensorwise, its dequantization
+    dtype (the operands are dequantized in it); rowwise, float32 (the factors
+    multiply the float32 result)."""
+    return F32 if gemm.rowwise else _dequantized_dtype(gemm.out_dtype)
+
+
 def _quantize_for(x: Any, dtype: np.dtype, contract: Sequence[int], gemm: Gemm) -> Any:
-    if gemm.rowwise:
-        return quantize(x, dtype, contract)
-    return quantize(x, dtype, None, _dequantized_dtype(gemm.out_dtype))
+    return quantize(x, dtype, contract if gemm.rowwise else None, scale_dtype(gemm))
 
 
 # --------------------------------------------------------------------------

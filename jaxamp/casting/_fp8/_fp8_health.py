@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -43,21 +44,26 @@ __all__ = ["STATS", "fp8_health"]
 #: The statistics of one cast, in the order of its row.
 STATS = ("amax", "saturated", "flushed")
 _F32 = np.dtype(np.float32)
+#: The name of a product outside any module (audit's empty module path).
+UNNAMED = "dot_general"
 
 
-def cast_stats(x: Any, dtype: np.dtype, reduce_axes: Sequence[int] | None) -> Any:
+def cast_stats(
+    x: Any, dtype: np.dtype, reduce_axes: Sequence[int] | None, inv_dtype: np.dtype
+) -> Any:
     """``[amax, saturated, flushed]`` (float32) of `x`'s cast to `dtype` as
-    ``_fp8_gemm.quantize`` makes it with `reduce_axes`.
+    ``_fp8_gemm.quantize`` makes it with `reduce_axes` and `inv_dtype`.
 
     ``flushed`` compares the FP8 values themselves with the float32 ones: the
     elements that are finite and nonzero before the cast and zero after it.
     ``saturated`` counts the inf and NaN elements: under current scaling a
     finite element never exceeds the FP8 maximum (the scale maps the amax to
     it), so non-finite input is the only way a cast overflows. The
-    quantization repeats the product's own, operand for operand: XLA computes
-    it once (CSE)."""
+    quantization repeats the product's own, operand for operand, its scale
+    rounded to the same `inv_dtype` (the rounding moves the flush threshold):
+    XLA computes it once (CSE)."""
     x32 = x.astype(_F32)
-    q, _ = _fp8_gemm.quantize(x, dtype, reduce_axes)
+    q, _ = _fp8_gemm.quantize(x, dtype, reduce_axes, inv_dtype)
     finite = jnp.isfinite(x32)
     flushed = finite & (x32 != 0) & (q.astype(_F32) == 0)
     # One variadic reduction reads the operand once for all its statistics
@@ -110,20 +116,27 @@ def _measured_fwd(lhs: Any, rhs: Any, probe: Any, static: _Static) -> tuple[tupl
     # The product's own forward and backward rule, whatever they are.
     out, vjp = jax.vjp(functools.partial(_fp8_gemm.fp8_dot_general, gemm=static.gemm), lhs, rhs)
     al, ar, _, _ = static.reduce_axes()
+    inv = _fp8_gemm.scale_dtype(static.gemm)
     fwd = jnp.stack([
-        cast_stats(lhs, _fp8_gemm.E4M3, al), cast_stats(rhs, _fp8_gemm.E4M3, ar)
+        cast_stats(lhs, _fp8_gemm.E4M3, al, inv), cast_stats(rhs, _fp8_gemm.E4M3, ar, inv)
     ])  # fmt: skip
-    return (out, fwd), vjp
+    return (out, fwd), (vjp, probe)
 
 
-def _measured_bwd(static: _Static, vjp: Any, cts: tuple[Any, Any]) -> tuple[Any, Any, Any]:
+def _measured_bwd(
+    static: _Static, res: tuple[Any, Any], cts: tuple[Any, Any]
+) -> tuple[Any, Any, Any]:
+    vjp, probe = res
     g, _ = cts
     _, _, ad, aw = static.reduce_axes()
-    dgrad = cast_stats(g, _fp8_gemm.E5M2, ad)
+    inv = _fp8_gemm.scale_dtype(static.gemm)
+    dgrad = cast_stats(g, _fp8_gemm.E5M2, ad, inv)
     # Tensorwise both backward products read the one e5m2 cast of the gradient.
-    wgrad = cast_stats(g, _fp8_gemm.E5M2, aw) if static.gemm.rowwise else dgrad
+    wgrad = cast_stats(g, _fp8_gemm.E5M2, aw, inv) if static.gemm.rowwise else dgrad
     dl, dr = vjp(g)
-    return dl, dr, jnp.stack([dgrad, wgrad])
+    # Inside shard_map the probe varies over every manual axis (``fp8_health``), the
+    # statistics over those the gradient does: the cotangent must have the probe's type.
+    return dl, dr, jax_compat.like_varying(jnp.stack([dgrad, wgrad]), probe)
 
 
 _measured_dot.defvjp(_measured_fwd, _measured_bwd)
@@ -167,7 +180,7 @@ def dot(lhs: Any, rhs: Any, gemm: _fp8_gemm.Gemm, name: str) -> Any:
     col = _active()
     if col is None:
         return _fp8_gemm.fp8_dot_general(lhs, rhs, gemm)
-    name = _unique(name or "dot_general", col.names + col.unmeasured)
+    name = _unique(name or UNNAMED, col.names + col.unmeasured)
     if jax_compat.current_trace() is not col.trace:
         # A nested jit's, loop body's or remat's trace: its values cannot leave
         # with the loss.
@@ -235,7 +248,10 @@ def fp8_health(
     metrics. It costs a few reductions per cast (docs/fp8.md gives the
     measured bytes and flops); ``fun`` is traced one more time to count its
     products. Without ``fp8_health`` nothing is measured and the program is
-    unchanged. Products that autocast runs inside a nested ``jit`` with
+    unchanged. Called inside a ``shard_map`` body (a per-device step), each
+    device measures its own shard: the figures vary over the mesh axes, to be
+    reduced like the loss (``lax.pmax`` the amax, ``lax.pmean`` the fractions
+    of equal shards). Products that autocast runs inside a nested ``jit`` with
     shardings, a loop body, ``remat`` or ``shard_map`` are not measured (a
     warning names them).
 
@@ -263,8 +279,12 @@ def fp8_health(
     """
     if not callable(fun):
         raise TypeError(f"jaxamp.fp8_health: fun must be callable, got {type(fun).__name__}")
-    nums = argnums if isinstance(argnums, tuple | list) else (argnums,)
-    if not nums or not all(isinstance(n, int) and not isinstance(n, bool) for n in nums):
+    single = not isinstance(argnums, tuple | list)
+    try:  # numpy integers too, as jax.value_and_grad reads them
+        nums = tuple(operator.index(n) for n in ((argnums,) if single else argnums))
+    except TypeError:
+        nums = ()
+    if not nums or any(isinstance(n, bool) for n in ((argnums,) if single else argnums)):
         raise TypeError(
             f"jaxamp.fp8_health: argnums must be an int or a sequence of ints, got {argnums!r}"
         )
@@ -276,25 +296,29 @@ def fp8_health(
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> tuple[tuple[Any, dict[str, Any]], Any]:
+        if any(not -len(args) <= a < len(args) for a in nums):
+            # jax would count the probes appended to the arguments.
+            raise TypeError(
+                f"jaxamp.fp8_health: differentiating with respect to argnums={argnums!r} "
+                f"requires more positional arguments, but the function was called with "
+                f"{len(args)} positional arguments."
+            )
+        positions = [a % len(args) for a in nums]
+        differentiated = list(dict.fromkeys(positions))
         count = _Collector(probes=None)
-        # Traced on its array leaves, as the measured call will be (autocast runs an
-        # eager call as its own jit), its other leaves (flags) as they are.
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
 
+        # Traced on the differentiated arguments only, as jax.value_and_grad traces
+        # them: the others stay as the caller passed them (a numpy batch read with
+        # numpy), and an autocast call on them alone runs as its own jit in both
+        # passes, so both count the same products.
         def counted(*vals: Any) -> Any:
-            full = list(leaves)
-            for i, v in zip(arrays, vals, strict=True):
+            full = list(args)
+            for i, v in zip(differentiated, vals, strict=True):
                 full[i] = v
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
-            return measured(count, *a, **k)
+            return measured(count, *full, **kwargs)
 
-        jax.eval_shape(counted, *(leaves[i] for i in arrays))
-        # An upper bound: every array is traced here, while the measured call traces
-        # only the differentiated ones (an autocast call on the others alone runs as
-        # its own jit, unmeasured).
+        jax.eval_shape(counted, *(args[i] for i in differentiated))
         n = len(count.names)
-        positions = [a % len(args) if -len(args) <= a < len(args) else a for a in nums]
         col = _Collector(probes=None)
 
         def with_probes(*all_args: Any, **kw: Any) -> Any:
@@ -304,19 +328,26 @@ def fp8_health(
             return loss, (aux, col.forward)
 
         grad_fn = jax.value_and_grad(with_probes, argnums=(*positions, len(args)), has_aux=True)
-        probes = jnp.zeros((n, 2, len(STATS)), _F32)
+        # Inside a shard_map body each device measures its own shard: the probes, whose
+        # cotangents carry the backward figures, vary over the mesh axes as those do.
+        probes = jax_compat.varying_over(
+            jnp.zeros((n, 2, len(STATS)), _F32), _fp8_gemm.manual_axes()
+        )
         (loss, (aux, forward)), grads = grad_fn(*args, probes, **kwargs)
-        if col.unmeasured:
+        # A nested jit or remat traces its function once: the counting pass met its
+        # products, the measured pass reuses the jaxpr and never meets them.
+        unmeasured = list(dict.fromkeys(col.unmeasured + count.unmeasured))
+        if unmeasured:
             warnings.warn(
                 "jaxamp.fp8_health: these FP8 products are traced apart from the loss (a "
                 "nested jit, loop body, remat or shard_map, or an autocast call on no "
-                f"differentiated argument) and are not measured: {col.unmeasured}",
+                f"differentiated argument) and are not measured: {unmeasured}",
                 UserWarning,
                 stacklevel=2,
             )
         health = _report(col.names, col.rowwise, forward, grads[-1])
         value = (loss, aux) if has_aux else loss
-        grads = grads[0] if isinstance(argnums, int) else tuple(grads[:-1])
+        grads = grads[0] if single else tuple(grads[:-1])
         return (value, health), grads
 
     return run
