@@ -126,7 +126,8 @@ def low_precision_state(
         ``{"mu": "8bit", "nu": jnp.bfloat16}`` for optax.adam's moments; fields not
         named stay as they are.
       block_size: elements per block of the 8-bit code, along a moment's last axis
-        (the axis stays whole, so a sharded moment quantizes its own blocks).
+        (the axis stays whole, so a sharded moment quantizes its own blocks); a power
+        of two.
       min_size: moments with fewer elements stay as they are.
       seed: the stochastic rounding's seed, an int or a PRNG key
         (``jax.random.key(0)``, as ``apply_with_stochastic_rounding`` takes); each step
@@ -161,8 +162,17 @@ def low_precision_state(
     for name, value in (("block_size", block_size), ("min_size", min_size)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"low_precision_state: `{name}` must be an int >= 0, got {value!r}.")
-    if block_size < 1:
-        raise ValueError(f"low_precision_state: `block_size` must be >= 1, got {block_size}.")
+    if block_size < 1 or block_size & (block_size - 1):
+        # A checkpoint does not record the block size. Two powers of two cut a row into
+        # as many blocks only where each is one block (read the same): a restore into
+        # another size fails on the scales' shape. Other sizes can cut as many blocks at
+        # other places, which would decode every moment silently wrong.
+        raise ValueError(
+            f"low_precision_state: `block_size` must be a power of two (64, 128, 256, ...), "
+            f"got {block_size}: a checkpoint does not record it, and two powers of two never "
+            "cut a row into as many blocks at different places (a restore into another size "
+            "fails instead of reading the codes with the wrong scales)."
+        )
     seed_key = _seed_key(seed)
     inner = optax.with_extra_args_support(inner)
 
