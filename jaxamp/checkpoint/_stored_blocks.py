@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from jaxamp._utils.tree import render_path
-from jaxamp.low_precision_state._stored import Quantized8, is_stored
+from jaxamp.low_precision_state import Quantized8, is_stored
 
 
 def _fitting(n: int, k: int) -> str:

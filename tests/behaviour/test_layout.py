@@ -27,8 +27,11 @@ ROOT = pathlib.Path(jaxamp.__file__).parent
 SUBPACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
 FACADES = {"nnx.py": "skip", "_train_state.py": "skip"}
 # casting's rooms, lowest first: what dtype each op takes; FP8 products; the jaxpr
-# interpreter; the autocast front end; the two tools that run autocast's program.
-CASTING_ROOMS = ("_rules", "_fp8", "_interpreter", "_autocast", "_find_overflow", "_audit")
+# interpreter; the autocast front end; the three tools that run autocast's program
+# (choosing the FP8 modules, finding an overflow, auditing what ran).
+CASTING_ROOMS = (
+    "_rules", "_fp8", "_interpreter", "_autocast", "_fp8_select", "_find_overflow", "_audit",
+)  # fmt: skip
 
 
 def _imported_modules(path: pathlib.Path) -> list[str]:

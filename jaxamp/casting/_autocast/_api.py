@@ -15,7 +15,7 @@ from jaxamp._utils.deprecation import renamed_parameter
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._autocast._config import build_config
 from jaxamp.casting._autocast._wrapper import make_wrapper
-from jaxamp.casting._fp8._fp8 import Fp8Config
+from jaxamp.casting._fp8._fp8_config import Fp8Config
 from jaxamp.casting._rules._policy import Policy
 from jaxamp.casting._rules._scopes import FULL_PRECISION_SCOPE, KEEP_FLOAT32_SCOPE
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxamp._utils.dtypes import is_float_dtype
-from jaxamp.casting._fp8 import _fp8
+from jaxamp.casting._fp8 import _fp8_config
 from jaxamp.casting._rules._policy import Policy
 from jaxamp.casting._rules._resolve import resolve_modules, resolve_rules
 from jaxamp.casting._rules._rules import DEFAULT_RULES
@@ -29,7 +29,7 @@ class Config:
     # keep each equation's traceback and name stack in the result.
     debug: bool = False
     # FP8 matrix products (``jaxamp.fp8``), or None.
-    fp8: _fp8.Fp8Config | None = None
+    fp8: _fp8_config.Fp8Config | None = None
 
 
 def _default_dtype() -> np.dtype:
@@ -96,5 +96,5 @@ def build_config(
         resolved_modules,
         unknown_higher_order,
         debug,
-        _fp8.resolve(fp8),
+        _fp8_config.resolve(fp8),
     )

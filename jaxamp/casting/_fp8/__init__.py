@@ -1,1 +1,1 @@
-"""FP8 matrix products: ``jaxamp.fp8``'s settings, which products run in FP8, the scaled GEMM."""
+"""FP8 matrix products: ``jaxamp.fp8``'s settings, which run in FP8, the scaled GEMM, its health."""

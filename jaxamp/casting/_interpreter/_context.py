@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 from jax.extend.core import Jaxpr
 
-from jaxamp.casting._fp8._fp8 import Fp8Config, Plan, plan
+from jaxamp.casting._fp8._fp8 import Plan, plan
+from jaxamp.casting._fp8._fp8_config import Fp8Config
 from jaxamp.casting._rules._primitives import Handlers
 from jaxamp.casting._rules._rules import FLOAT32
 from jaxamp.casting._rules._scopes import module_match, runs_as_written, scope_parts

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxamp.casting._fp8._fp8 import fp8
+from jaxamp.casting._fp8._fp8_config import fp8
 
 __all__ = ["Fp8Selection", "fp8_select"]
 

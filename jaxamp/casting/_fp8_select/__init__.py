@@ -1,0 +1,1 @@
+"""Choosing which modules run FP8, by measuring autocast's gradients: ``jaxamp.fp8_select``."""
