@@ -106,7 +106,7 @@ def quantize(
     amax = jnp.maximum(amax, _floor(dtype))
     inv = (amax / fmax).astype(inv_dtype)
     scaled = x32 / inv.astype(F32)
-    # |scaled| <= fmax up to the rounding of `inv` (a bfloat16 one: 2**-9, less
+    # |scaled| <= fmax up to the rounding of `inv` (a bfloat16 one: 2**-8, less
     # than half an e4m3 / e5m2 step at fmax, so the clamp changes no rounded
     # value); e4m3fn has no inf and converts anything past fmax + half an ulp
     # to NaN, so clamp first.
