@@ -170,9 +170,12 @@ def fp8_select(
         0.05: on the conformance linen LM it kept 3 of 11 modules in FP8 and
         its final loss within 0.4 % of bfloat16 autocast's, where 0.1 kept 8
         and missed by 2.6 %; docs/fp8.md).
-      scaling, modules, first_last_bf16, batched: as ``jaxamp.fp8``; they
-        decide the candidates, and the selection is measured with them (pass
-        the same to ``jaxamp.fp8`` with ``select=``).
+      scaling: as ``jaxamp.fp8``. This and the next three decide the candidates,
+        and the selection is measured with them: pass the same to ``jaxamp.fp8``
+        with ``select=``.
+      modules: as ``jaxamp.fp8``.
+      first_last_bf16: as ``jaxamp.fp8``.
+      batched: as ``jaxamp.fp8``.
       dtype: the autocast dtype (default bfloat16).
       argnums: which arguments the gradient is of (default 0).
 
