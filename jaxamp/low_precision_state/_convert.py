@@ -112,19 +112,23 @@ def _difference(a: Any, b: Any, path: tuple[Any, ...] = ()) -> str | None:
     return None
 
 
+def _kept(source: Any, target: Any) -> bool:
+    """Whether ``_convert_leaf`` returns `source` itself."""
+    if is_stored(target):
+        return is_stored(source) and jax.tree.structure(source) == jax.tree.structure(target)
+    return not is_stored(source) and getattr(source, "dtype", None) == target.dtype
+
+
 def _convert_leaf(source: Any, target: Any, key: jax.Array) -> Any:
     """``source`` (a stored moment or an array) in ``target``'s form and dtype."""
-    if is_stored(target):
-        if is_stored(source) and jax.tree.structure(source) == jax.tree.structure(target):
-            return source  # stored in the same form: kept bit for bit
-        value = source.value() if is_stored(source) else jnp.asarray(source)
-        if isinstance(target, Quantized8):
-            return Quantized8.store(value, key, target.block_size, target.dtype)
+    if _kept(source, target):
+        return source  # in the target's form already: kept bit for bit
+    value = source.value() if is_stored(source) else jnp.asarray(source)
+    if isinstance(target, Quantized8):
+        return Quantized8.store(value, key, target.block_size, target.dtype)
+    if isinstance(target, Rounded16):
         return Rounded16.store(value, key, target.dtype)
-    value = source.value() if is_stored(source) else source
-    if getattr(value, "dtype", None) == target.dtype:
-        return value
-    return jnp.asarray(value).astype(target.dtype)
+    return value.astype(target.dtype)
 
 
 def convert_state(
@@ -221,13 +225,6 @@ def convert_state(
         for i, x in zip(indices, converted, strict=True):
             leaves[i] = x
     return _wrap(target, iter(leaves), counts)
-
-
-def _kept(source: Any, target: Any) -> bool:
-    """Whether ``_convert_leaf`` returns `source` itself."""
-    if is_stored(target):
-        return is_stored(source) and jax.tree.structure(source) == jax.tree.structure(target)
-    return not is_stored(source) and getattr(source, "dtype", None) == target.dtype
 
 
 def _devices(source: Any) -> frozenset[Any] | None:
