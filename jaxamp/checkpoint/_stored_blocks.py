@@ -20,16 +20,12 @@ from jaxamp._utils.tree import render_path
 from jaxamp.low_precision_state import Quantized8, is_stored
 
 
-def _fitting(n: int, k: int) -> str:
-    """The block sizes that cut a last axis of ``n`` into ``k`` blocks, in words."""
+def _saved_with(n: int, k: int) -> str:
+    """The block size (a power of two) that cuts a last axis of ``n`` into ``k`` blocks."""
     if k <= 1:
-        return f"{n} or more"
-    low, high = -(-n // k), (n - 1) // (k - 1)
-    if low > high:
-        return "none (the saved scales do not fit this moment's shape)"
-    powers = [1 << e for e in range(high.bit_length()) if low <= 1 << e <= high]
-    hint = f"; the power of two among them: {powers[0]}" if powers else ""
-    return f"{low} to {high}{hint}"
+        return f"a block_size of {n} or more"
+    fits = [1 << e for e in range(n.bit_length()) if -(-n // (1 << e)) == k]
+    return f"block_size={fits[0]}" if fits else "no power-of-two block_size (not this shape)"
 
 
 def explain(saved_tree: Any, target: Any, child: Callable[[Any, Any], Any], where: str) -> None:
@@ -49,7 +45,7 @@ def explain(saved_tree: Any, target: Any, child: Callable[[Any, Any], Any], wher
             f"{where} holds the 8-bit moment {render_path(path)} (last axis {n}) in "
             f"{tuple(shape)[-1]} blocks, where the target's block_size={node.block_size} "
             f"makes {node.scales.shape[-1]}: it was saved by jaxamp.low_precision_state with "
-            f"another block_size (one of {_fitting(n, tuple(shape)[-1])}). A checkpoint does "
+            f"{_saved_with(n, tuple(shape)[-1])}. A checkpoint does "
             "not record the block size: restore into a target built with the block_size the "
             "run was saved with, then move the state to the new one with "
             "jaxamp.convert_state(state, new_tx, params)."
