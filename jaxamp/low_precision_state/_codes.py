@@ -8,14 +8,23 @@ element 1000 times smaller than its block's largest needs its own digits, which 
 linear code relative to the block's absmax would flush), and every code is a finite
 value.
 
-Two codes, chosen per block from its values:
-- a block with a negative value: 1 sign bit, 4 exponent bits, 3 mantissa bits
-  (``SIGNED``: largest / smallest nonzero = ``15 * 2**14``, about ``2**17.9``);
-- a block of non-negative values (a second moment, always): 4 exponent bits and 4
-  mantissa bits (``NONNEGATIVE``: half the relative step, ``2**18.9`` of range); a
-  positive value below its smallest nonzero code is stored as that code, never 0: a
-  second moment flushed to zero turns ``mu / (sqrt(nu) + eps)`` into ``mu / eps``.
-The scale's sign says which (negative: non-negative code), so choosing costs no byte.
+Each block chooses its code from its values, in one of two families of three: a code
+of 4 exponent bits has the range of a moment's widest blocks, while most blocks span
+a few binades and can spend the bits that range does not need on the mantissa.
+- A block with a negative value: a sign bit and 4 exponent and 3 mantissa bits, 3 and
+  4, or 2 and 5 (``SIGNED_CODES``), whichever stores the block with the least squared
+  error summed over it. Adam's update is linear in a first moment, so its error there
+  is the block's absolute error, which the block's large values dominate.
+- A block of non-negative values (a second moment, always): 4 and 4, 3 and 5, or 2
+  and 6 (``NONNEGATIVE_CODES``), the most mantissa bits whose normal binades reach down
+  to the block's smallest positive value. Adam divides by ``sqrt(nu)``, so a small
+  second moment needs its relative precision, which subnormals do not keep. A positive
+  value below the smallest code (with 4 exponent bits, ``2**18.9`` below the largest)
+  is stored as that code, never 0: a second moment flushed to zero turns
+  ``mu / (sqrt(nu) + eps)`` into ``mu / eps``.
+The scale says which code, at no byte's cost: its sign the family (negative: the
+non-negative one), its two lowest bits (a power of two's mantissa is 0) the code's
+index in it, 0 for 4 exponent bits.
 
 The scale is a power of two: it costs no precision (the code's steps are relative)
 and uses the code's top binade whenever the block's largest value fits it. A block
@@ -36,29 +45,25 @@ code moves by ``d`` (far below the step ``s``) to the next code with probability
 past errors each step, so they add up like an AR(1) process, to a variance below
 ``d * s / (1 - b**2)``. With ``d`` of order ``(1 - b) * nu`` that is a fraction of
 the moment's value, but unbiased, and it averages out over the steps and elements an
-update sums; rounding to nearest's error is a bias that does not. The non-negative
-code's extra mantissa bit halves ``s`` for the second moment, where ``1 - b`` is
-smallest and the carried noise largest (of 4 exponent bits and 4 of mantissa, 3 and 5
-or 5 and 3, the first tracks a second moment best: fewer exponent bits clamp a
-block's small values up to the smallest code, fewer mantissa bits add noise).
+update sums; rounding to nearest's error is a bias that does not. Each mantissa bit
+a block's range leaves free halves ``s``.
 
 A signed block's next value (``requantize``) rounds to nearest unless that gives back
 the value stored before; there, stochastically. A fast first moment (``b1 = 0.9``)
 moves by more than half a step on most steps: rounding to nearest loses nothing there
 and its error, at most half a step and not carried as noise, is smaller than
 stochastic rounding's, whose noise on the first moment (Adam's update is linear in
-it, with 3 mantissa bits) spreads runs by their seed. Where a value
-moves by less than half a step, nearest would give the stored value back at every
-step and freeze it (a slow signed EMA: ``b1 = 0.99``, or an EMA of params); there
-the rounding is stochastic, so the value moves in expectation exactly as before. The
-code does not know the decay of the moment it stores, and it need not: the rule
-looks at each value's move. Its bias, outside that band, is nearest's half a step of
-a value that moved by more than half a step, and a signed moment's moves go either
-way, so it does not add up. A non-negative block (a second moment) rounds
-stochastically: its moves are one-sided (small decays, and jumps up where a gradient
-is large), so nearest's errors on the jumps would not average out and its mean
-would drift from float32's. ``quantize`` (a first store, a conversion) has no value
-before and rounds stochastically.
+it) spreads runs by their seed. Where a value moves by less than half a step, nearest
+would give the stored value back at every step and freeze it (a slow signed EMA:
+``b1 = 0.99``, or an EMA of params); there the rounding is stochastic, so the value
+moves in expectation exactly as before. The code does not know the decay of the
+moment it stores, and it need not: the rule looks at each value's move. Its bias,
+outside that band, is nearest's half a step of a value that moved by more than half a
+step, and a signed moment's moves go either way, so it does not add up. A
+non-negative block (a second moment) rounds stochastically: its moves are one-sided
+(small decays, and jumps up where a gradient is large), so nearest's errors on the
+jumps would not average out and its mean would drift from float32's. ``quantize`` (a
+first store, a conversion) has no value before and rounds stochastically.
 """
 
 from __future__ import annotations
@@ -96,13 +101,11 @@ class Code(NamedTuple):
         return float(2.0 ** (self.emin - self.mantissa_bits))
 
 
-SIGNED = Code(exponent_bits=4, mantissa_bits=3, signed=True)
-NONNEGATIVE = Code(exponent_bits=4, mantissa_bits=4, signed=False)
-# Both codes have 4 exponent bits, so one smallest exponent: a block's code differs
-# from the other's only in its mantissa width (and sign bit), which the encoding and
-# decoding below take per block, as an array.
-EMIN = SIGNED.emin
-assert NONNEGATIVE.emin == EMIN
+# Each family's codes by index (the scale's tag): index t has 4 - t exponent bits and
+# t more mantissa bits than index 0, so its fields are arithmetic in t (``_fields``).
+SIGNED_CODES = tuple(Code(4 - t, 3 + t, True) for t in range(3))
+NONNEGATIVE_CODES = tuple(Code(4 - t, 4 + t, False) for t in range(3))
+SIGNED, NONNEGATIVE = SIGNED_CODES[0], NONNEGATIVE_CODES[0]
 
 # The arithmetic below is elementwise and cheap (integer and bit operations, one
 # floor): powers of two are built from their bits, not with ldexp and frexp, whose
@@ -133,12 +136,14 @@ def _scaled(a: jax.Array, n: jax.Array) -> jax.Array:
 def _encode(
     a: jax.Array,
     m: jax.Array | int,
+    emin: jax.Array | int,
     draw: jax.Array,
     kept: jax.Array | None = None,
     nearest: jax.Array | bool = False,
 ) -> jax.Array:
     """int32 codes of magnitudes ``0 <= a <= largest`` of the code with ``m`` mantissa
-    bits: ``a / step + (e - EMIN) * 2**m`` for ``a``'s binade ``e`` and that binade's
+    bits and smallest exponent ``emin``: ``a / step + (e - emin) * 2**m`` for ``a``'s
+    binade ``e >= emin`` and that binade's
     step ``2**(e - m)``, piecewise linear and increasing, so rounding ``a / step`` up
     across a binade's end lands on the next binade's first code.
 
@@ -146,7 +151,7 @@ def _encode(
     unless that is the magnitude ``kept`` (the one stored before, in ``a``'s units):
     then stochastically, so that a change below half a step still moves it in
     expectation."""
-    e = jnp.maximum(_exponent(a), EMIN)
+    e = jnp.maximum(_exponent(a), emin)
     step = _pow2(e - m)
     t = a * _pow2(m - e)  # exact: a power-of-two scaling
     whole = jnp.floor(t)
@@ -157,13 +162,14 @@ def _encode(
         # (whole + near) * step is exact: a code's magnitude, on a's scale.
         frozen = (whole + near.astype(jnp.float32)) * step == kept
         up = jnp.where(nearest & ~frozen, near, up)
-    return whole.astype(jnp.int32) + up.astype(jnp.int32) + ((e - EMIN) << m)
+    return whole.astype(jnp.int32) + up.astype(jnp.int32) + ((e - emin) << m)
 
 
-def _decode(c: jax.Array, m: jax.Array | int) -> jax.Array:
-    """float32 magnitudes of int32 codes of the code with ``m`` mantissa bits."""
+def _decode(c: jax.Array, m: jax.Array | int, emin: jax.Array | int) -> jax.Array:
+    """float32 magnitudes of int32 codes of the code with ``m`` mantissa bits and
+    smallest exponent ``emin``."""
     above = jnp.maximum((c >> m) - 1, 0)  # binades above the first
-    return (c - (above << m)).astype(jnp.float32) * _pow2(EMIN + above - m)
+    return (c - (above << m)).astype(jnp.float32) * _pow2(emin + above - m)
 
 
 def encode(
@@ -176,7 +182,7 @@ def encode(
     largest scales to a float32 subnormal, which backends flush to 0, and the
     non-negative code still stores it as its smallest code.
     """
-    c = _encode(a, code.mantissa_bits, draw)
+    c = _encode(a, code.mantissa_bits, code.emin, draw)
     if not code.signed:
         c = jnp.where(a > 0 if positive is None else positive, jnp.maximum(c, 1), c)
     return c
@@ -184,7 +190,7 @@ def encode(
 
 def decode(c: jax.Array, code: Code) -> jax.Array:
     """float32 magnitudes of int32 codes (the inverse of ``encode`` on its grid)."""
-    return _decode(c, code.mantissa_bits)
+    return _decode(c, code.mantissa_bits, code.emin)
 
 
 def _blocks(x: jax.Array, block_size: int) -> jax.Array:
@@ -212,8 +218,49 @@ def n_blocks(shape: tuple[int, ...], block_size: int) -> tuple[int, ...]:
     return (*shape[:-1], -(-shape[-1] // block_size))
 
 
-def _mantissa_bits(nonneg: jax.Array) -> jax.Array:
-    return jnp.where(nonneg, NONNEGATIVE.mantissa_bits, SIGNED.mantissa_bits)
+def _fields(nonneg: jax.Array, tag: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each block's mantissa bits and smallest exponent, from its family and its code's
+    index in it (``SIGNED_CODES``, ``NONNEGATIVE_CODES``)."""
+    m = jnp.where(nonneg, NONNEGATIVE.mantissa_bits, SIGNED.mantissa_bits) + tag
+    return m, 2 - (2**SIGNED.exponent_bits >> tag)
+
+
+for _t, (_s, _n) in enumerate(zip(SIGNED_CODES, NONNEGATIVE_CODES, strict=True)):
+    assert [int(f) for f in _fields(jnp.array(False), jnp.array(_t))] == [_s.mantissa_bits, _s.emin]
+    assert [int(f) for f in _fields(jnp.array(True), jnp.array(_t))] == [_n.mantissa_bits, _n.emin]
+
+
+def _tags(xb: jax.Array, a: jax.Array, k: jax.Array, nonneg: jax.Array) -> jax.Array:
+    """Each block's code, as its index in its family: the module's docstring says how
+    it is chosen. ``a``: the block's magnitudes on the scale ``2**k``."""
+    # Non-negative: the binade of the smallest positive value, below the scale.
+    low = _exponent(jnp.min(jnp.where(xb > 0, xb, jnp.inf), axis=-1)) - k
+    fits = [low >= code.emin for code in NONNEGATIVE_CODES[1:]]
+    nonneg_tag = sum(f.astype(jnp.int32) for f in fits)
+    # Signed: each code's squared step summed over the block's nonzero values (its
+    # error's variance, up to a factor the same for every code); ties to more mantissa.
+    e = _exponent(a)
+    cost = [
+        jnp.sum(jnp.where(xb != 0, _pow2(2 * (jnp.maximum(e, c.emin) - c.mantissa_bits)), 0), -1)
+        for c in SIGNED_CODES
+    ]
+    signed_tag = jnp.where(
+        cost[2] <= jnp.minimum(cost[0], cost[1]), 2, (cost[1] <= cost[0]).astype(jnp.int32)
+    )
+    return jnp.where(nonneg, nonneg_tag, signed_tag)
+
+
+def _tagged(scales: jax.Array, tag: jax.Array) -> jax.Array:
+    """Scales (powers of two or NaN) with each block's code index in their lowest bits."""
+    bits = lax.bitcast_convert_type(scales, jnp.int32) | tag
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _untagged(scales: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The stored scales' powers of two, families (non-negative or not) and code indices."""
+    bits = lax.bitcast_convert_type(scales, jnp.int32)
+    scales = lax.bitcast_convert_type(bits & ~3, jnp.float32)
+    return scales, scales < 0, bits & 3
 
 
 def _quantize_blocks(
@@ -238,23 +285,25 @@ def _quantize_blocks(
     # step would overflow, so that a guard sees it and skips; never clipped.
     finite = jnp.isfinite(absmax) & (k <= 127)
     k = jnp.where(finite, k, 0)
-    m = _mantissa_bits(nonneg)[..., None]
-    a = jnp.minimum(_scaled(jnp.abs(xb), -k[..., None]), largest[..., None])
+    a = _scaled(jnp.abs(xb), -k[..., None])
+    tag = _tags(xb, a, k, nonneg)
+    m, emin = (f[..., None] for f in _fields(nonneg, tag))
+    a = jnp.minimum(a, largest[..., None])
     if kept is None:
-        c = _encode(a, m, draws.uniform(key, xb.shape))
+        c = _encode(a, m, emin, draws.uniform(key, xb.shape))
     else:
         # The value kept, as a magnitude on this block's new scale, or -1 (no code's)
         # where its sign is not the new value's: nearest cannot give it back there.
         same_sign = (kept < 0) == (xb < 0)
         was = jnp.where(same_sign | (kept == 0), _scaled(jnp.abs(kept), -k[..., None]), -1.0)
-        c = _encode(a, m, draws.uniform(key, xb.shape), was, ~nonneg[..., None])
+        c = _encode(a, m, emin, draws.uniform(key, xb.shape), was, ~nonneg[..., None])
     c = jnp.where(
         nonneg[..., None],
         jnp.where(xb > 0, jnp.maximum(c, 1), c),  # a positive value is never stored as 0
         jnp.where(xb < 0, c | 128, c),  # the sign bit; int32 under x64 too
     )
     scales = jnp.where(nonneg, -1.0, 1.0).astype(jnp.float32) * _pow2(k)
-    return c.astype(jnp.uint8), jnp.where(finite, scales, jnp.nan)
+    return c.astype(jnp.uint8), _tagged(jnp.where(finite, scales, jnp.nan), tag)
 
 
 def quantize(x: jax.Array, key: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
@@ -291,8 +340,10 @@ def requantize(
 
 def _dequantize_blocks(cb: jax.Array, scales: jax.Array) -> jax.Array:
     c = cb.astype(jnp.int32)
-    nonneg = (scales < 0)[..., None]
-    mag = _decode(jnp.where(nonneg, c, c & 127), _mantissa_bits(nonneg))
+    scales, nonneg, tag = _untagged(scales)
+    m, emin = (f[..., None] for f in _fields(nonneg, tag))
+    nonneg = nonneg[..., None]
+    mag = _decode(jnp.where(nonneg, c, c & 127), m, emin)
     values = jnp.where(nonneg | (c < 128), mag, -mag)
     return values * jnp.abs(scales)[..., None]
 
@@ -304,19 +355,14 @@ def dequantize(codes: jax.Array, scales: jax.Array, block_size: int) -> jax.Arra
 
 def bound(x: np.ndarray, block_size: int) -> np.ndarray:
     """The largest error ``dequantize(quantize(x))`` can make at each element of ``x``:
-    one step of the code at the element (stochastic rounding goes to a neighbour), or
+    one step, at the element, of the code ``quantize`` chooses for its block (the
+    choice does not depend on the key; stochastic rounding goes to a neighbour), or
     the smallest code's value where the element is below it. For tests and docs."""
-    x = np.asarray(x, np.float64)
-    out = np.empty_like(x)
-    flat_x, flat_o = x.reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1])
-    for row, o in zip(flat_x, flat_o, strict=True):
-        for s in range(0, row.shape[0], block_size):
-            b = row[s : s + block_size]
-            code = NONNEGATIVE if (b >= 0).all() else SIGNED
-            absmax = np.abs(b).max()
-            k = np.ceil(np.log2(absmax / code.largest)) if absmax > 0 else 0.0
-            k = max(k, -126)
-            a = np.abs(b) * 2.0**-k
-            e = np.maximum(np.floor(np.log2(np.maximum(a, 1e-300))), code.emin)
-            o[s : s + block_size] = 2.0 ** (e - code.mantissa_bits + k)
-    return out
+    x = np.asarray(x, np.float32)
+    scales, nonneg, tag = _untagged(quantize(jnp.asarray(x), jax.random.key(0), block_size)[1])
+    m, emin = (np.asarray(f) for f in _fields(nonneg, tag))
+    block = np.arange(x.shape[-1]) // (min(block_size, x.shape[-1]) or 1)
+    mag = np.abs(np.asarray(scales, np.float64))[..., block]
+    a = np.abs(x.astype(np.float64)) / mag
+    e = np.maximum(np.floor(np.log2(np.maximum(a, 1e-300))), emin[..., block])
+    return 2.0 ** (e - m[..., block]) * mag

@@ -21,7 +21,7 @@ import optax
 import jaxamp
 from jaxamp.low_precision_state import _codes
 
-from .test_codes import _check_against_reference, _grid
+from .test_codes import _check_against_reference, _grid, _untag
 
 BLOCK = 64
 N_KEYS = 2000
@@ -65,8 +65,10 @@ def _stored_and_next(seed: int) -> tuple[np.ndarray, jax.Array, jax.Array, np.nd
 
 def _nearest(x: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A signed block's values' grid neighbours (below and above in magnitude, signed)
-    and the nearer of them (ties away from 0), on the signed code's grid at ``scale``."""
-    g = _grid(_codes.SIGNED) * abs(scale)
+    and the nearer of them (ties away from 0), on the grid of the signed code the
+    stored ``scale`` names (``_check_against_reference`` checks the choice)."""
+    mag, tag = _untag(scale)
+    g = _grid(_codes.SIGNED_CODES[tag]) * abs(mag)
     x = x.astype(np.float64)
     a = np.abs(x)
     i = np.searchsorted(g, a, side="right") - 1
