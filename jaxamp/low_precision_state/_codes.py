@@ -68,7 +68,7 @@ first store, a conversion) has no value before and rounds stochastically.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -230,20 +230,53 @@ for _t, (_s, _n) in enumerate(zip(SIGNED_CODES, NONNEGATIVE_CODES, strict=True))
     assert [int(f) for f in _fields(jnp.array(True), jnp.array(_t))] == [_n.mantissa_bits, _n.emin]
 
 
-def _tags(xb: jax.Array, a: jax.Array, k: jax.Array, nonneg: jax.Array) -> jax.Array:
+def _reduce(xb: jax.Array, *parts: tuple[jax.Array, Any, Any]) -> tuple[jax.Array, ...]:
+    """Several reductions over each block, ``(operand, identity, combine)`` each, as one.
+
+    XLA:CPU fuses one reduction of several results with the elementwise ops that make
+    its operands (here: decoding the stored moment and the wrapped optimizer's update),
+    where it writes each single reduction's operand to memory first and reads it back;
+    ``benchmarks/bench_optimizer_state.py`` measures the step's bytes.
+    """
+    operands, identities, combines = zip(*parts, strict=True)
+    inits = tuple(jnp.asarray(i, o.dtype) for i, o in zip(identities, operands, strict=True))
+
+    def combine(p: tuple, q: tuple) -> tuple:
+        return tuple(f(a, b) for f, a, b in zip(combines, p, q, strict=True))
+
+    return tuple(lax.reduce(operands, inits, combine, (xb.ndim - 1,)))
+
+
+def _smaller_nonzero(p: jax.Array, q: jax.Array) -> jax.Array:
+    # The smaller of two magnitudes, 0 standing for none.
+    return jnp.where(p == 0, q, jnp.where(q == 0, p, jnp.minimum(p, q)))
+
+
+def _block_stats(xb: jax.Array, kept: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """Each block's largest magnitude, smallest nonzero magnitude (inf: none), whether
+    no value is negative, and (given the values ``kept`` before) whether none changed."""
+    a = jnp.abs(xb)
+    parts = [(a, 0, jnp.maximum), (a, 0, _smaller_nonzero), (xb, jnp.inf, jnp.minimum)]
+    if kept is not None:
+        parts.append((xb == kept, True, jnp.logical_and))
+    absmax, smallest, least, *same = _reduce(xb, *parts)
+    return absmax, jnp.where(smallest == 0, jnp.inf, smallest), least >= 0, *same
+
+
+def _tags(
+    xb: jax.Array, a: jax.Array, k: jax.Array, smallest: jax.Array, nonneg: jax.Array
+) -> jax.Array:
     """Each block's code, as its index in its family: the module's docstring says how
     it is chosen. ``a``: the block's magnitudes on the scale ``2**k``."""
     # Non-negative: the binade of the smallest positive value, below the scale.
-    low = _exponent(jnp.min(jnp.where(xb > 0, xb, jnp.inf), axis=-1)) - k
+    low = _exponent(smallest) - k
     fits = [low >= code.emin for code in NONNEGATIVE_CODES[1:]]
     nonneg_tag = sum(f.astype(jnp.int32) for f in fits)
     # Signed: each code's squared step summed over the block's nonzero values (its
     # error's variance, up to a factor the same for every code); ties to more mantissa.
     e = _exponent(a)
-    cost = [
-        jnp.sum(jnp.where(xb != 0, _pow2(2 * (jnp.maximum(e, c.emin) - c.mantissa_bits)), 0), -1)
-        for c in SIGNED_CODES
-    ]
+    steps = [_pow2(2 * (jnp.maximum(e, c.emin) - c.mantissa_bits)) for c in SIGNED_CODES]
+    cost = _reduce(xb, *((jnp.where(xb != 0, s, 0), 0, jnp.add) for s in steps))
     signed_tag = jnp.where(
         cost[2] <= jnp.minimum(cost[0], cost[1]), 2, (cost[1] <= cost[0]).astype(jnp.int32)
     )
@@ -265,15 +298,15 @@ def _untagged(scales: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def _quantize_blocks(
     xb: jax.Array,
-    absmax: jax.Array,
-    nonneg: jax.Array,
+    stats: tuple[jax.Array, jax.Array, jax.Array],
     key: jax.Array,
     kept: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Block-form uint8 codes and float32 scales of float32 blocks ``xb``, given each
-    block's largest magnitude and whether it has no negative value. ``kept``: the
+    block's first three ``_block_stats``. ``kept``: the
     values stored before (block form); with it, signed blocks round to nearest unless
     that gives back the value kept (``_encode``)."""
+    absmax, smallest, nonneg = stats
     largest = jnp.where(nonneg, NONNEGATIVE.largest, SIGNED.largest)
     # The smallest power of two 2**k with absmax <= largest * 2**k (largest is in
     # [1, 2), so k is absmax's exponent or the next); never a float32 subnormal
@@ -286,7 +319,7 @@ def _quantize_blocks(
     finite = jnp.isfinite(absmax) & (k <= 127)
     k = jnp.where(finite, k, 0)
     a = _scaled(jnp.abs(xb), -k[..., None])
-    tag = _tags(xb, a, k, nonneg)
+    tag = _tags(xb, a, k, smallest, nonneg)
     m, emin = (f[..., None] for f in _fields(nonneg, tag))
     a = jnp.minimum(a, largest[..., None])
     if kept is None:
@@ -313,9 +346,7 @@ def quantize(x: jax.Array, key: jax.Array, block_size: int) -> tuple[jax.Array, 
     check for non-finite values sees the stored state as it would the float32 one.
     """
     xb = _blocks(x.astype(jnp.float32), block_size)
-    absmax = jnp.max(jnp.abs(xb), axis=-1)
-    nonneg = jnp.all(xb >= 0, axis=-1)
-    codes, scales = _quantize_blocks(xb, absmax, nonneg, key)
+    codes, scales = _quantize_blocks(xb, _block_stats(xb), key)
     return _rows(codes, x.shape[-1]), scales
 
 
@@ -329,11 +360,9 @@ def requantize(
     ``quantize``'s."""
     xb = _blocks(x.astype(jnp.float32), block_size)
     cb = _blocks(codes, block_size)
-    absmax = jnp.max(jnp.abs(xb), axis=-1)
-    nonneg = jnp.all(xb >= 0, axis=-1)
     kept = _dequantize_blocks(cb, scales)
-    same = jnp.all(xb == kept, axis=-1)
-    new_codes, new_scales = _quantize_blocks(xb, absmax, nonneg, key, kept)
+    *stats, same = _block_stats(xb, kept)
+    new_codes, new_scales = _quantize_blocks(xb, tuple(stats), key, kept)
     new_codes = _rows(jnp.where(same[..., None], cb, new_codes), x.shape[-1])
     return new_codes, jnp.where(same, scales, new_scales)
 
