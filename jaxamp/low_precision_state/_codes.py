@@ -112,7 +112,8 @@ SIGNED, NONNEGATIVE = SIGNED_CODES[0], NONNEGATIVE_CODES[0]
 # exp2 and log2 XLA counts as expensive and so computes once into a float32 array in
 # memory instead of fusing it into each kernel that reads it. So the decoding, the
 # wrapped optimizer's update and the encoding fuse into a pass over the block's
-# reductions and a pass that writes the codes (benchmarks/bench_optimizer_state.py).
+# statistics, one over its codes' costs and a pass that writes the codes
+# (``_reduce``; benchmarks/bench_optimizer_state.py).
 
 
 def _pow2(n: jax.Array) -> jax.Array:
