@@ -18,6 +18,7 @@ reference with them.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -401,3 +402,21 @@ def test_a_block_at_float32s_edge_is_stored_as_non_finite_never_clipped() -> Non
     assert np.isnan(scales[0]).all() and np.isfinite(scales[1]).all()
     err = np.abs(np.asarray(out, np.float64)[1] - x[1].astype(np.float64))
     assert (err <= _codes.bound(x[1:], 4)[0]).all()
+
+
+def test_codes_stored_before_the_per_block_choice_decode_as_then() -> None:
+    """A moment stored by the code before blocks chose their code (one code per family,
+    so the scales' low bits 0: tag 0, ``data/make_codes_before_per_block_choice.py``)
+    decodes to the values it decoded to then, bit for bit, and stored again unchanged
+    keeps its bytes and scales: a checkpoint saved before resumes as it was."""
+    saved = np.load(Path(__file__).parent / "data" / "codes_before_per_block_choice.npz")
+    codes, scales, values = (jnp.asarray(saved[k]) for k in ("codes", "scales", "values"))
+    assert (np.asarray(scales).view(np.int32) & 3 == 0).all()
+    out = np.asarray(_dequantize(codes, scales, 32))
+    np.testing.assert_array_equal(out.view(np.int32), np.asarray(values).view(np.int32))
+    again_codes, again_scales = _requantize(values, jax.random.key(1), 32, codes, scales)
+    finite = np.repeat(np.isfinite(np.asarray(scales)), 32, axis=-1)
+    np.testing.assert_array_equal(np.asarray(again_codes)[finite], np.asarray(codes)[finite])
+    np.testing.assert_array_equal(
+        np.asarray(again_scales).view(np.int32), np.asarray(scales).view(np.int32)
+    )
