@@ -34,7 +34,9 @@ class Quantized8:
     Attributes:
       codes: uint8, the moment's shape.
       scales: float32, ``shape[:-1] + (ceil(shape[-1] / block_size),)``: a power of two
-        whose sign says which code the block uses (negative: the non-negative code).
+        (NaN for a non-finite block) with the block's code in its sign (negative: the
+        non-negative family) and in its two lowest bits (the code's index in its
+        family), so not itself the block's factor: ``value()`` decodes it.
       dtype: the dtype the wrapped optimizer built the moment in.
       block_size: elements per block.
     """

@@ -109,8 +109,9 @@ def low_precision_state(
     - ``jnp.bfloat16``: 2 bytes per element (float32's range, 8 bits of precision).
     - ``"8bit"``: 1 byte per element and a float32 scale per ``block_size`` elements
       of a row (about 1.016 bytes at 256): minifloat codes with relative precision,
-      a signed code for blocks with negative values (a first moment) and a
-      non-negative one with one more bit of precision for the others (a second
+      each block choosing among 4, 3 or 2 exponent bits (the rest mantissa) from its
+      values, signed codes for blocks with negative values (a first moment) and
+      non-negative ones with one more bit of precision for the others (a second
       moment, where a positive value is never stored as 0). See docs/optimizer_state.md.
 
     The moments are the floating leaves of ``inner``'s state with at least
