@@ -68,6 +68,7 @@ first store, a conversion) has no value before and rounds stochastically.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -226,11 +227,6 @@ def _fields(nonneg: jax.Array, tag: jax.Array) -> tuple[jax.Array, jax.Array]:
     return m, 2 - (2**SIGNED.exponent_bits >> tag)
 
 
-for _t, (_s, _n) in enumerate(zip(SIGNED_CODES, NONNEGATIVE_CODES, strict=True)):
-    assert [int(f) for f in _fields(jnp.array(False), jnp.array(_t))] == [_s.mantissa_bits, _s.emin]
-    assert [int(f) for f in _fields(jnp.array(True), jnp.array(_t))] == [_n.mantissa_bits, _n.emin]
-
-
 def _reduce(xb: jax.Array, *parts: tuple[jax.Array, Any, Any]) -> tuple[jax.Array, ...]:
     """Several reductions over each block, ``(operand, identity, combine)`` each, as one.
 
@@ -383,13 +379,18 @@ def dequantize(codes: jax.Array, scales: jax.Array, block_size: int) -> jax.Arra
     return _rows(_dequantize_blocks(_blocks(codes, block_size), scales), codes.shape[-1])
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _scales_of(x: jax.Array, block_size: int) -> jax.Array:
+    return quantize(x, jax.random.key(0), block_size)[1]
+
+
 def bound(x: np.ndarray, block_size: int) -> np.ndarray:
     """The largest error ``dequantize(quantize(x))`` can make at each element of ``x``:
     one step, at the element, of the code ``quantize`` chooses for its block (the
     choice does not depend on the key; stochastic rounding goes to a neighbour), or
     the smallest code's value where the element is below it. For tests and docs."""
     x = np.asarray(x, np.float32)
-    scales, nonneg, tag = _untagged(quantize(jnp.asarray(x), jax.random.key(0), block_size)[1])
+    scales, nonneg, tag = _untagged(_scales_of(jnp.asarray(x), block_size))
     m, emin = (np.asarray(f) for f in _fields(nonneg, tag))
     block = np.arange(x.shape[-1]) // (min(block_size, x.shape[-1]) or 1)
     mag = np.abs(np.asarray(scales, np.float64))[..., block]

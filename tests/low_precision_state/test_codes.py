@@ -208,6 +208,15 @@ def test_bound_is_reached() -> None:
     assert ratio[::2].max() > 0.97 and ratio[1::2].max() > 0.97
 
 
+def test_a_blocks_fields_are_its_codes() -> None:
+    """``_fields`` computes each block's mantissa bits and smallest exponent from its
+    family and tag; they are the fields of ``SIGNED_CODES[tag]`` / ``NONNEGATIVE_CODES[tag]``."""
+    for nonneg, family in ((False, _codes.SIGNED_CODES), (True, _codes.NONNEGATIVE_CODES)):
+        for tag, code in enumerate(family):
+            m, emin = _codes._fields(jnp.array(nonneg), jnp.array(tag))
+            assert (int(m), int(emin)) == (code.mantissa_bits, code.emin), code
+
+
 @pytest.mark.parametrize("code", CODES, ids=CODE_IDS)
 def test_encode_decode_are_inverse_on_every_code(code) -> None:
     grid = _grid(code)
