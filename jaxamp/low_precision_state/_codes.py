@@ -145,9 +145,9 @@ def _encode(
 ) -> jax.Array:
     """int32 codes of magnitudes ``0 <= a <= largest`` of the code with ``m`` mantissa
     bits and smallest exponent ``emin``: ``a / step + (e - emin) * 2**m`` for ``a``'s
-    binade ``e >= emin`` and that binade's
-    step ``2**(e - m)``, piecewise linear and increasing, so rounding ``a / step`` up
-    across a binade's end lands on the next binade's first code.
+    binade ``e >= emin`` and that binade's step ``2**(e - m)``, piecewise linear and
+    increasing, so rounding ``a / step`` up across a binade's end lands on the next
+    binade's first code.
 
     Rounded stochastically; where ``nearest``, to the nearer neighbour (ties up)
     unless that is the magnitude ``kept`` (the one stored before, in ``a``'s units):
