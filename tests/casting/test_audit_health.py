@@ -28,8 +28,9 @@ def test_the_planted_casts_are_the_flagged_ones():
 
 
 def test_a_product_outside_any_module_is_joined_to_its_kernel():
-    """fp8_health names it ``dot_general``, audit by its empty module path: the
-    table must still find its kernel."""
+    """fp8_health names it by the weight it reads (``w``: there is no module path),
+    audit's HLO rows by its empty module path: the table must still find its
+    kernel."""
     w = jax.random.normal(jax.random.key(0), (64, 64))
     f = jaxamp.autocast(
         lambda w, x: x @ w, dtype=jnp.bfloat16, fp8=jaxamp.fp8(first_last_bf16=False)
@@ -38,7 +39,5 @@ def test_a_product_outside_any_module_is_joined_to_its_kernel():
     x = jnp.ones((32, 64))
     (_, health), _ = step(w, x)
     rows = jaxamp.audit(step)(w, x).health_table(health).splitlines()[2:]
-    assert [line.split()[:2] for line in rows] == [
-        ["dot_general", c] for c in ("lhs", "rhs", "grad")
-    ]
+    assert [line.split()[:2] for line in rows] == [["w", c] for c in ("lhs", "rhs", "grad")]
     assert all(" dot " in f" {line} " and "?" not in line for line in rows)

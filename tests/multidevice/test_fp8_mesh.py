@@ -229,8 +229,8 @@ def test_fp8_health_inside_a_shard_map_step(scaling):
         (value, health), grad = jaxamp.fp8_health(loss)(w, x, c)
         ref_value, ref_grad = jax.value_and_grad(loss)(w, x, c)
         same = jnp.all(grad == ref_grad) & (value == ref_value)
-        amax = jax.lax.pmax(health["dot_general"]["lhs"]["amax"], "data")
-        per_device = jax.tree.map(lambda a: a[None], health["dot_general"])
+        amax = jax.lax.pmax(health["w"]["lhs"]["amax"], "data")
+        per_device = jax.tree.map(lambda a: a[None], health["w"])
         return jax.lax.pmin(same.astype(jnp.int32), "data"), amax, per_device
 
     run = jax.shard_map(

@@ -116,10 +116,10 @@ class AuditReport:
 
         A method of the report, not of ``audit``: audit compiles the function
         and never runs it, and the health of a cast is a figure of the values."""
-        rows = _health.table(self.matmuls, health)
+        rows = _health.table(self.matmuls, self.ops, health)
         flagged = sum(1 for r in rows if r[-1])
         lines = [f"FP8 health: {len(health)} products, {flagged} casts flagged"]
-        lines += _table(("module", "cast", "amax", "saturated", "flushed", "kernel", "flags"), rows)
+        lines += _table(("layer", "cast", "amax", "saturated", "flushed", "kernel", "flags"), rows)
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -3,9 +3,10 @@
 
 audit compiles a function and never runs it (its arguments may be shapes
 only), so it cannot measure a cast; ``fp8_health`` measures them in the train
-step. The table joins the two by module path: per FP8 product and cast, the
-amax and the fractions that saturate and flush, with the kernel XLA runs the
-product's forward on, and a flag where a cast loses values.
+step. The table joins the two by layer (its module path from the per-op rows):
+per FP8 product and cast, the amax and the fractions that saturate and flush,
+with the kernel XLA runs the product's forward on, and a flag where a cast
+loses values.
 """
 
 from __future__ import annotations
@@ -33,18 +34,24 @@ def flags(stats: Mapping[str, float]) -> list[str]:
 
 
 def table(
-    matmuls: tuple[Any, ...], health: Mapping[str, Mapping[str, Mapping[str, Any]]]
-) -> list[tuple[str, ...]]:
-    """Rows ``(module, cast, amax, saturated, flushed, kernel, flags)`` of `health`
+    matmuls: tuple[Any, ...], ops: tuple[Any, ...],
+    health: Mapping[str, Mapping[str, Mapping[str, Any]]],
+) -> list[tuple[str, ...]]:  # fmt: skip
+    """Rows ``(layer, cast, amax, saturated, flushed, kernel, flags)`` of `health`
     (``fp8_health``'s dict, its arrays read here, on the host), each with the
-    kernel of `matmuls`' forward product of the same module path."""
+    kernel of `matmuls`' forward product of the layer's module path (`ops`, the
+    per-op rows, say which module a layer is in)."""
     kernels: dict[str, str] = {}
     for r in matmuls:
         if r.pass_ == "forward" and r.requested.startswith("f8"):
             kernels.setdefault(r.module or UNNAMED, r.kernel)
+    module_of = {
+        r.layer: r.module or UNNAMED for r in ops if r.layer and r.dtype == "float8_e4m3fn"
+    }
     rows = []
     for name, casts in health.items():
-        module = name.partition("#")[0]
+        layer = name.partition("#")[0]
+        module = module_of.get(layer, layer)
         for cast, stats in casts.items():
             s = {k: float(np.asarray(v)) for k, v in stats.items()}
             rows.append((

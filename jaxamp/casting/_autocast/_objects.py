@@ -66,17 +66,19 @@ def _plain(x: Any) -> bool:
     return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class _Held:
-    """A plain object as a pytree node: its attributes are the children, with the
-    plain objects among them (its layers) held the same way."""
+    """A plain object as a pytree node: its attributes are the children (keyed by
+    name: FP8 names a layer by its weight's path), with the plain objects among
+    them (its layers) held the same way."""
 
     def __init__(self, obj: Any, attrs: dict[str, Any]) -> None:
         self.obj, self.attrs = obj, attrs
 
-    def tree_flatten(self) -> tuple[list[Any], tuple[Any, tuple[str, ...]]]:
+    def tree_flatten_with_keys(self) -> tuple[list[Any], tuple[Any, tuple[str, ...]]]:
         keys = tuple(self.attrs)
-        return [self.attrs[k] for k in keys], (self.obj, keys)
+        children = [(jax.tree_util.GetAttrKey(k), self.attrs[k]) for k in keys]
+        return children, (self.obj, keys)
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, tuple[str, ...]], children: list[Any]) -> _Held:

@@ -27,6 +27,7 @@ from jaxamp._utils.tree import holds_tracer
 from jaxamp.casting._autocast import _flax
 from jaxamp.casting._autocast._config import Config
 from jaxamp.casting._autocast._objects import holder
+from jaxamp.casting._fp8._fp8_layers import Name, argument_names, inner_path
 from jaxamp.casting._interpreter import _context, _decisions
 from jaxamp.casting._interpreter._casts import cast
 from jaxamp.casting._interpreter._handlers import HANDLERS
@@ -72,8 +73,10 @@ def _run(
     treedef: Any,
     dynamic: list[int],
     dyn: Sequence[Any],
+    names: Sequence[Name] | None = None,
 ) -> Any:
-    """Traces `f` on the dynamic leaves and evaluates it with autocast rules."""
+    """Traces `f` on the dynamic leaves and evaluates it with autocast rules; `names`:
+    where each leaf sits in the call's arguments (FP8 names its layers by them)."""
     if cfg.compute_dtype == jnp.float16:
         mark_float16_autocast()  # its gradients need a loss scale: warned at the step
 
@@ -96,7 +99,8 @@ def _run(
         source_info=cfg.debug,
         lines=cfg.debug or _decisions.active(),  # under `jaxamp.audit`
     )
-    ctx = _context.Context.start(config, cfg.fp8, closed.jaxpr)
+    at = [names[i] for i in dynamic] if names is not None else None
+    ctx = _context.Context.start(config, cfg.fp8, closed.jaxpr, at)
     # f's float32 outputs count as float32 uses: the elementwise ops right
     # before them run in float32 (the output is returned in float32 anyway).
     wide_out = cfg.output_dtype is None or cfg.output_dtype.itemsize >= 4
@@ -186,10 +190,18 @@ class _Call:
             self_node = self.f
         elif getattr(self.f, "__self__", None) is not None and is_node(self.f.__self__):
             self_node = self.f.__self__
+        names = None
+        if self.cfg.fp8 is not None:  # FP8 names layers by the weights they read
+            names = argument_names(self.f, args[1:] if held else args, kwargs, is_node)
+            if held is not None:  # the object's arrays: its attributes' paths
+                own = jax.tree_util.tree_flatten_with_path(args[0])[0]
+                names = [("self", inner_path(p)) for p, _ in own] + names
         if node_idx or self_node is not None:
-            return self._call_nnx(nnx, fn, leaves, treedef, node_idx, self_node)
+            return self._call_nnx(nnx, fn, leaves, treedef, node_idx, self_node, names)
         dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
-        return self._dispatch(fn, leaves, treedef, dynamic, (), *(leaves[i] for i in dynamic))
+        return self._dispatch(
+            fn, leaves, treedef, dynamic, (), *(leaves[i] for i in dynamic), names=names
+        )
 
     def _dispatch(
         self,
@@ -199,10 +211,12 @@ class _Call:
         dynamic: list[int],
         closed_over: Any,
         *dyn: Any,
+        names: Sequence[Name] | None = None,
     ) -> Any:
-        """``fn`` on ``leaves`` (the ``dynamic`` ones replaced by ``dyn``), under autocast."""
+        """``fn`` on ``leaves`` (the ``dynamic`` ones replaced by ``dyn``), under autocast;
+        `names`: where each leaf sits in the call's arguments."""
         if holds_tracer(dyn):
-            return _run(fn, self.cfg, leaves, treedef, dynamic, dyn)
+            return _run(fn, self.cfg, leaves, treedef, dynamic, dyn, names)
         # Eager call: one jitted program per call signature (jit caches per
         # shapes and dtypes), instead of re-tracing `f` op by op every call. The
         # key holds everything that changes the answer: the static leaves, and
@@ -213,7 +227,7 @@ class _Call:
             key = (treedef, tuple(dynamic), static, closed_over)
             hash(key)
         except TypeError:
-            return _run(fn, self.cfg, leaves, treedef, dynamic, dyn)
+            return _run(fn, self.cfg, leaves, treedef, dynamic, dyn, names)
         jitted = self.cache.get(key)
         if jitted is None:
             template = list(leaves)
@@ -222,7 +236,8 @@ class _Call:
             cfg = self.cfg
 
             def flat(*vals: Any) -> Any:
-                return _run(fn, cfg, template, treedef, dynamic, vals)
+                # `names` follow from `treedef`, part of the key.
+                return _run(fn, cfg, template, treedef, dynamic, vals, names)
 
             jitted = self.cache[key] = jax.jit(flat)
             if len(self.cache) > 64:
@@ -237,6 +252,7 @@ class _Call:
         treedef: Any,
         node_idx: list[int],
         self_node: Any,
+        names: Sequence[Name] | None,
     ) -> Any:
         """A call with nnx modules: split into a graph and a state, the state traced like
         any other input and the updated state (BatchStat, RNG counts, ...) written back
@@ -262,7 +278,16 @@ class _Call:
             statics = [statics]  # unhashable: `_dispatch` runs the call uncached
         closed_over = (graphdef, treedef, tuple(rest), statics, id(method), self_node is None)
         dynamic = list(range(len(p_leaves)))
-        out, updated = self._dispatch(pure, p_leaves, p_def, dynamic, closed_over, *p_leaves)
+        if names is not None:  # the modules' arrays: each module's path, then theirs in it
+            where = [names[i] for i in node_idx] + [("self", "")] * (self_node is not None)
+            own = []
+            for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+                arg, path = where[p[0].key]
+                own.append((arg, "/".join(filter(None, (path, inner_path(p[1:]))))))
+            names = own + [names[i] for i in rest]
+        out, updated = self._dispatch(
+            pure, p_leaves, p_def, dynamic, closed_over, *p_leaves, names=names
+        )
         if _flax.flat_variables(nnx, updated):
             nnx.update(nodes, updated)
         return out

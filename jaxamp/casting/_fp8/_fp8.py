@@ -54,7 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -64,6 +64,7 @@ from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
 from jaxamp.casting._fp8 import _fp8_gemm, _fp8_health
 from jaxamp.casting._fp8._fp8_config import Fp8Config
+from jaxamp.casting._fp8._fp8_layers import Name, layer_names
 from jaxamp.casting._fp8._fp8_roots import NONE, SAME_VALUES, Roots, subjaxpr_roots
 from jaxamp.casting._rules import _rules
 from jaxamp.casting._rules._scopes import join, module_match, module_path, scope_parts
@@ -74,9 +75,6 @@ __all__ = ["Plan", "plan"]
 #: value is the ``modules=`` verdict, ``(pattern, on)``, or None (no rule). A new
 #: mapping per such scope also keeps autocast's per-call-site cache apart.
 FP8_KEY = "jaxamp.fp8"
-#: The key a scope's rules carry where a ``select=`` entry names its module path:
-#: ``(path, on, why)``.
-SELECT_KEY = "jaxamp.fp8_select"
 #: Higher-order primitives whose body runs more than once per call.
 _LOOPS = frozenset({"scan", "while"})
 
@@ -110,12 +108,24 @@ class Plan:
     # Each product of the first and last layers -> (the equations of its site,
     # kept alive so that their ids stay theirs; "first" or "last").
     excluded: dict[Site, tuple[Any, str]] = dataclasses.field(default_factory=dict)
+    # Each product that may run FP8 -> its layer (``_fp8_layers``).
+    layers: dict[Site, str] = dataclasses.field(default_factory=dict)
+    # Each product whose layer a ``select=`` entry names -> that entry, ``(layer,
+    # on, why)``.
+    chosen: dict[Site, tuple[str, bool, str]] = dataclasses.field(default_factory=dict)
+    # The equations of the sites above, kept alive so that their ids stay theirs.
+    alive: list[Any] = dataclasses.field(default_factory=list)
 
     def exclusions_under(self, site: tuple[int, ...]) -> tuple[Site, ...]:
         """The excluded products inside the call at `site` (``Context.memoized``: an inner
         jaxpr evaluated there is not the one evaluated at another call site)."""
         n = len(site)
-        return tuple(k for k in self.excluded if k[0][:n] == site)
+        off = [k for k, c in self.chosen.items() if not c[1]]
+        return tuple(k for k in [*self.excluded, *off] if k[0][:n] == site)
+
+    def layer(self, eqn: Any, site: tuple[int, ...], stack: str) -> str:
+        """The layer of the product `eqn` at `site` under `stack` (``""``: none found)."""
+        return self.layers.get((site, id(eqn), stack), "")
 
     def scope_rules(self, parts: list[str], stack: str, rules: Mapping[str, str]) -> Any:
         """`rules` for the scope `stack`, marked where an FP8 decision depends on it."""
@@ -123,16 +133,14 @@ class Plan:
         for pattern, on in self.config.modules:
             if module_match(pattern, parts):
                 verdict = (pattern, on)
-        path = module_path(parts)
-        chosen = next((c for c in self.config.select if c[0] == path), None)
-        if verdict is None and chosen is None and not any(k[2] == stack for k in self.excluded):
+        if verdict is None and not any(k[2] == stack for k in self.excluded):
             return rules
-        return {**rules, FP8_KEY: verdict, SELECT_KEY: chosen}
+        return {**rules, FP8_KEY: verdict}
 
     def refusal(self, eqn: Any, site: tuple[int, ...], stack: str, rules: Mapping[str, str]) -> str:
         """Why this product, at `site` under `stack`, stays out of FP8 by the config
         (``""``: it does not)."""
-        chosen = rules.get(SELECT_KEY)
+        chosen = self.chosen.get((site, id(eqn), stack))
         if chosen is not None and not chosen[1]:
             return f"jaxamp.fp8(select=...) keeps {chosen[0]!r} out" + (
                 f": {chosen[2]}" if chosen[2] else ""
@@ -186,8 +194,9 @@ class Plan:
         # entered it already (``Config.lines``: a second time would repeat the
         # module path).
         with contextlib.nullcontext() if entered else jax_compat.source_info_context(eqn):
-            outs = [_fp8_health.dot(lhs, rhs, gemm, module_path(scope_parts(stack)))]
-        on, chosen = rules.get(FP8_KEY), rules.get(SELECT_KEY)
+            name = self.layer(eqn, site, stack) or module_path(scope_parts(stack))
+            outs = [_fp8_health.dot(lhs, rhs, gemm, name)]
+        on, chosen = rules.get(FP8_KEY), self.chosen.get((site, id(eqn), stack))
         why = f" (jaxamp.fp8(modules={{{on[0]!r}: True}}))" if on else ""
         if chosen is not None and chosen[2]:
             why += f" (jaxamp.fp8(select=...): {chosen[2]})"
@@ -212,9 +221,11 @@ def plan(
     jaxpr: Jaxpr,
     compute: np.dtype,
     rules_at: Callable[[str], tuple[bool, Mapping[str, str]]],
+    names: Sequence[Name] | None = None,
 ) -> Plan | None:
     """The FP8 plan of autocast's trace of `jaxpr` in `compute`; `rules_at`: ``(run as
-    written?, rules)`` under a name stack, before any FP8 mark."""
+    written?, rules)`` under a name stack, before any FP8 mark; `names`: where each
+    input of `jaxpr` sits in `f`'s arguments (``_fp8_layers.argument_names``)."""
     if config is None:
         return None
     found: list[_Product] = []  # every product that may run FP8
@@ -274,6 +285,7 @@ def plan(
                 stacklevel=2,
             )
     result = Plan(config, np.dtype(compute))
+    _name_layers(result, found, jaxpr, names)
     layers = [p for p in found if p.once]
     if config.first_last_bf16 and layers:
         # The first and last layers are the model's, not the program's: every
@@ -285,3 +297,27 @@ def plan(
                 if p is layer or p.reads & layer.reads:
                     result.excluded[p.key] = ((*p.site, p.eqn), which)
     return result
+
+
+def _name_layers(
+    result: Plan, found: list[_Product], jaxpr: Jaxpr, names: Sequence[Name] | None
+) -> None:
+    """Each product's layer in `result`, and the ``select=`` entry naming it; warns of
+    an entry that names no product."""
+    roots = dict(zip(map(id, jaxpr.invars), names or (), strict=False))
+    products = [(module_path(scope_parts(p.stack)), p.reads) for p in found]
+    select = {c[0]: c for c in result.config.select}
+    for p, layer in zip(found, layer_names(products, roots), strict=True):
+        result.layers[p.key] = layer
+        result.alive.append((*p.site, p.eqn))
+        if layer in select:
+            result.chosen[p.key] = select[layer]
+    unknown = sorted(set(select) - set(result.layers.values()))
+    if unknown:
+        warnings.warn(
+            f"jaxamp.fp8(select=...) names {unknown[:4]}, no layer of the function autocast "
+            f"traced (its layers: {sorted(set(result.layers.values()))[:8]}); a selection "
+            "is for the function and arguments jaxamp.fp8_select measured",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -24,8 +24,8 @@ class Fp8Config:
       first_last_bf16: keep the first and last matrix-product layers in the
         autocast dtype.
       batched: run products with batch dimensions (attention's) in FP8 too.
-      select: ``(module path, on, why)`` triples of a layer selection
-        (``jaxamp.fp8_select``), sorted by path: an exact path whose ``on`` is
+      select: ``(layer, on, why)`` triples of a layer selection
+        (``jaxamp.fp8_select``), sorted by layer: a layer whose ``on`` is
         False keeps its products in the autocast dtype, `why` saying why.
     """
 
@@ -86,12 +86,15 @@ def fp8(
         loop) and for a weight tied to another layer.
       batched: also run products with batch dimensions (attention's score and
         value products, a ``vmap``'d matmul inside `f`) in FP8 (default False).
-      select: a layer selection, module path -> bool, as ``jaxamp.fp8_select``
+      select: a layer selection, layer -> bool, as ``jaxamp.fp8_select``
         returns it (an ``Fp8Selection``, or a plain dict of it read back from
-        JSON or a checkpoint, edited or not). A path is matched exactly (not as
-        a pattern) against the module path ``jaxamp.audit`` prints; False keeps
-        that module's products in the autocast dtype, True leaves them to the
-        rules above (FP8 where they are eligible). An ``Fp8Selection`` also
+        JSON or a checkpoint, edited or not). A key is matched exactly (not as
+        a pattern) against each product's layer, which ``jaxamp.audit``'s
+        per-op rows print (``OpRow.layer``: the module path, or the path of the
+        weight the product reads where module paths do not tell layers apart);
+        False keeps that layer's products in the autocast dtype, True leaves
+        them to the rules above (FP8 where they are eligible). A key naming no
+        layer of the traced function is warned of. An ``Fp8Selection`` also
         gives ``audit`` the measured reason of each decision.
 
     Returns:
@@ -100,7 +103,7 @@ def fp8(
     Raises:
       ValueError: `scaling` is not ``"tensorwise"`` or ``"rowwise"``.
       TypeError: a `modules` key is not a pattern string or a value is not a bool;
-        a `select` key is not a module path string or a value is not a bool.
+        a `select` key is not a layer name (str) or a value is not a bool.
 
     Examples:
       >>> model = flax.linen.Dense(32)
@@ -142,24 +145,24 @@ def fp8(
 
 
 def _selected(select: Mapping[str, bool] | None) -> tuple[tuple[str, bool, str], ...]:
-    """`select` as ``Fp8Config.select``: sorted, each path's reason (an ``Fp8Selection``'s
+    """`select` as ``Fp8Config.select``: sorted, each layer's reason (an ``Fp8Selection``'s
     ``reasons``; a plain mapping has none)."""
     if select is None:
         return ()
     if not isinstance(select, Mapping):
         raise TypeError(
             f"jaxamp.fp8: select={select!r}; write select=jaxamp.fp8_select(...) or a dict "
-            "of module path -> bool (what it returns, read back from JSON or a checkpoint)"
+            "of layer -> bool (what it returns, read back from JSON or a checkpoint)"
         )
     reasons = getattr(select, "reasons", {})
     out = []
     for path, on in select.items():
         if not isinstance(path, str):
-            raise TypeError(f"jaxamp.fp8: select keys are module paths (str), got {path!r}")
+            raise TypeError(f"jaxamp.fp8: select keys are layer names (str), got {path!r}")
         if not isinstance(on, bool):
             raise TypeError(
                 f"jaxamp.fp8: select[{path!r}]={on!r}; write True (FP8 where eligible) or "
-                "False (keep the module's products in the autocast dtype)"
+                "False (keep the layer's products in the autocast dtype)"
             )
         out.append((path, on, str(reasons.get(path, ""))))
     return tuple(sorted(out))

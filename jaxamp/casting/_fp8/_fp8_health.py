@@ -174,7 +174,7 @@ def _collecting(col: _Collector) -> Iterator[_Collector]:
 
 
 def dot(lhs: Any, rhs: Any, gemm: _fp8_gemm.Gemm, name: str) -> Any:
-    """The FP8 product ``Plan.dot`` emits, named `name` (its module path): measured
+    """The FP8 product ``Plan.dot`` emits, named `name` (its layer): measured
     when an ``fp8_health`` trace is collecting in this very trace, else exactly
     ``fp8_dot_general``."""
     col = _active()
@@ -234,9 +234,11 @@ def fp8_health(
     model, or all of it). The returned function gives ``((value, health),
     grads)``: ``value`` and ``grads`` as ``jax.value_and_grad(fun, argnums,
     has_aux)`` gives them, and ``health`` a dict of scalar arrays, one entry per
-    FP8 product named by its module path as ``jaxamp.audit`` names it
-    (``Dense_1``, ``decoder/mlp/fc1``; ``dot_general`` outside any module;
-    ``name#2`` for the second product of the same name), holding one dict per cast:
+    FP8 product named by its layer as ``jaxamp.audit``'s per-op rows name it
+    (``OpRow.layer``: its module path, ``Dense_1``, ``decoder/mlp/fc1``, or the
+    path of the weight it reads where module paths do not tell layers apart,
+    ``mlp/0/layers/1/weight``; ``dot_general`` where neither exists; ``name#2``
+    for the second product of the same name), holding one dict per cast:
     ``"lhs"`` and ``"rhs"`` (the forward's e4m3 operands) and ``"grad"`` (the
     backward's e5m2 gradient; rowwise ``"grad_dgrad"`` and ``"grad_wgrad"``,
     one per backward product), each with ``"amax"`` (the largest magnitude

@@ -1,4 +1,4 @@
-"""``jaxamp.fp8_select``: which modules' products run in FP8, measured on a calibration batch.
+"""``jaxamp.fp8_select``: which layers' products run in FP8, measured on a calibration batch.
 
 The signal is the loss gradient: FP8's rounding reaches training through it, and
 the gradient is what a step applies. For a set S of modules, the error is
@@ -17,9 +17,11 @@ FP8 error reaches every layer before it through dgrad, and errors of
 different layers may cancel or compound), so the procedure measures the set it
 keeps: every candidate alone, then, in the order of least error alone (ties by
 path), each one joins the set if the set's error with it stays within the
-budget. Module paths, not program order, name the candidates: a model called
-twice is one set of paths, and the result is the same for the same program
-and arguments (no randomness; XLA's CPU and GPU products are deterministic).
+budget. Layers (``_fp8_layers``: module paths, or the weight a product reads
+where module paths do not tell layers apart), not program order, name the
+candidates: a model called twice is one set of layers, and the result is the
+same for the same program and arguments (no randomness; XLA's CPU and GPU
+products are deterministic).
 """
 
 from __future__ import annotations
@@ -44,18 +46,23 @@ _FP8 = "float8_e4m3fn"
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class Fp8Selection(Mapping[str, bool]):
-    """What ``jaxamp.fp8_select`` measured and chose; as a mapping, module path -> bool.
+    """What ``jaxamp.fp8_select`` measured and chose; as a mapping, layer -> bool.
 
     Pass it back as ``jaxamp.fp8(select=selection)`` (``audit`` then gives each
     decision's measured reason), or ``dict(selection)`` edited, or read back
     from JSON / a checkpoint (``to_dict`` / ``from_dict``).
 
     Attributes:
-      modules: module path (as ``jaxamp.audit`` prints it; ``""``: products
-        outside any named module) -> True (its products run FP8) or False
-        (kept in the autocast dtype).
-      reasons: module path -> the measured reason of its decision.
-      alone: module path -> the error with only its products in FP8.
+      modules: layer -> True (its products run FP8) or False (kept in the
+        autocast dtype). A layer is its module path as ``jaxamp.audit`` prints
+        it (``Block_0/Dense_1``), or, where the products of one module path read
+        different weights (equinox scopes its layers by class) or there is no
+        path (an nnx module merged inside the function, a plain function), the
+        path of the weight its product reads in the function's arguments
+        (``mlp/0/layers/1/weight``, ``attn/query/kernel``); audit's per-op
+        rows give each product's layer (``OpRow.layer``).
+      reasons: layer -> the measured reason of its decision.
+      alone: layer -> the error with only its products in FP8.
       error: the error with every kept module in FP8 (0.0 when none is kept).
       budget: the budget the selection kept `error` within.
       scaling: the FP8 scaling it was measured with.
@@ -81,7 +88,7 @@ class Fp8Selection(Mapping[str, bool]):
 
     @property
     def kept(self) -> float:
-        """The share of candidate modules kept in FP8 (1.0 when there is none)."""
+        """The share of candidate layers kept in FP8 (1.0 when there is none)."""
         return sum(self.modules.values()) / len(self.modules) if self.modules else 1.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,11 +118,11 @@ class Fp8Selection(Mapping[str, bool]):
         n = sum(self.modules.values())
         lines = [
             f"jaxamp.fp8_select ({self.scaling}, budget {self.budget:g}): {n} of "
-            f"{len(self.modules)} modules in FP8, error {self.error:.4g} ({self.signal})"
+            f"{len(self.modules)} layers in FP8, error {self.error:.4g} ({self.signal})"
         ]
         for path in self.modules:
             on = "FP8 " if self.modules[path] else "bf16"
-            lines.append(f"  {on}  {path or '(no module)'}: {self.reasons[path]}")
+            lines.append(f"  {on}  {path or '(no module, no weight)'}: {self.reasons[path]}")
         return "\n".join(lines)
 
 
@@ -139,13 +146,16 @@ def fp8_select(
     first_last_bf16: bool = True,
     batched: bool = False,
 ) -> Callable[..., Fp8Selection]:
-    """``jaxamp.fp8_select(loss_fun)(*args)``: the modules whose FP8 products keep the
+    """``jaxamp.fp8_select(loss_fun)(*args)``: the layers whose FP8 products keep the
     loss gradient within `budget` of bfloat16 autocast's, measured on `args`.
 
     `loss_fun` returns a scalar loss; `args` are a calibration batch and the
-    parameters (differentiated by `argnums`, as ``jax.grad``). Every module
+    parameters (differentiated by `argnums`, as ``jax.grad``). Every layer
     with a product that ``jaxamp.fp8(scaling, modules=..., first_last_bf16=...,
-    batched=...)`` runs in FP8 is a candidate. The error of a set of modules is
+    batched=...)`` runs in FP8 is a candidate: its module path, or the path of
+    the weight it reads where module paths do not tell layers apart (equinox's
+    class scopes; an nnx module merged inside `fun`; a plain function of
+    weights; ``Fp8Selection.modules``). The error of a set of layers is
     ``||g - g_bf16|| / ||g_bf16||``, the gradient with only their products in
     FP8 against bfloat16 autocast's. Each candidate is measured alone; then, in
     order of least error alone (ties by module path), each joins the kept set
@@ -160,7 +170,7 @@ def fp8_select(
     Use it once before training in FP8::
 
         selection = jaxamp.fp8_select(loss_fun)(params, batch)
-        print(selection)  # each module: FP8 or bf16, and the measured reason
+        print(selection)  # each layer: FP8 or bf16, and the measured reason
         cfg = jaxamp.fp8(select=selection)
         step = jaxamp.autocast(loss_fun, dtype=jnp.bfloat16, fp8=cfg)
 
@@ -181,7 +191,7 @@ def fp8_select(
 
     Returns:
       A function of `fun`'s arguments returning an [`Fp8Selection`][jaxamp.types.Fp8Selection]:
-      module path -> bool, the reason of each, the errors measured.
+      layer -> bool, the reason of each, the errors measured.
 
     Raises:
       TypeError: `fun` is not callable, or arguments of `fun` are given to
@@ -284,10 +294,10 @@ def _select(
 def _candidates(
     fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], dtype: Any, cfg: Any
 ) -> list[str]:
-    """The module paths of the products `cfg` runs in FP8 (``audit``'s per-op view), sorted."""
+    """The layers of the products `cfg` runs in FP8 (``audit``'s per-op view), sorted."""
     from jaxamp.casting._autocast._api import autocast
     from jaxamp.casting._interpreter._decisions import fresh_trace, recording
 
     with recording() as ops, fresh_trace():
         jax.make_jaxpr(autocast(fun, dtype=dtype, fp8=cfg))(*args, **kwargs)
-    return sorted({r.module for r in ops if r.primitive == "dot_general" and r.dtype == _FP8})
+    return sorted({r.layer for r in ops if r.primitive == "dot_general" and r.dtype == _FP8})

@@ -126,8 +126,11 @@ class Context:
     casts: dict[tuple[int, Any, bool], tuple[Any, Any]]
 
     @classmethod
-    def start(cls, config: Config, fp8: Fp8Config | None, jaxpr: Jaxpr) -> Context:
-        """The context at the top of `jaxpr`, with the FP8 plan of its trace."""
+    def start(
+        cls, config: Config, fp8: Fp8Config | None, jaxpr: Jaxpr, names: Any = None
+    ) -> Context:
+        """The context at the top of `jaxpr`, with the FP8 plan of its trace; `names`:
+        where its inputs sit in `f`'s arguments (``_fp8_layers.argument_names``)."""
         seen: dict[str, ScopeRules] = {}
 
         def unmarked(stack: str) -> ScopeRules:
@@ -135,7 +138,7 @@ class Context:
                 seen[stack] = config.scope_rules(stack)[:2]
             return seen[stack]
 
-        return cls(config, plan(fp8, jaxpr, config.dtype, unmarked), Position(), Memo(), {})
+        return cls(config, plan(fp8, jaxpr, config.dtype, unmarked, names), Position(), Memo(), {})
 
     def sub(self, **changes: Any) -> Context:
         """A context for an inner trace at a `changes`d position: the same memos,

@@ -60,6 +60,12 @@ class OpRow:
       module: the module path inside the autocast function (Flax module and
         ``jax.named_scope`` names).
       source: the user's ``file:line (function)`` the equation was traced from.
+      layer: for a product FP8 may run (under ``fp8=``), the name
+        ``jaxamp.fp8(select=...)``, ``jaxamp.fp8_select`` and
+        ``jaxamp.fp8_health`` give its layer: the module path, or, where the
+        products of one module path read different weights (equinox's layers
+        are scoped by class) or there is none, the path of the weight it
+        reads in `f`'s arguments (``mlp/0/layers/1/weight``). ``""`` otherwise.
     """
 
     primitive: str
@@ -69,6 +75,7 @@ class OpRow:
     reason: str
     module: str
     source: str
+    layer: str = ""
 
 
 @contextlib.contextmanager
@@ -108,9 +115,13 @@ def active() -> bool:
     return _LOG.get() is not None
 
 
-def note(eqn: Any, ctx: Context, dtype: Any, why: str, rule: tuple[str, str] | None = None) -> None:
+def note(
+    eqn: Any, ctx: Context, dtype: Any, why: str, rule: tuple[str, str] | None = None,
+    layer: str = "",
+) -> None:  # fmt: skip
     """Logs `eqn` (evaluated under ``ctx.position.stack``) as run in `dtype` because of `why`;
-    `rule`: ``(op class, origin)`` where the class is not the scope's (a handler's)."""
+    `rule`: ``(op class, origin)`` where the class is not the scope's (a handler's);
+    `layer`: an FP8 candidate product's layer (``OpRow.layer``)."""
     log = _LOG.get()
     if log is None:
         return
@@ -121,8 +132,9 @@ def note(eqn: Any, ctx: Context, dtype: Any, why: str, rule: tuple[str, str] | N
     dtype = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     frames = jax_compat.traceback_frames(eqn)
     row = OpRow(
-        name, dtype, op_class, origin, why, module_path(ctx.position.stack), user_frame(frames)
-    )
+        name, dtype, op_class, origin, why, module_path(ctx.position.stack), user_frame(frames),
+        layer,
+    )  # fmt: skip
     # A loop body or cond branch is evaluated more than once (until the dtypes
     # it carries settle): one row per equation and call site, the last decision.
     seen, key = _SEEN.get(), (id(eqn), ctx.position.site, ctx.position.stack)

@@ -262,16 +262,18 @@ def _eval_in(
             else:
                 args[i] = cast(ctx, ins.vals[i], target, const=ins.marks[i] == CONST)
     params, out_mark = _accumulation(eqn, floats, target, out_mark)
+    layer = ""
     if fp8_rules is not None:
         pos = ctx.position
+        layer = ctx.fp8.layer(eqn, pos.site, pos.stack)
         fp8_outs, fp8_why = ctx.fp8.dot(
             eqn, args, params, target, fp8_rules, pos.site, pos.stack, ctx.config.lines
         )
         if fp8_outs is not None:
-            note(eqn, ctx, "float8_e4m3fn", fp8_why)
+            note(eqn, ctx, "float8_e4m3fn", fp8_why, layer=layer)
             return fp8_outs, [out_mark] * nout
         why = f"{why}; {fp8_why}" if fp8_why else why
-    note(eqn, ctx, target, why)
+    note(eqn, ctx, target, why, layer=layer)
     return bind(eqn, args, params, ctx.config.cached), [out_mark] * nout
 
 

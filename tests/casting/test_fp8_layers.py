@@ -1,0 +1,140 @@
+"""An FP8 product's layer: its module path, or the weight it reads where module paths
+do not tell layers apart (equinox's class scopes, an nnx module merged inside the
+function, a plain function of weights). ``jaxamp.fp8_select`` must then select
+one layer, not all those sharing a path."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxamp
+
+D, BATCH = 32, 16
+BUDGET = 2 * 2.0**-4  # test_fp8_select's: two e4m3 unit roundoffs of gradient error
+FP8 = "float8_e4m3fn"
+
+
+def _hostile_input() -> tuple[jax.Array, jax.Array]:
+    """An input whose feature 0 is 1e5 times the others, and the column scale that
+    undoes it in the first layer's weight: the same product in exact arithmetic and
+    in bfloat16, but e4m3 scaled by the amax (~1e5) flushes every other feature, so
+    the first layer's weight gradient is lost in FP8 (test_fp8_select's layer)."""
+    s = jnp.ones(D).at[0].set(1e5)
+    x = jax.random.normal(jax.random.key(9), (BATCH, D))
+    return x * s, s
+
+
+def _layers(f, *args) -> dict[str, list[str]]:
+    """layer -> the dtypes its products ran in, from audit's per-op view."""
+    found: dict[str, list[str]] = {}
+    for r in jaxamp.audit(f)(*args).ops:
+        if r.primitive == "dot_general":
+            found.setdefault(r.layer, []).append(r.dtype)
+    return found
+
+
+def test_equinox_layers_sharing_a_class_scope_are_selected_one_by_one():
+    x, s = _hostile_input()
+    keys = jax.random.split(jax.random.key(0), 3)
+    layers = [eqx.nn.Linear(D, D, key=k) for k in keys]
+    layers[0] = eqx.tree_at(lambda m: m.weight, layers[0], layers[0].weight / s)
+    model = eqx.nn.Sequential(layers)
+
+    def loss(model, x):
+        return jnp.mean(jnp.tanh(jax.vmap(model)(x)) ** 2)
+
+    names = [f"layers/{i}/weight" for i in range(3)]
+    cfg = jaxamp.fp8(first_last_bf16=False)
+    # Every product sits under the same class scope; each has its own layer.
+    paths = {r.module for r in jaxamp.audit(jaxamp.autocast(loss, fp8=cfg))(model, x).ops
+             if r.primitive == "dot_general"}  # fmt: skip
+    assert paths == {"eqx.nn.Sequential/eqx.nn.Linear"}
+    selection = jaxamp.fp8_select(loss, budget=BUDGET, first_last_bf16=False)(model, x)
+    assert dict(selection) == {names[0]: False, names[1]: True, names[2]: True}
+    assert selection.alone[names[0]] > BUDGET >= selection.error > 0
+    ran = _layers(jaxamp.autocast(loss, dtype=jnp.bfloat16, fp8=jaxamp.fp8(
+        first_last_bf16=False, select=selection)), model, x)  # fmt: skip
+    assert ran == {names[0]: ["bfloat16"], names[1]: [FP8], names[2]: [FP8]}
+
+
+def test_an_nnx_module_merged_inside_the_function_is_named_by_its_state():
+    """The conformance harness's route: no module scopes at all, one path ``""``."""
+
+    class Mlp(nnx.Module):
+        def __init__(self) -> None:
+            self.a = nnx.Linear(D, D, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(D, D, rngs=nnx.Rngs(1))
+            self.c = nnx.Linear(D, D, rngs=nnx.Rngs(2))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.c(jnp.tanh(self.b(jnp.tanh(self.a(x)))))
+
+    x, s = _hostile_input()
+    graphdef, params = nnx.split(Mlp())
+    params["a"]["kernel"][...] = params["a"]["kernel"][...] / s[:, None]
+
+    def loss(params, x):
+        return jnp.mean(jnp.tanh(nnx.merge(graphdef, params)(x)) ** 2)
+
+    selection = jaxamp.fp8_select(loss, budget=BUDGET, first_last_bf16=False)(params, x)
+    assert dict(selection) == {"a/kernel": False, "b/kernel": True, "c/kernel": True}
+    cfg = jaxamp.fp8(first_last_bf16=False, select=dict(selection))
+    ran = _layers(jaxamp.autocast(loss, dtype=jnp.bfloat16, fp8=cfg), params, x)
+    assert ran == {"a/kernel": ["bfloat16"], "b/kernel": [FP8], "c/kernel": [FP8]}
+    assert all(r.module == "" for r in jaxamp.audit(jaxamp.autocast(loss, fp8=cfg))(params, x)
+               .ops if r.primitive == "dot_general")  # fmt: skip
+
+
+def test_a_plain_function_names_its_layers_by_argument_and_key():
+    x, s = _hostile_input()
+    k = jax.random.split(jax.random.key(1), 3)
+    w0, w1, w2 = (jax.random.normal(k[i], (D, D)) / np.sqrt(D) for i in range(3))
+    w0 = w0 / s[:, None]
+
+    def loss(first, rest, x):  # a bare array argument is named by the argument
+        h = jnp.tanh(x @ first)
+        h = jnp.tanh(h @ rest["mid"])
+        return jnp.mean(jnp.tanh(h @ rest["out"]) ** 2)
+
+    args = (w0, {"mid": w1, "out": w2}, x)
+    # `rest` is read by most products: it holds their weights; the first product
+    # reads `first` and `x`, read by one product each: `first` comes first by name.
+    selection = jaxamp.fp8_select(loss, budget=BUDGET, first_last_bf16=False)(*args)
+    assert dict(selection) == {"first": False, "mid": True, "out": True}
+
+
+def test_a_layer_called_twice_is_one_layer():
+    """A module path read with one weight in both calls is one layer, and a weight
+    read under two class scopes is one layer per scope (its module path)."""
+    keys = jax.random.split(jax.random.key(2), 2)
+    model = eqx.nn.Sequential([eqx.nn.Linear(D, D, key=k) for k in keys])
+
+    def loss(model, x):
+        y = jax.vmap(model)(x)
+        return jnp.mean(jax.vmap(model)(jnp.tanh(y)) ** 2)
+
+    x = jax.random.normal(jax.random.key(3), (BATCH, D))
+    cfg = jaxamp.fp8(first_last_bf16=False, select={"layers/0/weight": False})
+    ran = _layers(jaxamp.autocast(loss, dtype=jnp.bfloat16, fp8=cfg), model, x)
+    assert ran == {"layers/0/weight": ["bfloat16"] * 2, "layers/1/weight": [FP8] * 2}
+
+
+def test_a_selection_naming_no_layer_warns_with_the_layers_there_are():
+    x = jax.random.normal(jax.random.key(4), (BATCH, D))
+    w = jax.random.normal(jax.random.key(5), (D, D))
+    cfg = jaxamp.fp8(first_last_bf16=False, select={"Dense_0": False})
+    f = jaxamp.autocast(lambda w, x: jnp.sum(x @ w), dtype=jnp.bfloat16, fp8=cfg)
+    with pytest.warns(UserWarning, match=r"names \['Dense_0'\], no layer .* layers: \['w'\]"):
+        jax.make_jaxpr(f)(w, x)
+    ok = jaxamp.autocast(
+        lambda w, x: jnp.sum(x @ w), dtype=jnp.bfloat16,
+        fp8=jaxamp.fp8(first_last_bf16=False, select={"w": False}),
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _layers(ok, w, x) == {"w": ["bfloat16"]}
