@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jaxamp
 from tests.casting.test_fp8_health import _planted
@@ -41,3 +42,26 @@ def test_a_product_outside_any_module_is_joined_to_its_kernel():
     rows = jaxamp.audit(step)(w, x).health_table(health).splitlines()[2:]
     assert [line.split()[:2] for line in rows] == [["w", c] for c in ("lhs", "rhs", "grad")]
     assert all(" dot " in f" {line} " and "?" not in line for line in rows)
+
+
+def test_mapped_figures_are_pooled_the_largest_amax_and_the_mean_fraction():
+    """fp8_health under ``vmap`` gives each figure per example; the table pools
+    them as one cast of all the examples would count (each casts as many)."""
+    w = jax.random.normal(jax.random.key(1), (64, 64))
+    f = jaxamp.autocast(
+        lambda w, x: x @ w, dtype=jnp.bfloat16, fp8=jaxamp.fp8(first_last_bf16=False)
+    )
+    step = jaxamp.fp8_health(lambda w, x: jnp.sum(f(w, x)))
+    # Example k: one element 2**(20 + k) times the rest, which its scale flushes.
+    xs = jnp.ones((3, 32, 64)).at[:, 0, 0].set(2.0 ** (20 + jnp.arange(3)))
+    (_, health), _ = jax.vmap(step, in_axes=(None, 0))(w, xs)
+    assert health["w"]["lhs"]["amax"].shape == (3,)
+    one = [step(w, x)[0][1]["w"]["lhs"] for x in xs]
+    row = next(
+        line.split()
+        for line in jaxamp.audit(step)(w, xs[0]).health_table(health).splitlines()
+        if line.split()[:2] == ["w", "lhs"]
+    )
+    assert max(float(h["amax"]) for h in one) == 2.0**22 and row[2] == f"{2.0**22:.4g}"
+    flushed = np.mean([float(h["flushed"]) for h in one])
+    assert 0 < flushed < 1 and row[4] == f"{flushed:.3%}"

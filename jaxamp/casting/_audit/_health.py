@@ -38,7 +38,8 @@ def table(
     health: Mapping[str, Mapping[str, Mapping[str, Any]]],
 ) -> list[tuple[str, ...]]:  # fmt: skip
     """Rows ``(layer, cast, amax, saturated, flushed, kernel, flags)`` of `health`
-    (``fp8_health``'s dict, its arrays read here, on the host), each with the
+    (``fp8_health``'s dict, its arrays read here, on the host, pooled where they
+    are mapped: ``_pooled``), each with the
     kernel of `matmuls`' forward product of the layer's module path (`ops`, the
     per-op rows, say which module a layer is in)."""
     kernels: dict[str, str] = {}
@@ -53,9 +54,17 @@ def table(
         layer = name.partition("#")[0]
         module = module_of.get(layer, layer)
         for cast, stats in casts.items():
-            s = {k: float(np.asarray(v)) for k, v in stats.items()}
+            s = {k: _pooled(k, v) for k, v in stats.items()}
             rows.append((
                 name, cast, f"{s['amax']:.4g}", f"{s['saturated']:.3%}", f"{s['flushed']:.3%}",
                 kernels.get(module, "?"), "; ".join(flags(s)),
             ))  # fmt: skip
     return rows
+
+
+def _pooled(stat: str, value: Any) -> float:
+    """One figure of a cast, pooled over the axes a ``vmap`` or a ``shard_map`` put
+    on it (one per example or device): the largest amax, and the mean of the
+    fractions (each mapped instance casts as many elements)."""
+    a = np.asarray(value, np.float64)
+    return float(a.max() if stat == "amax" else a.mean())

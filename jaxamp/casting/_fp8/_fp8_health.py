@@ -44,6 +44,12 @@ __all__ = ["STATS", "fp8_health"]
 #: The statistics of one cast, in the order of its row.
 STATS = ("amax", "saturated", "flushed")
 _F32 = np.dtype(np.float32)
+#: What tracing a function that reads a concrete value of a traced argument raises.
+_CONCRETE_ONLY = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
 #: The name of a product outside any module (audit's empty module path).
 UNNAMED = "dot_general"
 
@@ -307,19 +313,28 @@ def fp8_health(
             )
         positions = [a % len(args) for a in nums]
         differentiated = list(dict.fromkeys(positions))
-        count = _Collector(probes=None)
 
         # Traced on the differentiated arguments only, as jax.value_and_grad traces
         # them: the others stay as the caller passed them (a numpy batch read with
         # numpy), and an autocast call on them alone runs as its own jit in both
         # passes, so both count the same products.
-        def counted(*vals: Any) -> Any:
+        def counted(count: _Collector, *vals: Any) -> Any:
             full = list(args)
             for i, v in zip(differentiated, vals, strict=True):
                 full[i] = v
             return measured(count, *full, **kwargs)
 
-        jax.eval_shape(counted, *(args[i] for i in differentiated))
+        diff = [args[i] for i in differentiated]
+        count = _Collector(probes=None)
+        try:
+            jax.eval_shape(functools.partial(counted, count), *diff)
+        except _CONCRETE_ONLY:
+            # eval_shape stages every op: Python control flow on a concrete
+            # argument not differentiated meets a tracer there, not under
+            # jax.value_and_grad. Count in value_and_grad's own regime (eagerly,
+            # the forward runs once more; under jit, a trace).
+            count = _Collector(probes=None)
+            jax.vjp(functools.partial(counted, count), *diff)
         n = len(count.names)
         col = _Collector(probes=None)
 
