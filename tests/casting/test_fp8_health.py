@@ -85,8 +85,9 @@ def test_planted_layers_are_named_with_their_fractions(scaling):
     names = {"Planted/first", "Planted/sat", "Planted/mid", "Planted/under"}
     assert set(health) == names
     grads = ("grad_dgrad", "grad_wgrad") if scaling == "rowwise" else ("grad",)
+    again = ("lhs_wgrad", "rhs_dgrad") if scaling == "rowwise" else ()
     for name in names:
-        assert set(health[name]) == {"lhs", "rhs", *grads}
+        assert set(health[name]) == {"lhs", "rhs", *grads, *again}
 
     def having(cast, stat):
         return {n for n, casts in health.items() if casts[cast][stat] > 0}
@@ -106,6 +107,14 @@ def test_planted_layers_are_named_with_their_fractions(scaling):
     assert got["amax"] == amax == np.inf
     assert got["saturated"] == pytest.approx(sat, abs=0.5 / x_inf.size) and sat == 2 / x_inf.size
     assert got["flushed"] == pytest.approx(flush, abs=0.5 / x_inf.size) and flush > 0
+    if scaling == "rowwise":
+        # The wgrad casts the input again per column: only the two columns holding
+        # an inf flush, the infs themselves saturating again.
+        amax, sat, flush = reference(x_inf, E4M3, 0)
+        got = health["Planted/sat"]["lhs_wgrad"]
+        assert got["amax"] == amax and got["saturated"] == pytest.approx(sat, abs=0.5 / x.size)
+        assert got["flushed"] == pytest.approx(flush, abs=0.5 / x_inf.size)
+        assert 0 < flush < health["Planted/sat"]["lhs"]["flushed"]
     # autocast rounds the input to bfloat16 before the product quantizes it.
     x16 = x.astype(jnp.bfloat16)
     assert health["Planted/first"]["lhs"]["amax"] == reference(x16, E4M3, None)[0]
@@ -120,6 +129,31 @@ def test_planted_layers_are_named_with_their_fractions(scaling):
         assert got["saturated"] == sat == 0.0
         assert got["flushed"] == pytest.approx(flush, abs=0.5 / c.size)
         assert flush == pytest.approx(float(np.mean(c16 < 1)))
+
+
+def test_rowwise_backward_casts_the_weight_again_per_row():
+    """Rowwise, the dgrad contracts the weight's other axis: it casts the weight
+    again, one scale per row, and flushes what the forward's per-column scales
+    keep (and the reverse). Two huge entries in one row: the forward flushes
+    the rest of their two columns, the dgrad the rest of their row."""
+    w = jax.random.normal(jax.random.key(10), (D, D)).at[0, :2].set(1e8)
+    x = jax.random.normal(jax.random.key(11), (B, D))
+    f = jaxamp.autocast(
+        lambda w, x: x @ w, dtype=jnp.bfloat16, fp8=jaxamp.fp8("rowwise", first_last_bf16=False)
+    )
+    (_, health), _ = jaxamp.fp8_health(lambda w: jnp.sum(f(w, x)))(w)
+    health = jax.tree.map(float, health["w"])
+    w16 = np.asarray(w.astype(jnp.bfloat16), np.float64)
+    x16 = np.asarray(x.astype(jnp.bfloat16), np.float64)
+    for cast, operand, axes, flushed in (
+        ("rhs", w16, 0, 2 * (D - 1)), ("rhs_dgrad", w16, 1, D - 2),
+        ("lhs", x16, 1, None), ("lhs_wgrad", x16, 0, None),
+    ):  # fmt: skip
+        amax, sat, flush = reference(operand, E4M3, axes)
+        assert health[cast]["amax"] == amax and health[cast]["saturated"] == sat == 0.0
+        assert health[cast]["flushed"] == pytest.approx(flush, abs=0.5 / operand.size)
+        if flushed is not None:
+            assert flush * operand.size == flushed
 
 
 def test_rowwise_rescues_a_row_that_tensorwise_flushes():
@@ -345,4 +379,4 @@ def test_an_array_flag_not_differentiated_in_python_control_flow():
         ref_value, ref_grad = jax.value_and_grad(loss)(w, x, labels, jnp.int32(step))
         assert float(value) == float(ref_value) and sorted(health) == ["w"]
         np.testing.assert_array_equal(grad, ref_grad)
-        assert float(health["w"]["lhs"]["amax"]) == 2.0 ** step
+        assert float(health["w"]["lhs"]["amax"]) == 2.0**step
