@@ -11,7 +11,9 @@ multiplier, ``sqrt(nu_exact / nu_stored)`` averaged over elements and steps, for
   low-discrepancy dither, unbiased each step) instead of independent ones;
 * ``sqrt``: ``sqrt(nu)`` stored instead, rounded stochastically. It halves a
   block's range in binades, so the range rule (``_codes``) would give it one more
-  mantissa bit: compare ``sqrt`` at m + 1 with ``nu`` at m.
+  mantissa bit: compare ``sqrt`` at m + 1 with ``nu`` at m;
+* ``sqrt_unbiased``: ``sqrt(nu)`` stored, rounded up with the probability that
+  keeps `nu` itself unbiased (``E[s**2] = nu``), as ``nu`` is.
 
 Elements have gradient scales spread over 2**(+-4.3); a grid with m mantissa bits
 and no exponent limit (a block's code within its range). Run: ``python
@@ -41,12 +43,20 @@ def step_multiplier(m: int, kind: str, seed: int = 0) -> tuple[float, float]:
     for t in range(1, STEPS + 1):
         g2 = (scale * rng.standard_normal(N)) ** 2
         exact = BETA * exact + (1 - BETA) * g2
-        nu = stored**2 if kind == "sqrt" else stored
+        nu = stored if kind in ("nu", "weyl") else stored**2
         x = BETA * nu + (1 - BETA) * g2
         u = (offset + t * PHI) % 1.0 if kind == "weyl" else rng.uniform(0.0, 1.0, N)
-        stored = _round(np.sqrt(x), u, m) if kind == "sqrt" else _round(x, u, m)
+        if kind == "sqrt_unbiased":
+            lo = _round(np.sqrt(x), np.zeros(N), m)
+            hi = _round(np.sqrt(x), np.ones(N), m)
+            up = (x - lo**2) / np.maximum(hi**2 - lo**2, 1e-300)
+            stored = np.where(u < up, hi, lo)
+        elif kind == "sqrt":
+            stored = _round(np.sqrt(x), u, m)
+        else:
+            stored = _round(x, u, m)
         if t > BURN_IN:
-            ratios.append(np.sqrt(exact / (stored**2 if kind == "sqrt" else stored)))
+            ratios.append(np.sqrt(exact / (stored if kind in ("nu", "weyl") else stored**2)))
     r = np.asarray(ratios)
     return float(r.mean()), float(r.std())
 
@@ -55,6 +65,6 @@ if __name__ == "__main__":
     print("| mantissa bits | stored | step multiplier, mean | std |")
     print("|---|---|---|---|")
     for m in (4, 5, 6):
-        for kind in ("nu", "weyl", "sqrt"):
+        for kind in ("nu", "weyl", "sqrt", "sqrt_unbiased"):
             mean, std = step_multiplier(m, kind)
             print(f"| {m} | {kind} | {mean:.4f} | {std:.4f} |")
