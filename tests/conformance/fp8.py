@@ -76,7 +76,8 @@ MISSES = {
     "flax-linen-transformer": "no one layer: leaving out any one kind of FP8 layer leaves "
     "+2 to +4.5 %; within 1 % only with 9 of its 11 FP8 products in bfloat16",
     "flax-nnx-attention": "as the linen LM (one block; this harness builds the nnx module "
-    "inside its apply, so there are no module names to exclude by)",
+    "inside its apply, so there are no module names to exclude by; fp8_select names its "
+    "layers by their kernels)",
 }
 MISS_BOUND = 0.08
 
@@ -198,9 +199,22 @@ def failures(row: dict[str, Any]) -> list[str]:
     name, default = row["model"], not row.get("variant")
     if a.get("nonfinite"):
         out.append(f"forward: {a['nonfinite']} outputs inf/NaN where float32's are finite")
+    selection = row.get("selection")
     if row.get("products", {}).get("fp8") == 0:
         if name in NO_FP8:
             row["note"] = f"no FP8 product: {NO_FP8[name]}"
+        elif (
+            selection
+            and selection["alone"]
+            and all(e > selection["budget"] for e in selection["alone"].values())
+        ):
+            # What the selection is for: where FP8 costs every layer more than the
+            # budget, it keeps them in bfloat16 and says why.
+            least = min(selection["alone"].values())
+            row["note"] = (
+                f"the selection keeps none: each layer alone moves the gradient by "
+                f"{least:.3g} or more, over the budget {selection['budget']:g}"
+            )
         else:
             out.append("no product ran in FP8")
     if row.get("skipped"):

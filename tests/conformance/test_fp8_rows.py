@@ -58,6 +58,14 @@ def test_a_documented_miss_is_a_note_and_an_undocumented_one_fails() -> None:
     assert fp8.failures(row("hf-t5", 1.0 + fp8.MISS_BOUND + 0.01))  # beyond the bound
     assert fp8.failures(row("hf-gpt2", 1.03))  # no documented miss
     assert fp8.failures(row("hf-gpt2", 1.005)) == []
+    # A selection that keeps none because every layer alone is over its budget says
+    # so; one that keeps none otherwise fails.
+    alone = {"up/kernel": 0.08, "down/kernel": 0.06}
+    none = {**row("flax-nnx-attention", 1.0, "fp8_select (budget 0.05)"),
+            "products": {"fp8": 0}, "selection": {"budget": 0.05, "alone": alone}}  # fmt: skip
+    assert fp8.failures(none) == [] and "keeps none" in none["note"] and "0.06" in none["note"]
+    under = {**none, "selection": {"budget": 0.05, "alone": {"up/kernel": 0.04}}}
+    assert fp8.failures(under) == ["no product ran in FP8"]
     for scaling in fp8.SCALINGS:  # a selection's row: the goal, whatever the model
         chosen = {**row("flax-linen-transformer", 1.011, "fp8_select (budget 0.05)"),
                   "scaling": scaling, "selection": {}}  # fmt: skip
