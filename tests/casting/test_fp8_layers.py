@@ -186,3 +186,24 @@ def test_a_tie_names_the_layer_by_the_first_argument():
     cfg = jaxamp.fp8(first_last_bf16=False)
     f = jaxamp.autocast(lambda w, batch: jnp.sum(batch @ w), dtype=jnp.bfloat16, fp8=cfg)
     assert _layers(f, w, x) == {"w": [FP8]}
+
+
+def test_a_jitted_layer_function_shows_each_layer_it_is_called_for():
+    """One nested jit called on three weights is autocast once per layer: audit's
+    rows, and so ``fp8_select``'s candidates, hold every layer, not the first call's."""
+
+    @jax.jit
+    def dense(h, w):
+        return jnp.tanh(h @ w)
+
+    def loss(ws, x):
+        for n in "abc":
+            x = dense(x, ws[n])
+        return jnp.mean(x**2)
+
+    k = jax.random.split(jax.random.key(12), 3)
+    ws = {n: jax.random.normal(k[i], (D, D)) / np.sqrt(D) for i, n in enumerate("abc")}
+    x = jax.random.normal(jax.random.key(13), (BATCH, D)).astype(jnp.bfloat16)
+    cfg = jaxamp.fp8(first_last_bf16=False)
+    ran = _layers(jaxamp.autocast(loss, dtype=jnp.bfloat16, fp8=cfg), ws, x)
+    assert ran == {"a": [FP8], "b": [FP8], "c": [FP8]}
