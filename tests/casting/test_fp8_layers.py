@@ -138,3 +138,72 @@ def test_a_selection_naming_no_layer_warns_with_the_layers_there_are():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _layers(ok, w, x) == {"w": ["bfloat16"]}
+
+
+def test_two_arguments_of_one_structure_are_told_apart_by_their_argument():
+    """Two models of one class (a generator and a discriminator, an encoder and a
+    decoder) hold weights at the same paths: each layer is its own, named with its
+    argument, and a selection turns off one layer, not its twin in the other model."""
+    keys = jax.random.split(jax.random.key(6), 4)
+    g = eqx.nn.Sequential([eqx.nn.Linear(D, D, key=k) for k in keys[:2]])
+    d = eqx.nn.Sequential([eqx.nn.Linear(D, D, key=k) for k in keys[2:]])
+
+    def loss(g, d, x):
+        return jnp.mean(jax.vmap(d)(jnp.tanh(jax.vmap(g)(x))) ** 2)
+
+    x = jax.random.normal(jax.random.key(7), (BATCH, D))
+    cfg = jaxamp.fp8(first_last_bf16=False, select={"d/layers/0/weight": False})
+    ran = _layers(jaxamp.autocast(loss, dtype=jnp.bfloat16, fp8=cfg), g, d, x)
+    assert ran == {
+        "g/layers/0/weight": [FP8],
+        "g/layers/1/weight": [FP8],
+        "d/layers/0/weight": ["bfloat16"],
+        "d/layers/1/weight": [FP8],
+    }
+
+
+def test_the_batch_read_by_several_layers_does_not_name_them():
+    """The q, k, v projections all read the batch, as often as each reads the weights'
+    argument: the argument holding more of the arrays read holds the weights."""
+    k = jax.random.split(jax.random.key(8), 3)
+    weights = {n: jax.random.normal(k[i], (D, D)) / np.sqrt(D) for i, n in enumerate("qkv")}
+    x = jax.random.normal(jax.random.key(9), (BATCH, D))
+
+    def f(inputs, weights):  # "inputs" sorts before "weights"
+        q, k, v = (inputs @ weights[n] for n in "qkv")
+        return jnp.sum(jnp.tanh(q) * jnp.tanh(k) * v)
+
+    cfg = jaxamp.fp8(first_last_bf16=False)
+    ran = _layers(jaxamp.autocast(f, dtype=jnp.bfloat16, fp8=cfg), x, weights)
+    assert ran == {"q": [FP8], "k": [FP8], "v": [FP8]}
+
+
+def test_a_tie_names_the_layer_by_the_first_argument():
+    """One product reads the weight and the batch once each: JAX's convention
+    (``jax.grad`` differentiates the first argument) puts the parameters first."""
+    x = jax.random.normal(jax.random.key(10), (BATCH, D))
+    w = jax.random.normal(jax.random.key(11), (D, D))
+    cfg = jaxamp.fp8(first_last_bf16=False)
+    f = jaxamp.autocast(lambda w, batch: jnp.sum(batch @ w), dtype=jnp.bfloat16, fp8=cfg)
+    assert _layers(f, w, x) == {"w": [FP8]}
+
+
+def test_a_jitted_layer_function_shows_each_layer_it_is_called_for():
+    """One nested jit called on three weights is autocast once per layer: audit's
+    rows, and so ``fp8_select``'s candidates, hold every layer, not the first call's."""
+
+    @jax.jit
+    def dense(h, w):
+        return jnp.tanh(h @ w)
+
+    def loss(ws, x):
+        for n in "abc":
+            x = dense(x, ws[n])
+        return jnp.mean(x**2)
+
+    k = jax.random.split(jax.random.key(12), 3)
+    ws = {n: jax.random.normal(k[i], (D, D)) / np.sqrt(D) for i, n in enumerate("abc")}
+    x = jax.random.normal(jax.random.key(13), (BATCH, D)).astype(jnp.bfloat16)
+    cfg = jaxamp.fp8(first_last_bf16=False)
+    ran = _layers(jaxamp.autocast(loss, dtype=jnp.bfloat16, fp8=cfg), ws, x)
+    assert ran == {"a": [FP8], "b": [FP8], "c": [FP8]}

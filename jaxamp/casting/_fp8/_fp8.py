@@ -116,12 +116,15 @@ class Plan:
     # The equations of the sites above, kept alive so that their ids stay theirs.
     alive: list[Any] = dataclasses.field(default_factory=list)
 
-    def exclusions_under(self, site: tuple[int, ...]) -> tuple[Site, ...]:
-        """The excluded products inside the call at `site` (``Context.memoized``: an inner
-        jaxpr evaluated there is not the one evaluated at another call site)."""
+    def under(self, site: tuple[int, ...]) -> tuple[tuple[Site, ...], tuple[str, ...]]:
+        """What the call at `site` decides for its own products (``Context.memoized``: an
+        inner jaxpr evaluated there is not the one evaluated at another call site): the
+        products it excludes, and the layers of its products, in program order (a layer
+        function called on each weight names, measures and reports each layer)."""
         n = len(site)
         off = [k for k, c in self.chosen.items() if not c[1]]
-        return tuple(k for k in [*self.excluded, *off] if k[0][:n] == site)
+        excluded = tuple(k for k in [*self.excluded, *off] if k[0][:n] == site)
+        return excluded, tuple(v for k, v in self.layers.items() if k[0][:n] == site)
 
     def layer(self, eqn: Any, site: tuple[int, ...], stack: str) -> str:
         """The layer of the product `eqn` at `site` under `stack` (``""``: none found)."""

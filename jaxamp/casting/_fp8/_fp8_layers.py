@@ -15,7 +15,12 @@ So a product's layer is its module path when the products on that path all read
 the same arrays of `f` (a module called twice is one layer), and the path of the
 weight it reads otherwise. Of the arguments a product reads, only the one most
 products read holds its weight: the input a first layer multiplies is an array
-of `f` too, of the batch argument.
+of `f` too, of the batch argument. Where the batch is read as often (the q, k and
+v projections each read it), the argument with more of the arrays read holds
+the weights; then the first (``jax.grad`` differentiates the first argument:
+parameters come first). Two arguments with weights at the same path
+(two models of one class) are told apart by the argument's name
+(``g/layers/0/weight``, ``d/layers/0/weight``).
 """
 
 from __future__ import annotations
@@ -68,27 +73,49 @@ def layer_names(
     products: Sequence[tuple[str, frozenset[int]]], roots: Mapping[int, Name]
 ) -> list[str]:
     """The layer of each product, given as ``(module path, the ids of the arrays of
-    `f` it reads)``; `roots`: the name of each input of `f` (its constants have
-    none)."""
+    `f` it reads)``; `roots`: the name of each input of `f`, in `f`'s argument order
+    (its constants have none)."""
     counts: collections.Counter[str] = collections.Counter()
+    arrays: dict[str, set[int]] = collections.defaultdict(set)
     for _, reads in products:
         counts.update({roots[r][0] for r in reads if r in roots})
+        for r in reads:
+            if r in roots:
+                arrays[roots[r][0]].add(r)
+    position = {}
+    for arg, _ in roots.values():
+        position.setdefault(arg, len(position))
 
-    def params(reads: frozenset[int]) -> str:
-        # Of the arguments it reads, the one most products read (ties: the first
-        # name) holds its weight.
+    def weights(reads: frozenset[int]) -> list[Name]:
+        # Of the arguments it reads, the one most products read holds its weight;
+        # where the batch is read as often (each of q, k, v reads it), the one
+        # with more of the arrays read; then the first (parameters come first:
+        # ``jax.grad`` differentiates the first argument).
         args = {roots[r][0] for r in reads if r in roots}
         if not args:
-            return ""
-        weights = min(args, key=lambda a: (-counts[a], a))
-        found = sorted(roots[r] for r in reads if r in roots and roots[r][0] == weights)
-        return "+".join(path or arg for arg, path in found)
+            return []
+        arg = min(args, key=lambda a: (-counts[a], -len(arrays[a]), position[a]))
+        return sorted(roots[r] for r in reads if r in roots and roots[r][0] == arg)
+
+    found = [weights(reads) for _, reads in products]
+    # Two arguments holding weights at the same path (two models of one class)
+    # are told apart by their argument's name.
+    args_at: dict[str, set[str]] = collections.defaultdict(set)
+    for names in found:
+        for arg, path in names:
+            args_at[path or arg].add(arg)
+    qualify = set().union(*(a for a in args_at.values() if len(a) > 1))
+
+    def name(names: list[Name]) -> str:
+        return "+".join(
+            f"{arg}/{path}" if path and arg in qualify else path or arg for arg, path in names
+        )
 
     read_by: dict[str, set[str]] = collections.defaultdict(set)
-    for path, reads in products:
-        read_by[path].add(params(reads))
+    for (path, _), names in zip(products, found, strict=True):
+        read_by[path].add(name(names))
     out = []
-    for path, reads in products:
-        p = params(reads)
+    for (path, _), names in zip(products, found, strict=True):
+        p = name(names)
         out.append(path if (path and len(read_by[path]) == 1) or not p else p)
     return out

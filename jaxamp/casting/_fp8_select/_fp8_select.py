@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxamp._utils.dtypes import is_inexact
 from jaxamp.casting._fp8._fp8_config import fp8
 
 __all__ = ["Fp8Selection", "fp8_select"]
@@ -150,7 +151,9 @@ def fp8_select(
     loss gradient within `budget` of bfloat16 autocast's, measured on `args`.
 
     `loss_fun` returns a scalar loss; `args` are a calibration batch and the
-    parameters (differentiated by `argnums`, as ``jax.grad``). Every layer
+    parameters (the floating arrays of the `argnums` arguments are
+    differentiated; other leaves, an equinox model's activation functions and
+    flags, are passed as they are, as ``eqx.filter_grad`` does). Every layer
     with a product that ``jaxamp.fp8(scaling, modules=..., first_last_bf16=...,
     batched=...)`` runs in FP8 is a candidate: its module path, or the path of
     the weight it reads where module paths do not tell layers apart (equinox's
@@ -221,19 +224,28 @@ def _select(
 ) -> Fp8Selection:  # fmt: skip
     from jaxamp.casting._autocast._api import autocast
 
+    arrays, diff, call = _arrays(args, kwargs, argnums)
+    fixed = [x for j, x in enumerate(arrays) if j not in diff]
+
     def gradient(select: Mapping[str, bool] | None) -> np.ndarray:
         cfg = None if select is None else fp8(**base, select=select)
         f = autocast(fun, dtype=dtype, fp8=cfg)
-        g = jax.jit(jax.grad(f, argnums=argnums))(*args, **kwargs)
-        return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(g)])
 
-    out = jax.eval_shape(fun, *args, **kwargs)
+        def of(wrt: list[Any], rest: list[Any]) -> Any:
+            it, other = iter(wrt), iter(rest)
+            return call(f, [next(it) if j in diff else next(other) for j in range(len(arrays))])
+
+        g = jax.jit(jax.grad(of))([arrays[j] for j in diff], fixed)
+        return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in g] or [np.zeros(0)])
+
+    out = jax.eval_shape(functools.partial(call, fun), arrays)
     if not (hasattr(out, "shape") and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)):
         raise ValueError(
             f"jaxamp.fp8_select: fun must return a scalar floating loss, got {out}; "
             "return the loss alone (the gradient of it is what the selection measures)"
         )
-    paths = _candidates(fun, args, kwargs, dtype, fp8(**base))
+    measured = autocast(fun, dtype=dtype, fp8=fp8(**base))
+    paths = _candidates(functools.partial(call, measured), arrays)
     ref = gradient(None)
     norm = float(np.linalg.norm(ref))
     if not (np.isfinite(norm) and norm > 0):
@@ -291,13 +303,39 @@ def _select(
     )
 
 
-def _candidates(
-    fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], dtype: Any, cfg: Any
-) -> list[str]:
-    """The layers of the products `cfg` runs in FP8 (``audit``'s per-op view), sorted."""
-    from jaxamp.casting._autocast._api import autocast
+def _arrays(
+    args: tuple[Any, ...], kwargs: dict[str, Any], argnums: int | Sequence[int]
+) -> tuple[list[Any], set[int], Callable[..., Any]]:
+    """``(arrays, diff, call)``: the array leaves of `fun`'s arguments, which of them the
+    gradient is of (the floating ones of the `argnums` arguments), and ``call(f,
+    arrays)``, `f` on the arguments with those arrays. The other leaves stay as they
+    are, never traced: an equinox model's activation functions and flags, as
+    ``eqx.filter_grad`` does."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    nums = {argnums} if isinstance(argnums, int) else set(argnums)
+    nums = {n % len(args) for n in nums if -len(args) <= n < len(args)}
+    at = [i for i, (_, x) in enumerate(flat) if isinstance(x, jax.Array | np.ndarray | np.generic)]
+    diff = set()
+    for j, i in enumerate(at):
+        path, x = flat[i]
+        if path[0] == jax.tree_util.SequenceKey(0) and path[1].idx in nums and is_inexact(x):
+            diff.add(j)
+
+    def call(f: Callable[..., Any], arrays: list[Any]) -> Any:
+        leaves = [x for _, x in flat]
+        for i, x in zip(at, arrays, strict=True):
+            leaves[i] = x
+        a, k = jax.tree_util.tree_unflatten(treedef, leaves)
+        return f(*a, **k)
+
+    return [flat[i][1] for i in at], diff, call
+
+
+def _candidates(f: Callable[..., Any], arrays: list[Any]) -> list[str]:
+    """The layers of the products `f` (autocast with the FP8 config, of the argument
+    arrays) runs in FP8 (``audit``'s per-op view), sorted."""
     from jaxamp.casting._interpreter._decisions import fresh_trace, recording
 
     with recording() as ops, fresh_trace():
-        jax.make_jaxpr(autocast(fun, dtype=dtype, fp8=cfg))(*args, **kwargs)
+        jax.make_jaxpr(f)(arrays)
     return sorted({r.layer for r in ops if r.primitive == "dot_general" and r.dtype == _FP8})

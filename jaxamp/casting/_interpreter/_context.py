@@ -175,8 +175,8 @@ class Context:
         that changes how an inner jaxpr is evaluated."""
         pos = self.position
         key = (key, pos.axis_env, pos.saturate, pos.in_region)
-        if self.fp8 is not None:  # a call site with an FP8 exclusion inside is its own
-            key += (self.fp8.exclusions_under(pos.site),)
+        if self.fp8 is not None:  # a call site with FP8 exclusions or layers of its own
+            key += (self.fp8.under(pos.site),)
         hit = self.memo.cache.get(key)
         if hit is not None and hit[0] is owner:
             return hit[1]
