@@ -54,9 +54,9 @@ def test_mapped_figures_are_pooled_the_largest_amax_and_the_mean_fraction():
     step = jaxamp.fp8_health(lambda w, x: jnp.sum(f(w, x)))
     # Example k: one element 2**(20 + k) times the rest, which its scale flushes.
     xs = jnp.ones((3, 32, 64)).at[:, 0, 0].set(2.0 ** (20 + jnp.arange(3)))
-    (_, health), _ = jax.vmap(step, in_axes=(None, 0))(w, xs)
+    (_, health), _ = jax.jit(jax.vmap(step, in_axes=(None, 0)))(w, xs)
     assert health["w"]["lhs"]["amax"].shape == (3,)
-    one = [step(w, x)[0][1]["w"]["lhs"] for x in xs]
+    one = [jax.jit(step)(w, x)[0][1]["w"]["lhs"] for x in xs]
     row = next(
         line.split()
         for line in jaxamp.audit(step)(w, xs[0]).health_table(health).splitlines()

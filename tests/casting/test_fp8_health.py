@@ -141,7 +141,7 @@ def test_rowwise_backward_casts_the_weight_again_per_row():
     f = jaxamp.autocast(
         lambda w, x: x @ w, dtype=jnp.bfloat16, fp8=jaxamp.fp8("rowwise", first_last_bf16=False)
     )
-    (_, health), _ = jaxamp.fp8_health(lambda w: jnp.sum(f(w, x)))(w)
+    (_, health), _ = jax.jit(jaxamp.fp8_health(lambda w: jnp.sum(f(w, x))))(w)
     health = jax.tree.map(float, health["w"])
     w16 = np.asarray(w.astype(jnp.bfloat16), np.float64)
     x16 = np.asarray(x.astype(jnp.bfloat16), np.float64)

@@ -43,27 +43,29 @@ def _layers(f, *args) -> dict[str, list[str]]:
 
 
 def test_equinox_layers_sharing_a_class_scope_are_selected_one_by_one():
+    """An ``eqx.nn.MLP``: its Linear layers share one class path, and it holds its
+    activation functions as fields, which fp8_select takes as ``eqx.filter_grad``
+    does (its floating arrays differentiated, the rest as they are)."""
     x, s = _hostile_input()
-    keys = jax.random.split(jax.random.key(0), 3)
-    layers = [eqx.nn.Linear(D, D, key=k) for k in keys]
-    layers[0] = eqx.tree_at(lambda m: m.weight, layers[0], layers[0].weight / s)
-    model = eqx.nn.Sequential(layers)
+    model = eqx.nn.MLP(D, D, D, 2, activation=jnp.tanh, key=jax.random.key(0))
+    model = eqx.tree_at(lambda m: m.layers[0].weight, model, model.layers[0].weight / s)
 
     def loss(model, x):
         return jnp.mean(jnp.tanh(jax.vmap(model)(x)) ** 2)
 
+    def rows(select):
+        cfg = jaxamp.fp8(first_last_bf16=False, select=select)
+        f = eqx.filter_jit(jaxamp.autocast(loss, dtype=jnp.bfloat16, fp8=cfg))
+        return [(r.module, r.layer, r.dtype) for r in _rows(f, model, x)]
+
     names = [f"layers/{i}/weight" for i in range(3)]
-    cfg = jaxamp.fp8(first_last_bf16=False)
-    # Every product sits under the same class scope; each has its own layer.
-    paths = {r.module for r in jaxamp.audit(jaxamp.autocast(loss, fp8=cfg))(model, x).ops
-             if r.primitive == "dot_general"}  # fmt: skip
-    assert paths == {"eqx.nn.Sequential/eqx.nn.Linear"}
     selection = jaxamp.fp8_select(loss, budget=BUDGET, first_last_bf16=False)(model, x)
     assert dict(selection) == {names[0]: False, names[1]: True, names[2]: True}
     assert selection.alone[names[0]] > BUDGET >= selection.error > 0
-    ran = _layers(jaxamp.autocast(loss, dtype=jnp.bfloat16, fp8=jaxamp.fp8(
-        first_last_bf16=False, select=selection)), model, x)  # fmt: skip
-    assert ran == {names[0]: ["bfloat16"], names[1]: [FP8], names[2]: [FP8]}
+    # Every product sits under the same class scope; each is its own layer.
+    path = "eqx.nn.MLP/eqx.nn.Linear"
+    assert rows(selection) == [(path, names[0], "bfloat16"), (path, names[1], FP8),
+                               (path, names[2], FP8)]  # fmt: skip
 
 
 def test_an_nnx_module_merged_inside_the_function_is_named_by_its_state():

@@ -136,21 +136,3 @@ def test_bad_input_is_named():
         jaxamp.fp8(select=["l1"])
     with pytest.raises(ValueError, match="to_dict"):
         jaxamp.types.Fp8Selection.from_dict({"modules": {}})
-
-
-def test_an_equinox_model_with_function_fields_is_selected_as_it_is():
-    """An ``eqx.nn.MLP`` holds its activation functions as fields: fp8_select takes it
-    as ``eqx.filter_grad`` does (its floating arrays differentiated, the rest as
-    they are), not only its ``eqx.partition``ed arrays."""
-    eqx = pytest.importorskip("equinox")
-    s = jnp.ones(D).at[0].set(1e5)
-    x = jax.random.normal(jax.random.key(9), (BATCH, D)) * s
-    mlp = eqx.nn.MLP(D, D, D, 1, activation=jnp.tanh, key=jax.random.key(0))
-    mlp = eqx.tree_at(lambda m: m.layers[0].weight, mlp, mlp.layers[0].weight / s)
-
-    def loss(model, x):
-        return jnp.mean(jnp.tanh(jax.vmap(model)(x)) ** 2)
-
-    selection = jaxamp.fp8_select(loss, budget=BUDGET, first_last_bf16=False)(mlp, x)
-    assert dict(selection) == {"layers/0/weight": False, "layers/1/weight": True}
-    assert selection.alone["layers/0/weight"] > BUDGET >= selection.error > 0
