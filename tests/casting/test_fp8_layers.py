@@ -210,3 +210,19 @@ def test_a_jitted_layer_function_shows_each_layer_it_is_called_for():
     cfg = jaxamp.fp8(first_last_bf16=False)
     ran = _layers(jaxamp.autocast(loss, dtype=jnp.bfloat16, fp8=cfg), ws, x)
     assert ran == {"a": [FP8], "b": [FP8], "c": [FP8]}
+
+
+def test_an_eager_call_that_hits_the_cache_does_not_name_its_layers(monkeypatch):
+    """Layer names are read by a trace only: a repeated eager call pays nothing for them."""
+    from jaxamp.casting._autocast import _wrapper
+
+    calls = []
+    real = _wrapper.argument_names
+    monkeypatch.setattr(_wrapper, "argument_names", lambda *a: calls.append(1) or real(*a))
+    f = jaxamp.autocast(
+        lambda w, x: x @ w, dtype=jnp.bfloat16, fp8=jaxamp.fp8(first_last_bf16=False)
+    )
+    w, x = jnp.ones((D, D)), jnp.ones((BATCH, D))
+    for _ in range(3):
+        f(w, x)
+    assert len(calls) == 1

@@ -119,6 +119,38 @@ def _run(
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), final)
 
 
+#: Where each leaf of a call sits in its arguments (``_fp8_layers.argument_names``),
+#: computed when called: only a trace under ``fp8=`` reads it.
+Names = Callable[[], Sequence[Name]] | None
+
+
+def _leaf_names(
+    f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], is_node: Any, held: bool
+) -> list[Name]:
+    """The names of the leaves of ``(args, kwargs)``; `held`: ``args[0]`` is a plain
+    object's attributes (``_objects``), named by their paths under ``self``."""
+    names = argument_names(f, args[1:] if held else args, kwargs, is_node)
+    if held:
+        own = jax.tree_util.tree_flatten_with_path(args[0])[0]
+        names = [("self", inner_path(p)) for p, _ in own] + names
+    return names
+
+
+def _state_names(
+    names: Callable[[], Sequence[Name]], node_idx: list[int], has_self: bool, state: Any,
+    rest: list[int],
+) -> list[Name]:  # fmt: skip
+    """The names of an nnx call's traced values: each state leaf by its module's place
+    in the call, then its path in the module; then the other dynamic leaves."""
+    given = names()
+    where = [given[i] for i in node_idx] + [("self", "")] * has_self
+    own = []
+    for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+        arg, path = where[p[0].key]
+        own.append((arg, "/".join(filter(None, (path, inner_path(p[1:]))))))
+    return own + [given[i] for i in rest]
+
+
 def make_wrapper(f: Callable[..., Any], cfg: Config) -> Callable[..., Any]:
     """``f`` in mixed precision: a function with ``f``'s metadata, or a method bound
     to the module when ``f`` is an nnx module or one of its methods."""
@@ -192,10 +224,7 @@ class _Call:
             self_node = self.f.__self__
         names = None
         if self.cfg.fp8 is not None:  # FP8 names layers by the weights they read
-            names = argument_names(self.f, args[1:] if held else args, kwargs, is_node)
-            if held is not None:  # the object's arrays: its attributes' paths
-                own = jax.tree_util.tree_flatten_with_path(args[0])[0]
-                names = [("self", inner_path(p)) for p, _ in own] + names
+            names = functools.partial(_leaf_names, self.f, args, kwargs, is_node, held is not None)
         if node_idx or self_node is not None:
             return self._call_nnx(nnx, fn, leaves, treedef, node_idx, self_node, names)
         dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
@@ -211,12 +240,13 @@ class _Call:
         dynamic: list[int],
         closed_over: Any,
         *dyn: Any,
-        names: Sequence[Name] | None = None,
+        names: Names = None,
     ) -> Any:
         """``fn`` on ``leaves`` (the ``dynamic`` ones replaced by ``dyn``), under autocast;
-        `names`: where each leaf sits in the call's arguments."""
+        `names`: where each leaf sits in the call's arguments, read only by a trace
+        (an eager call that hits the cache does not pay for it)."""
         if holds_tracer(dyn):
-            return _run(fn, self.cfg, leaves, treedef, dynamic, dyn, names)
+            return _run(fn, self.cfg, leaves, treedef, dynamic, dyn, names and names())
         # Eager call: one jitted program per call signature (jit caches per
         # shapes and dtypes), instead of re-tracing `f` op by op every call. The
         # key holds everything that changes the answer: the static leaves, and
@@ -227,17 +257,19 @@ class _Call:
             key = (treedef, tuple(dynamic), static, closed_over)
             hash(key)
         except TypeError:
-            return _run(fn, self.cfg, leaves, treedef, dynamic, dyn, names)
+            return _run(fn, self.cfg, leaves, treedef, dynamic, dyn, names and names())
         jitted = self.cache.get(key)
         if jitted is None:
             template = list(leaves)
             for i in dynamic:
                 template[i] = None
             cfg = self.cfg
+            # The names follow from `treedef`, part of the key; read now, so that the
+            # cached function holds no array of this call.
+            at = names and names()
 
             def flat(*vals: Any) -> Any:
-                # `names` follow from `treedef`, part of the key.
-                return _run(fn, cfg, template, treedef, dynamic, vals, names)
+                return _run(fn, cfg, template, treedef, dynamic, vals, at)
 
             jitted = self.cache[key] = jax.jit(flat)
             if len(self.cache) > 64:
@@ -252,7 +284,7 @@ class _Call:
         treedef: Any,
         node_idx: list[int],
         self_node: Any,
-        names: Sequence[Name] | None,
+        names: Names,
     ) -> Any:
         """A call with nnx modules: split into a graph and a state, the state traced like
         any other input and the updated state (BatchStat, RNG counts, ...) written back
@@ -278,13 +310,10 @@ class _Call:
             statics = [statics]  # unhashable: `_dispatch` runs the call uncached
         closed_over = (graphdef, treedef, tuple(rest), statics, id(method), self_node is None)
         dynamic = list(range(len(p_leaves)))
-        if names is not None:  # the modules' arrays: each module's path, then theirs in it
-            where = [names[i] for i in node_idx] + [("self", "")] * (self_node is not None)
-            own = []
-            for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
-                arg, path = where[p[0].key]
-                own.append((arg, "/".join(filter(None, (path, inner_path(p[1:]))))))
-            names = own + [names[i] for i in rest]
+        if names is not None:
+            names = functools.partial(
+                _state_names, names, node_idx, self_node is not None, state, rest
+            )
         out, updated = self._dispatch(
             pure, p_leaves, p_def, dynamic, closed_over, *p_leaves, names=names
         )

@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["argument_names", "layer_names"]
+__all__ = ["argument_names", "inner_path", "layer_names"]
 
 #: Where an input of `f` sits: (its argument, its path inside that argument).
 Name = tuple[str, str]
@@ -111,11 +111,11 @@ def layer_names(
             f"{arg}/{path}" if path and arg in qualify else path or arg for arg, path in names
         )
 
+    weight = [name(names) for names in found]
     read_by: dict[str, set[str]] = collections.defaultdict(set)
-    for (path, _), names in zip(products, found, strict=True):
-        read_by[path].add(name(names))
-    out = []
-    for (path, _), names in zip(products, found, strict=True):
-        p = name(names)
-        out.append(path if (path and len(read_by[path]) == 1) or not p else p)
-    return out
+    for (path, _), w in zip(products, weight, strict=True):
+        read_by[path].add(w)
+    return [
+        path if (path and len(read_by[path]) == 1) or not w else w
+        for (path, _), w in zip(products, weight, strict=True)
+    ]
