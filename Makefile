@@ -131,7 +131,8 @@ docs-check: $(STAMP) docs
 
 # jaxamp.autocast + loss scaling on third-party models (tests/conformance; CI runs a
 # 10-step subset of the same tests in `make test`): all models, both dtypes, 30 steps,
-# residual and compile measurements; writes the table in benchmarks/RESULTS.md even
+# residual and compile measurements, FP8's rows (with fp8_select's too) and bfloat16's
+# noise floor (fp8.noise_floor); writes the tables in benchmarks/RESULTS.md even
 # when some fail, then exits with pytest's status.
 CONFORMANCE_ROWS := runs/conformance/rows.jsonl
 conformance: $(STAMP)
@@ -141,6 +142,7 @@ conformance: $(STAMP)
 		tests/conformance || st=$$?; \
 	CONFORMANCE_FULL=1 CONFORMANCE_OUT=$(CONFORMANCE_ROWS) XLA_FLAGS=$(EIGHT_DEVICES) $(PY) -m pytest -q \
 		tests/multidevice/test_conformance_mesh.py || st=$$?; \
+	CONFORMANCE_FULL=1 CONFORMANCE_OUT=$(CONFORMANCE_ROWS) $(PY) -m tests.conformance.fp8 noise || st=$$?; \
 	$(PY) tests/conformance/report.py $(CONFORMANCE_ROWS) benchmarks/RESULTS.md; \
 	exit $$st
 

@@ -20,15 +20,20 @@ the training batch at bfloat16 autocast's parameters half way through) must meet
 model misses it, measured, ``EXCLUDE`` names what to keep in bfloat16 (found with
 :func:`leave_one_out`, docs/fp8.md) and a second row runs with it, which must meet
 the goal; ``MISSES`` are the models no small exclusion brings there. Only ``make
-conformance`` runs these rows (``harness.FULL``): CI never pays for them.
+conformance`` runs these rows (``harness.FULL``): CI never pays for them, nor for
+:func:`noise_floor`, how far bfloat16 autocast's own final loss moves when its
+init moves by less than bfloat16's rounding (``python -m tests.conformance.fp8
+noise``; ``make conformance`` runs it).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 import jaxamp
@@ -93,6 +98,41 @@ def _bf16(name: str, built: models.Built, ref: dict[str, Any], steps: int) -> di
         probe["final"] = harness._final_loss(ref, built, train)
         _BF16_RUNS[name, steps] = probe
     return _BF16_RUNS[name, steps]
+
+
+#: The noise floor's perturbation (``noise_floor``): each floating parameter at init
+#: times ``1 + NOISE_REL * N(0, 1)``, half of bfloat16's relative rounding step (a
+#: smaller change than casting the parameters to bfloat16), ``NOISE_SEEDS`` draws.
+NOISE_REL = 2.0**-9
+NOISE_SEEDS = 5
+
+
+def noise_floor(name: str, steps: int = harness.STEPS) -> dict[str, Any]:
+    """How far bfloat16 autocast's final loss moves by a change that is no change of
+    precision: `NOISE_SEEDS` trainings from the init perturbed by ``NOISE_REL``, each
+    over the unperturbed run's final loss (``ratios``). A FP8 row's ratio to bfloat16
+    autocast is one draw of the same kind of path change (FP8's rounding moves every
+    step a little): where these ratios spread as far as the 1 % goal, one row's miss
+    or pass is within what the metric itself varies by. A row for
+    ``$CONFORMANCE_OUT`` (``kind`` ``"fp8_noise"``; report.py reads it)."""
+    built = harness.build(name)
+    ref = harness._reference(name, built, steps)
+    base = _bf16(name, built, ref, steps)["final"]
+    apply = jaxamp.autocast(built.apply, dtype=jnp.bfloat16)
+    ratios = []
+    for seed in range(NOISE_SEEDS):
+        leaves, treedef = jax.tree_util.tree_flatten(built.params)
+        keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+        moved = [
+            x * (1 + NOISE_REL * jax.random.normal(k, x.shape, x.dtype))
+            if jnp.issubdtype(x.dtype, jnp.floating)
+            else x
+            for x, k in zip(leaves, keys, strict=True)
+        ]
+        run = dataclasses.replace(built, params=jax.tree_util.tree_unflatten(treedef, moved))
+        t = harness._train(apply, run, None, steps)
+        ratios.append(harness._final_loss(ref, built, t) / base)
+    return {"model": name, "kind": "fp8_noise", "steps": steps, "rel": NOISE_REL, "ratios": ratios}
 
 
 def _products(apply: Any, built: models.Built) -> dict[str, Any]:
@@ -281,4 +321,10 @@ def leave_one_out(name: str, scaling: str, steps: int = harness.STEPS) -> dict[s
 if __name__ == "__main__":
     import sys
 
-    print(leave_one_out(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "tensorwise"))
+    if sys.argv[1:2] == ["noise"]:  # make conformance: a noise row per FP8 model
+        for name in sys.argv[2:] or [m for m in MODELS if m not in NO_FP8]:
+            row = noise_floor(name)
+            harness.record(row, lambda r: [])
+            print(name, " ".join(f"{r:.4f}" for r in row["ratios"]), flush=True)
+    else:
+        print(leave_one_out(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "tensorwise"))

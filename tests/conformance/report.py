@@ -2,7 +2,9 @@
 
 ``python tests/conformance/report.py ROWS.jsonl [RESULTS.md]``: replaces the section
 between the conformance markers (appends it the first time) and prints the table; the
-FP8 rows (``fp8.py``) go between the FP8 markers, in RESULTS.md's FP8 section.
+FP8 rows (``fp8.py``) go between the FP8 markers, in RESULTS.md's FP8 section, those
+with ``jaxamp.fp8_select``'s selection between the selection markers; the noise rows
+(``fp8.noise_floor``) are a column of both.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 
 BEGIN, END = "<!-- conformance:begin -->", "<!-- conformance:end -->"
 FP8_BEGIN, FP8_END = "<!-- conformance-fp8:begin -->", "<!-- conformance-fp8:end -->"
+SELECT_BEGIN = "<!-- conformance-fp8-select:begin -->"
+SELECT_END = "<!-- conformance-fp8-select:end -->"
 PACKAGES = ("jax", "flax", "optax", "transformers", "flaxmodels", "equinox", "diffusers", "jraph")
 
 
@@ -93,12 +97,31 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _fp8_cell(row: dict[str, Any]) -> list[str]:
-    a, b, p = (row.get(k) or {} for k in ("fp8", "bf16", "products"))
-    ratio = a["final"] / b["final"] if "final" in a and "final" in b else None
+def _verdict(row: dict[str, Any]) -> str:
     verdict = "FAIL: " + "; ".join(row["failures"]) if row["failures"] else "pass"
     if not row["failures"] and row.get("note"):
         verdict = row["note"]  # a documented outcome (fp8.NO_FP8, EXCLUDE, MISSES)
+    return verdict.replace("|", "/")
+
+
+def _ratio(row: dict[str, Any]) -> str:
+    a, b = row.get("fp8") or {}, row.get("bf16") or {}
+    if "final" not in a or "final" not in b:
+        return "-"
+    ratio = a["final"] / b["final"]
+    return f"{ratio:.4f} ({100 * (ratio - 1):+.2f} %)"
+
+
+def _noise(noise: dict[str, list[float]], model: str) -> str:
+    """The spread of bfloat16 autocast's own final loss (``fp8.noise_floor``)."""
+    if model not in noise:
+        return "-"
+    lo, hi = (100 * (f(noise[model]) - 1) for f in (min, max))
+    return f"{lo:+.2f} to {hi:+.2f} %"
+
+
+def _fp8_cell(row: dict[str, Any], noise: dict[str, list[float]]) -> list[str]:
+    a, b, p = (row.get(k) or {} for k in ("fp8", "bf16", "products"))
     return [
         row["model"],
         row["scaling"] + (f", `{row['variant']}`" if row.get("variant") else ""),
@@ -110,16 +133,33 @@ def _fp8_cell(row: dict[str, Any]) -> list[str]:
         _num(a.get("final"), ".5f"),
         _num(b.get("final"), ".5f"),
         _num(row.get("final_f32"), ".5f"),
-        "-" if ratio is None else f"{ratio:.4f} ({100 * (ratio - 1):+.2f} %)",
-        verdict.replace("|", "/"),
+        _ratio(row),
+        _noise(noise, row["model"]),
+        _verdict(row),
     ]
 
 
-def fp8_table(rows: list[dict[str, Any]]) -> str:
+NOISE_TEXT = (
+    "`bf16 noise`: bfloat16 autocast's own final loss, trained {seeds} times from the init "
+    "perturbed by a relative {rel:.3g} (half of bfloat16's rounding step; "
+    "`fp8.noise_floor`), over the unperturbed run's: how far the final loss moves by a "
+    "change that is no change of precision."
+)
+
+
+def _noise_text(noise_rows: list[dict[str, Any]]) -> str:
+    if not noise_rows:
+        return ""
+    r = noise_rows[0]
+    return " " + NOISE_TEXT.format(seeds=len(r["ratios"]), rel=r["rel"])
+
+
+def fp8_table(rows: list[dict[str, Any]], noise_rows: list[dict[str, Any]] = ()) -> str:
+    noise = {r["model"]: r["ratios"] for r in noise_rows}
     steps = max((r["steps"] for r in rows), default=0)
     head = [
         "model", "scaling", "FP8 products", "fwd err FP8", "fwd err bf16", "grad cos FP8",
-        "grad cos bf16", "final loss FP8", "bf16", "f32", "FP8 / bf16", "result",
+        "grad cos bf16", "final loss FP8", "bf16", "f32", "FP8 / bf16", "bf16 noise", "result",
     ]  # fmt: skip
     lines = [
         "### FP8 on the conformance corpus (`make conformance`, `tests/conformance/fp8.py`)",
@@ -131,13 +171,13 @@ def fp8_table(rows: list[dict[str, Any]]) -> str:
         "not multiples of 16); `fwd err`: max |y - y_f32| / max |y_f32| of the logits; "
         f"`grad cos`: cosine of the gradient at init to float32's; `final loss`: after {steps} "
         "AdamW steps with no loss scale, judged by the float32 model. Goal: final loss within "
-        "1 % of bfloat16 autocast's.",
+        "1 % of bfloat16 autocast's." + _noise_text(list(noise_rows)),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
     for row in sorted(rows, key=lambda r: (r["model"], r.get("variant", ""), r["scaling"])):
-        lines.append("| " + " | ".join(_fp8_cell(row)) + " |")
+        lines.append("| " + " | ".join(_fp8_cell(row, noise)) + " |")
     kept: dict[str, dict[str, int]] = {}
     for row in rows:
         if row.get("products") and row["scaling"] == "tensorwise" and not row.get("variant"):
@@ -146,6 +186,51 @@ def fp8_table(rows: list[dict[str, Any]]) -> str:
         lines += ["", "Kept in bfloat16, and why (`jaxamp.audit(...).ops`):", ""]
         for model, why in sorted(kept.items()):
             lines.append(f"- {model}: " + "; ".join(f"{n} x {w}" for w, n in why.items()))
+    return "\n".join(lines)
+
+
+def select_table(rows: list[dict[str, Any]], noise_rows: list[dict[str, Any]] = ()) -> str:
+    """The rows trained with ``jaxamp.fp8_select``'s selection (``fp8.evaluate(...,
+    selected=True)``)."""
+    noise = {r["model"]: r["ratios"] for r in noise_rows}
+    steps = max((r["steps"] for r in rows), default=0)
+    budgets = sorted({r["selection"]["budget"] for r in rows})
+    head = [
+        "model", "scaling", "layers kept", "FP8 products", "kept set's gradient error",
+        "final loss FP8", "bf16", "f32", "FP8 / bf16", "bf16 noise", "result",
+    ]  # fmt: skip
+    lines = [
+        "### `jaxamp.fp8_select` on the conformance corpus (`make conformance`)",
+        "",
+        "`jaxamp.fp8_select(loss, scaling=...)` at its default budget "
+        f"({', '.join(f'{b:g}' for b in budgets)}: relative gradient error against bfloat16 "
+        f"autocast), calibrated on the training batch at bfloat16 autocast's parameters after "
+        f"{steps // 2} steps; then {steps} AdamW steps from init with "
+        "`jaxamp.fp8(scaling, select=selection)`, as the table above. `layers kept`: candidate "
+        "layers left in FP8 (module paths, or the weights products read); `FP8 products`: "
+        "forward products that ran in FP8 with the selection. Goal: final loss within 1 % of "
+        "bfloat16 autocast's." + _noise_text(list(noise_rows)),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for row in sorted(rows, key=lambda r: (r["model"], r["scaling"])):
+        sel, a, b, p = (row.get(k) or {} for k in ("selection", "fp8", "bf16", "products"))
+        modules = sel.get("modules", {})
+        cells = [
+            row["model"],
+            row["scaling"],
+            f"{sum(modules.values())} of {len(modules)}",
+            f"{p['fp8']} of {p['total']}" if p else "-",
+            f"{sel['error']:.3g}" if sum(modules.values()) else "-",
+            _num(a.get("final"), ".5f"),
+            _num(b.get("final"), ".5f"),
+            _num(row.get("final_f32"), ".5f"),
+            _ratio(row),
+            _noise(noise, row["model"]),
+            _verdict(row),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -161,11 +246,14 @@ def main() -> None:
     dst = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("benchmarks/RESULTS.md")
     rows = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
     text = dst.read_text() if dst.exists() else ""
-    fp8 = [r for r in rows if r.get("kind") == "fp8"]
-    rows = [r for r in rows if r.get("kind") != "fp8"]
+    noise = [r for r in rows if r.get("kind") == "fp8_noise"]
+    fp8 = [r for r in rows if r.get("kind") == "fp8" and "selection" not in r]
+    chosen = [r for r in rows if r.get("kind") == "fp8" and "selection" in r]
+    rows = [r for r in rows if r.get("kind") not in ("fp8", "fp8_noise")]
     for begin, end, part, render in (
         (BEGIN, END, rows, table),
-        (FP8_BEGIN, FP8_END, fp8, fp8_table),
+        (FP8_BEGIN, FP8_END, fp8, lambda p: fp8_table(p, noise)),
+        (SELECT_BEGIN, SELECT_END, chosen, lambda p: select_table(p, noise)),
     ):
         if part:  # a run of only some rows leaves the other table as it was
             section = f"{begin}\n{render(part)}\n{end}"

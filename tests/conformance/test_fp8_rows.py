@@ -71,3 +71,47 @@ def test_a_documented_miss_is_a_note_and_an_undocumented_one_fails() -> None:
                   "scaling": scaling, "selection": {}}  # fmt: skip
         assert fp8.failures(chosen)
         assert fp8.failures({**chosen, "fp8": {"final": 1.009, "nonfinite": 0}}) == []
+
+
+def test_report_puts_selection_rows_in_their_table_with_the_noise_floor(tmp_path) -> None:
+    import json
+
+    from . import report
+
+    def row(variant: str, final: float, **more) -> dict:
+        return {"model": "hf-gpt2", "kind": "fp8", "scaling": "rowwise", "variant": variant,
+                "steps": 30, "final_f32": 1.0, "failures": [], "fp8": {"final": final},
+                "bf16": {"final": 1.0}, "products": {"fp8": 4, "total": 13, "kept": {}},
+                **more}  # fmt: skip
+
+    selection = {"modules": {"h/0/attn": True, "h/0/mlp": False}, "budget": 0.05, "error": 0.04}
+    rows = [
+        row("", 1.03),
+        row("fp8_select (budget 0.05)", 1.005, selection=selection),
+        {
+            "model": "hf-gpt2",
+            "kind": "fp8_noise",
+            "steps": 30,
+            "rel": 2.0**-9,
+            "ratios": [0.9974, 1.0064, 1.0],
+        },  # fmt: skip
+    ]
+    src, dst = tmp_path / "rows.jsonl", tmp_path / "RESULTS.md"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dst.write_text(f"a\n{report.FP8_BEGIN}\nold\n{report.FP8_END}\nb\n"
+                   f"{report.SELECT_BEGIN}\nold\n{report.SELECT_END}\nc\n")  # fmt: skip
+    import sys
+
+    argv, sys.argv = sys.argv, ["report.py", str(src), str(dst)]
+    try:
+        report.main()
+    finally:
+        sys.argv = argv
+    text = dst.read_text()
+    fp8_part = text[text.index(report.FP8_BEGIN) : text.index(report.FP8_END)]
+    select_part = text[text.index(report.SELECT_BEGIN) : text.index(report.SELECT_END)]
+    assert "old" not in text and text.startswith("a\n") and text.rstrip().endswith("c")
+    assert "1.0300 (+3.00 %)" in fp8_part and "fp8_select" not in fp8_part
+    assert "| hf-gpt2 | rowwise | 1 of 2 | 4 of 13 | 0.04 |" in select_part
+    assert "1.0050 (+0.50 %)" in select_part and "1.0300" not in select_part
+    assert fp8_part.count("-0.26 to +0.64 %") == 1 == select_part.count("-0.26 to +0.64 %")
