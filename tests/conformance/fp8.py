@@ -85,6 +85,12 @@ MISSES = {
     "layers by their kernels)",
 }
 MISS_BOUND = 0.08
+#: Where ``jaxamp.fp8_select``'s default budget misses the goal, the budget one
+#: argument away that meets it, measured; a second selection row runs with it and
+#: must meet the goal. The equinox transformer fits its batch to a loss of 0.005,
+#: where each FP8 layer adds about 0.3 % to the final loss whatever its gradient
+#: error at the calibration point: the default keeps 9 of 11 layers rowwise.
+SELECT_BUDGET = {("equinox-transformer", "rowwise"): 0.02}
 
 _BF16_RUNS: dict[tuple[str, int], dict[str, Any]] = {}
 
@@ -154,8 +160,10 @@ def _products(apply: Any, built: models.Built) -> dict[str, Any]:
     }
 
 
-def select(name: str, scaling: str, steps: int) -> jaxamp.types.Fp8Selection:
-    """``jaxamp.fp8_select`` (its default budget) on the model's loss on its training
+def select(
+    name: str, scaling: str, steps: int, budget: float | None = None
+) -> jaxamp.types.Fp8Selection:
+    """``jaxamp.fp8_select`` (`budget`, or its default) on the model's loss on its training
     batch, at bfloat16 autocast's parameters after half of `steps`: a checkpoint part
     way through training, as docs/fp8.md advises. At init FP8 costs the gradient
     least: there the equinox transformer's every FP8 product fits the budget, and
@@ -169,7 +177,8 @@ def select(name: str, scaling: str, steps: int) -> jaxamp.types.Fp8Selection:
 
     bf16 = jaxamp.autocast(built.apply, dtype=jnp.bfloat16)
     params = harness._train(bf16, built, None, steps // 2)["params"]
-    return jaxamp.fp8_select(value, scaling=scaling)(params, built.batch)
+    given = {} if budget is None else {"budget": budget}
+    return jaxamp.fp8_select(value, scaling=scaling, **given)(params, built.batch)
 
 
 def evaluate(
@@ -178,12 +187,14 @@ def evaluate(
     steps: int = harness.STEPS,
     exclude: dict[str, bool] | None = None,
     selected: bool = False,
+    budget: float | None = None,
 ) -> dict[str, Any]:
     """Every figure of one model x scaling (with `exclude`: ``jaxamp.fp8(modules=...)``;
-    `selected`: with ``jaxamp.fp8_select``'s selection); errors recorded, not raised."""
+    `selected`: with ``jaxamp.fp8_select``'s selection at `budget`, by default its
+    default); errors recorded, not raised."""
     built = harness.build(name)
     ref = harness._reference(name, built, steps)
-    chosen = select(name, scaling, steps) if selected else None
+    chosen = select(name, scaling, steps, budget) if selected else None
     cfg = jaxamp.fp8(scaling, modules=exclude, select=chosen)
     apply = jaxamp.autocast(built.apply, dtype=jnp.bfloat16, fp8=cfg)
     variant = f"modules={exclude}" if exclude else ""
@@ -263,14 +274,20 @@ def failures(row: dict[str, Any]) -> list[str]:
         ratio = a["final"] / b["final"]
         row["ratio_bf16"], row["ratio_f32"] = ratio, a["final"] / row["final_f32"]
         miss = f"{100 * (ratio - 1):+.2f} %, goal ±{100 * GOAL:g} %"
-        # A selection's row is judged by the goal alone: it is what fp8_select is for.
+        # A selection's row is judged by the goal alone (it is what fp8_select is
+        # for), unless SELECT_BUDGET names the budget that meets it and this row ran
+        # at another.
         excluded = not default and "selection" not in row and row["scaling"] not in EXCLUDE_MEETS
-        known = (default and (name in EXCLUDE or name in MISSES)) or excluded
+        tighter = SELECT_BUDGET.get((name, row["scaling"]))
+        wider = selection is not None and tighter not in (None, selection.get("budget"))
+        known = (default and (name in EXCLUDE or name in MISSES)) or excluded or wider
         if known and abs(ratio - 1) <= MISS_BOUND:
             if abs(ratio - 1) > GOAL:
                 fix = MISSES.get(name, f"see the rows with modules={EXCLUDE.get(name)}")
                 if excluded:
                     fix = "the exclusion, found on tensorwise, closes most of the gap"
+                if wider:
+                    fix = f"see the row with budget={tighter:g}"
                 row["note"] = f"misses the 1 % goal: {fix}"
         elif not abs(ratio - 1) <= GOAL:
             out.append(

@@ -196,16 +196,16 @@ def select_table(rows: list[dict[str, Any]], noise_rows: list[dict[str, Any]] = 
     steps = max((r["steps"] for r in rows), default=0)
     budgets = sorted({r["selection"]["budget"] for r in rows})
     head = [
-        "model", "scaling", "layers kept", "FP8 products", "kept set's gradient error",
+        "model", "scaling", "budget", "layers kept", "FP8 products", "kept set's gradient error",
         "final loss FP8", "bf16", "f32", "FP8 / bf16", "bf16 noise", "result",
     ]  # fmt: skip
     lines = [
         "### `jaxamp.fp8_select` on the conformance corpus (`make conformance`)",
         "",
-        "`jaxamp.fp8_select(loss, scaling=...)` at its default budget "
-        f"({', '.join(f'{b:g}' for b in budgets)}: relative gradient error against bfloat16 "
-        f"autocast), calibrated on the training batch at bfloat16 autocast's parameters after "
-        f"{steps // 2} steps; then {steps} AdamW steps from init with "
+        "`jaxamp.fp8_select(loss, scaling=..., budget=...)` (budgets "
+        f"{', '.join(f'{b:g}' for b in budgets)}: relative gradient error against bfloat16 "
+        "autocast; 0.05 is the default), calibrated on the training batch at bfloat16 "
+        f"autocast's parameters after {steps // 2} steps; then {steps} AdamW steps from init with "
         "`jaxamp.fp8(scaling, select=selection)`, as the table above. `layers kept`: candidate "
         "layers left in FP8 (module paths, or the weights products read); `FP8 products`: "
         "forward products that ran in FP8 with the selection. Goal: final loss within 1 % of "
@@ -214,12 +214,13 @@ def select_table(rows: list[dict[str, Any]], noise_rows: list[dict[str, Any]] = 
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]
-    for row in sorted(rows, key=lambda r: (r["model"], r["scaling"])):
+    for row in sorted(rows, key=lambda r: (r["model"], r["scaling"], -r["selection"]["budget"])):
         sel, a, b, p = (row.get(k) or {} for k in ("selection", "fp8", "bf16", "products"))
         modules = sel.get("modules", {})
         cells = [
             row["model"],
             row["scaling"],
+            f"{sel['budget']:g}",
             f"{sum(modules.values())} of {len(modules)}",
             f"{p['fp8']} of {p['total']}" if p else "-",
             f"{sel['error']:.3g}" if sum(modules.values()) else "-",

@@ -33,10 +33,20 @@ def test_fp8_conformance_with_the_selection(name: str, scaling: str) -> None:
     fp8.check(fp8.evaluate(name, scaling, selected=True))
 
 
+@pytest.mark.skipif(not harness.FULL, reason="FP8 rows: full suite only (make conformance)")
+@pytest.mark.parametrize(("name", "scaling"), sorted(fp8.SELECT_BUDGET))
+def test_fp8_conformance_with_the_selection_at_the_documented_budget(
+    name: str, scaling: str
+) -> None:
+    budget = fp8.SELECT_BUDGET[name, scaling]
+    fp8.check(fp8.evaluate(name, scaling, selected=True, budget=budget))
+
+
 def test_fp8_rows_name_models_of_the_corpus() -> None:
     from . import models
 
     assert set(fp8.MODELS) <= set(models.MODELS)
+    assert {name for name, _ in fp8.SELECT_BUDGET} <= set(fp8.MODELS)
     documented = set(fp8.NO_FP8) | set(fp8.EXCLUDE) | set(fp8.MISSES)
     assert documented <= set(fp8.MODELS)
     assert not set(fp8.EXCLUDE) & set(fp8.MISSES)
@@ -71,6 +81,15 @@ def test_a_documented_miss_is_a_note_and_an_undocumented_one_fails() -> None:
                   "scaling": scaling, "selection": {}}  # fmt: skip
         assert fp8.failures(chosen)
         assert fp8.failures({**chosen, "fp8": {"final": 1.009, "nonfinite": 0}}) == []
+    # Where SELECT_BUDGET names the budget that meets the goal, a miss at another is a
+    # note pointing at that row; that row, and the other scaling's, must meet it.
+    (name, scaling), budget = next(iter(fp8.SELECT_BUDGET.items()))
+    wide = {**row(name, 1.017, "fp8_select (budget 0.05)"), "scaling": scaling,
+            "selection": {"budget": 0.05}}  # fmt: skip
+    assert fp8.failures(wide) == [] and f"budget={budget:g}" in wide["note"]
+    assert fp8.failures({**wide, "selection": {"budget": budget}})
+    other = next(s for s in fp8.SCALINGS if (name, s) not in fp8.SELECT_BUDGET)
+    assert fp8.failures({**wide, "scaling": other})
 
 
 def test_report_puts_selection_rows_in_their_table_with_the_noise_floor(tmp_path) -> None:
@@ -112,6 +131,6 @@ def test_report_puts_selection_rows_in_their_table_with_the_noise_floor(tmp_path
     select_part = text[text.index(report.SELECT_BEGIN) : text.index(report.SELECT_END)]
     assert "old" not in text and text.startswith("a\n") and text.rstrip().endswith("c")
     assert "1.0300 (+3.00 %)" in fp8_part and "fp8_select" not in fp8_part
-    assert "| hf-gpt2 | rowwise | 1 of 2 | 4 of 13 | 0.04 |" in select_part
+    assert "| hf-gpt2 | rowwise | 0.05 | 1 of 2 | 4 of 13 | 0.04 |" in select_part
     assert "1.0050 (+0.50 %)" in select_part and "1.0300" not in select_part
     assert fp8_part.count("-0.26 to +0.64 %") == 1 == select_part.count("-0.26 to +0.64 %")
