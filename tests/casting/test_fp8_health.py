@@ -249,14 +249,17 @@ def test_a_product_called_twice_is_two_entries():
     assert float(health["w#2"]["lhs"]["amax"]) > 1.0
 
 
-def test_products_in_a_loop_body_are_named_unmeasured():
-    w = jax.random.normal(jax.random.key(4), (D, D)) / 8
+def test_products_in_a_while_body_are_named_unmeasured():
+    """A while loop is not reverse-differentiable (here it reads no differentiated
+    value): its products cannot hand out backward figures. A scan's are measured
+    (test_fp8_health_loops.py)."""
+    w, v = jax.random.normal(jax.random.key(4), (2, D, D)) / 8
 
-    def body(h, _):
-        return jnp.tanh(h @ w), None
+    def body(c):
+        return c[0] + 1, jnp.tanh(c[1] @ v)
 
     f = jaxamp.autocast(
-        lambda w, x: jax.lax.scan(body, x @ w, None, length=2)[0],
+        lambda w, x: x @ w + jax.lax.while_loop(lambda c: c[0] < 2, body, (0, x))[1],
         dtype=jnp.bfloat16, fp8=FP8_ALL,
     )  # fmt: skip
     with pytest.warns(UserWarning, match=r"not measured: \['dot_general'\]"):

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxamp.casting._fp8._fp8_health import UNNAMED
+from jaxamp.casting._fp8._fp8_health import UNNAMED, pool
 
 #: The fraction of a cast flushed to zero from which the table flags it: one
 #: element in a thousand, a share of the gradient or activation that FP8 drops.
@@ -64,7 +64,5 @@ def table(
 
 def _pooled(stat: str, value: Any) -> float:
     """One figure of a cast, pooled over the axes a ``vmap`` or a ``shard_map`` put
-    on it (one per example or device): the largest amax, and the mean of the
-    fractions (each mapped instance casts as many elements)."""
-    a = np.asarray(value, np.float64)
-    return float(a.max() if stat == "amax" else a.mean())
+    on it (one per example or device), as ``fp8_health`` pools a scan's iterations."""
+    return float(pool(stat, np.asarray(value, np.float64)))

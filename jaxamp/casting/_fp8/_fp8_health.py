@@ -16,6 +16,13 @@ statistics as the probe's cotangent, so they come out of the same
 and no state. The probes' count is known only after a trace of `loss_fn`:
 ``fp8_health`` traces it once more (``jax.eval_shape``) to count the products.
 
+A product in a function the interpreter traces apart (a scan body, a remat
+region) cannot hand its tracers to the loss's trace: the region collects its
+products (``apart``), takes their probes as extra inputs and returns their
+forward statistics as extra outputs, a scan's stacked per iteration; the
+caller records them (``adopt``) and ``fp8_health`` pools each product's
+iterations (``pool``). A nested ``jit`` is inlined under ``fp8_health``.
+
 Nothing here runs without ``fp8_health``: ``Plan.dot`` calls ``dot``, which is
 ``fp8_dot_general`` itself unless a collector is active in this very trace.
 """
@@ -33,17 +40,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
 
 from jaxamp._utils import jax_compat
 from jaxamp.casting._fp8 import _fp8_gemm
+from jaxamp.casting._fp8._fp8_health_stats import _F32, STATS, Static, measured_dot
 
 __all__ = ["STATS", "fp8_health"]
 
-#: The statistics of one cast, in the order of its row.
-STATS = ("amax", "saturated", "flushed")
-_F32 = np.dtype(np.float32)
 #: What tracing a function that reads a concrete value of a traced argument raises.
 _CONCRETE_ONLY = (
     jax.errors.ConcretizationTypeError,
@@ -54,120 +57,26 @@ _CONCRETE_ONLY = (
 UNNAMED = "dot_general"
 
 
-def cast_stats(
-    x: Any, dtype: np.dtype, reduce_axes: Sequence[int] | None, inv_dtype: np.dtype
-) -> Any:
-    """``[amax, saturated, flushed]`` (float32) of `x`'s cast to `dtype` as
-    ``_fp8_gemm.quantize`` makes it with `reduce_axes` and `inv_dtype`.
-
-    ``flushed`` compares the FP8 values themselves with the float32 ones: the
-    elements that are finite and nonzero before the cast and zero after it.
-    ``saturated`` counts the inf and NaN elements: under current scaling a
-    finite element never exceeds the FP8 maximum (the scale maps the amax to
-    it), so non-finite input is the only way a cast overflows. The
-    quantization repeats the product's own, operand for operand, its scale
-    rounded to the same `inv_dtype` (the rounding moves the flush threshold):
-    XLA computes it once (CSE)."""
-    x32 = x.astype(_F32)
-    q, _ = _fp8_gemm.quantize(x, dtype, reduce_axes, inv_dtype)
-    finite = jnp.isfinite(x32)
-    flushed = finite & (x32 != 0) & (q.astype(_F32) == 0)
-    # One variadic reduction reads the operand once for all its statistics
-    # (separate reductions would read it once each; benchmarks/fp8_health_cost.py),
-    # except a tensorwise amax: quantize's own reduction, which XLA computes once.
-    counts = ((~finite).astype(jnp.int32), flushed.astype(jnp.int32))
-    zero = np.int32(0)
-    if reduce_axes is None:
-        amax = jnp.max(jnp.abs(x32))
-        saturated, flushed = lax.reduce(
-            counts, (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(x.ndim))
-        )
-    else:
-        amax, saturated, flushed = lax.reduce(
-            (jnp.abs(x32), *counts),
-            (np.float32(-np.inf), zero, zero),
-            lambda a, b: (lax.max(a[0], b[0]), a[1] + b[1], a[2] + b[2]),
-            tuple(range(x.ndim)),
-        )
-    n = np.float32(max(x.size, 1))
-    return jnp.stack([amax, saturated.astype(_F32) / n, flushed.astype(_F32) / n])
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """A product's static part with its operands' ranks (the backward's axes)."""
-
-    gemm: _fp8_gemm.Gemm
-    nl: int
-    nr: int
-
-    def reduce_axes(self) -> tuple[Any, ...]:
-        """The amax axes of the forward's lhs and rhs, the gradient's casts for the
-        dgrad and the wgrad, and (rowwise) the rhs cast again for the dgrad and the
-        lhs for the wgrad (None: tensorwise, which casts each once)."""
-        if not self.gemm.rowwise:
-            return None, None, None, None, None, None
-        (lc, rc), _ = self.gemm.dims
-        d_dims, _ = _fp8_gemm.dgrad_dims(self.gemm.dims, self.nl, self.nr)
-        w_dims, _ = _fp8_gemm.wgrad_dims(self.gemm.dims, self.nl, self.nr)
-        return lc, rc, d_dims[0][0], w_dims[0][1], d_dims[0][1], w_dims[0][0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _measured_dot(lhs: Any, rhs: Any, probe: Any, static: _Static) -> tuple[Any, Any]:
-    """``(fp8_dot_general(lhs, rhs), forward statistics)``; the backward statistics
-    are `probe`'s cotangent (`probe` itself is never read)."""
-    return _measured_fwd(lhs, rhs, probe, static)[0]
-
-
-def _measured_fwd(lhs: Any, rhs: Any, probe: Any, static: _Static) -> tuple[tuple[Any, Any], Any]:
-    # The product's own forward and backward rule, whatever they are.
-    out, vjp = jax.vjp(functools.partial(_fp8_gemm.fp8_dot_general, gemm=static.gemm), lhs, rhs)
-    al, ar, _, _, ar_dgrad, al_wgrad = static.reduce_axes()
-    inv = _fp8_gemm.scale_dtype(static.gemm)
-    rows = [cast_stats(lhs, _fp8_gemm.E4M3, al, inv), cast_stats(rhs, _fp8_gemm.E4M3, ar, inv)]
-    if static.gemm.rowwise:
-        # Rowwise, each backward product contracts other axes than the forward: it
-        # casts the forward's operands to e4m3 again, with their own scales.
-        # (Measured in the backward pass instead, beside those quantizations, the
-        # step's bytes are the same on XLA:CPU and its HLO 11 % longer.)
-        rows += [
-            cast_stats(rhs, _fp8_gemm.E4M3, ar_dgrad, inv),
-            cast_stats(lhs, _fp8_gemm.E4M3, al_wgrad, inv),
-        ]
-    return (out, jnp.stack(rows)), (vjp, probe)
-
-
-def _measured_bwd(
-    static: _Static, res: tuple[Any, Any], cts: tuple[Any, Any]
-) -> tuple[Any, Any, Any]:
-    vjp, probe = res
-    g, _ = cts
-    _, _, ad, aw, _, _ = static.reduce_axes()
-    inv = _fp8_gemm.scale_dtype(static.gemm)
-    dgrad = cast_stats(g, _fp8_gemm.E5M2, ad, inv)
-    # Tensorwise both backward products read the one e5m2 cast of the gradient.
-    wgrad = cast_stats(g, _fp8_gemm.E5M2, aw, inv) if static.gemm.rowwise else dgrad
-    dl, dr = vjp(g)
-    # Inside shard_map the probe varies over every manual axis (``fp8_health``), the
-    # statistics over those the gradient does: the cotangent must have the probe's type.
-    return dl, dr, jax_compat.like_varying(jnp.stack([dgrad, wgrad]), probe)
-
-
-_measured_dot.defvjp(_measured_fwd, _measured_bwd)
-
-
 @dataclasses.dataclass
 class _Collector:
-    """The products of one ``fp8_health`` trace: their names, scaling and forward
-    statistics, in program order; `probes`: None while counting."""
+    """The products of one trace: their names, scaling, iteration shapes (``(L,)`` for
+    a product a scan runs L times, ``()`` for one run once) and forward statistics, in
+    program order; `probes`: one per product, None while counting."""
 
-    probes: Any
+    probes: list[Any] | None
     trace: Any = None
     names: list[str] = dataclasses.field(default_factory=list)
     rowwise: list[bool] = dataclasses.field(default_factory=list)
+    shapes: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     forward: list[Any] = dataclasses.field(default_factory=list)
     unmeasured: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, name: str, rowwise: bool, shape: tuple[int, ...]) -> int:
+        """Records one product (or a body's, run `shape` times); returns its index."""
+        self.names.append(_unique(name, self.names + self.unmeasured))
+        self.rowwise.append(rowwise)
+        self.shapes.append(shape)
+        return len(self.names) - 1
 
 
 _local = threading.local()
@@ -188,6 +97,70 @@ def _collecting(col: _Collector) -> Iterator[_Collector]:
         stack.pop()
 
 
+def collecting() -> bool:
+    """Whether an ``fp8_health`` trace is collecting FP8 products now."""
+    return _active() is not None
+
+
+@contextlib.contextmanager
+def apart(probes: Sequence[Any] | None = None) -> Iterator[_Collector]:
+    """Collects the products of a function traced apart from its caller (a scan body,
+    a remat region), entered inside it: counts them, or with `probes` (one per
+    product, as ``probes_for`` gives them) measures them. The caller then hands
+    the body's figures out through the region's own inputs and outputs and
+    ``adopt``s them."""
+    sub = _Collector(probes=None if probes is None else list(probes))
+    sub.trace = jax_compat.current_trace()
+    with _collecting(sub):
+        yield sub
+
+
+def counting(body: Callable[..., Any]) -> tuple[Callable[..., Any], list[_Collector]]:
+    """`body` counting its products apart (``apart``) each time it is traced, and
+    a list holding the collector of its last trace."""
+    found: list[_Collector] = []
+
+    def counted(*xs: Any) -> Any:
+        with apart() as sub:
+            found[:] = [sub]
+            return body(*xs)
+
+    return counted, found
+
+
+def probes_for(count: int) -> list[Any] | None:
+    """The probes of the next `count` products of the active collector (None while
+    counting): a region's products take them as inputs."""
+    col = _active()
+    if col is None or col.probes is None:
+        return None
+    i = len(col.names)
+    if i + count > len(col.probes):
+        raise _changed()
+    return col.probes[i : i + count]
+
+
+def adopt(sub: _Collector, shape: tuple[int, ...], forward: Sequence[Any] = ()) -> None:
+    """Records in the active collector the products `sub` collected in a region run
+    `shape` times (``(L,)``: a scan's L iterations), with their `forward` statistics
+    as the region returned them (stacked over `shape`) when measuring."""
+    col = _active()
+    assert col is not None
+    for name, rowwise, s in zip(sub.names, sub.rowwise, sub.shapes, strict=True):
+        col.add(name.partition("#")[0], rowwise, (*shape, *s))
+    for name in sub.unmeasured:
+        col.unmeasured.append(_unique(name.partition("#")[0], col.names + col.unmeasured))
+    if col.probes is not None:
+        col.forward.extend(forward)
+
+
+def _changed() -> RuntimeError:
+    return RuntimeError(
+        "jaxamp.fp8_health: the loss function ran more FP8 products than when it was "
+        "counted; it must trace the same program each time it is traced"
+    )
+
+
 def dot(lhs: Any, rhs: Any, gemm: _fp8_gemm.Gemm, name: str) -> Any:
     """The FP8 product ``Plan.dot`` emits, named `name` (its layer): measured
     when an ``fp8_health`` trace is collecting in this very trace, else exactly
@@ -195,23 +168,19 @@ def dot(lhs: Any, rhs: Any, gemm: _fp8_gemm.Gemm, name: str) -> Any:
     col = _active()
     if col is None:
         return _fp8_gemm.fp8_dot_general(lhs, rhs, gemm)
-    name = _unique(name or UNNAMED, col.names + col.unmeasured)
+    name = name or UNNAMED
     if jax_compat.current_trace() is not col.trace:
-        # A nested jit's, loop body's or remat's trace: its values cannot leave
+        # A trace no handler hands the figures out of (a while body, a cond
+        # branch, a jit with shardings, shard_map): its values cannot leave
         # with the loss.
-        col.unmeasured.append(name)
+        col.unmeasured.append(_unique(name, col.names + col.unmeasured))
         return _fp8_gemm.fp8_dot_general(lhs, rhs, gemm)
-    i = len(col.names)
-    col.names.append(name)
-    col.rowwise.append(gemm.rowwise)
+    i = col.add(name, gemm.rowwise, ())
     if col.probes is None:  # counting
         return _fp8_gemm.fp8_dot_general(lhs, rhs, gemm)
-    if i >= col.probes.shape[0]:
-        raise RuntimeError(
-            "jaxamp.fp8_health: the loss function ran more FP8 products than when it was "
-            "counted; it must trace the same program each time it is traced"
-        )
-    out, fwd = _measured_dot(lhs, rhs, col.probes[i], _Static(gemm, lhs.ndim, rhs.ndim))
+    if i >= len(col.probes):
+        raise _changed()
+    out, fwd = measured_dot(lhs, rhs, col.probes[i], Static(gemm, lhs.ndim, rhs.ndim))
     col.forward.append(fwd)
     return out
 
@@ -226,18 +195,29 @@ def _unique(name: str, taken: list[str]) -> str:
     return f"{name}#{k}"
 
 
-def _report(
-    names: list[str], rowwise: list[bool], forward: list[Any], backward: Any
-) -> dict[str, dict[str, dict[str, Any]]]:
+def pool(stat: str, value: Any, axis: Any = None) -> Any:
+    """One figure of a cast pooled over the instances that cast as many elements each
+    (a scan's iterations, a ``vmap``'s examples, a ``shard_map``'s devices) along
+    `axis` (None: all): the largest amax, the mean of the fractions."""
+    return value.max(axis) if stat == "amax" else value.mean(axis)
+
+
+def _report(col: _Collector, backward: list[Any]) -> dict[str, dict[str, dict[str, Any]]]:
     out = {}
-    for i, name in enumerate(names):
-        casts = {"lhs": forward[i][0], "rhs": forward[i][1]}
-        if rowwise[i]:
-            casts.update(grad_dgrad=backward[i][0], grad_wgrad=backward[i][1])
-            casts.update(rhs_dgrad=forward[i][2], lhs_wgrad=forward[i][3])
+    for name, rowwise, shape, fwd, bwd in zip(
+        col.names, col.rowwise, col.shapes, col.forward, backward, strict=True
+    ):
+        casts = {"lhs": fwd[..., 0, :], "rhs": fwd[..., 1, :]}
+        if rowwise:
+            casts.update(grad_dgrad=bwd[..., 0, :], grad_wgrad=bwd[..., 1, :])
+            casts.update(rhs_dgrad=fwd[..., 2, :], lhs_wgrad=fwd[..., 3, :])
         else:
-            casts["grad"] = backward[i][0]
-        out[name] = {c: dict(zip(STATS, row, strict=True)) for c, row in casts.items()}
+            casts["grad"] = bwd[..., 0, :]
+        axes = tuple(range(len(shape)))
+        out[name] = {
+            c: {s: pool(s, row[..., j], axes) for j, s in enumerate(STATS)}
+            for c, row in casts.items()
+        }
     return out
 
 
@@ -271,9 +251,21 @@ def fp8_health(
     unchanged. Called inside a ``shard_map`` body (a per-device step), each
     device measures its own shard: the figures vary over the mesh axes, to be
     reduced like the loss (``lax.pmax`` the amax, ``lax.pmean`` the fractions
-    of equal shards). Products that autocast runs inside a nested ``jit`` with
-    shardings, a loop body, ``remat`` or ``shard_map`` are not measured (a
-    warning names them).
+    of equal shards).
+
+    Products in a ``lax.scan`` body inside the autocast function (``nn.scan``,
+    ``nnx.scan``, a ``fori_loop`` with static bounds) are measured every
+    iteration, and each product of the body (a scanned layer) has one entry,
+    pooled over its iterations: the largest amax, the mean of the fractions.
+    Products in a ``jax.checkpoint`` / ``nn.remat`` region or a nested ``jit``
+    inside the autocast function are measured as inline ones are (the remat
+    stays a remat; the jit is inlined, the same values). Not measured, and
+    named in a warning: products in a ``while_loop`` body (not
+    reverse-differentiable), a ``cond`` branch, a custom derivative, a
+    ``shard_map`` or a ``jit`` with shardings or donation inside the autocast
+    function, and an autocast call made inside a ``jit`` or ``checkpoint`` of
+    the loss's own (traced apart from the loss: put the ``jit`` or remat inside
+    the autocast function instead).
 
     Args:
       fun: the loss function, returning a scalar loss (or ``(loss, aux)`` with
@@ -347,11 +339,10 @@ def fp8_health(
             # the forward runs once more; under jit, a trace).
             count = _Collector(probes=None)
             jax.vjp(functools.partial(counted, count), *diff)
-        n = len(count.names)
         col = _Collector(probes=None)
 
         def with_probes(*all_args: Any, **kw: Any) -> Any:
-            col.probes = all_args[-1]
+            col.probes = list(all_args[-1])
             out = measured(col, *all_args[:-1], **kw)
             loss, aux = out if has_aux else (out, None)
             return loss, (aux, col.forward)
@@ -359,22 +350,26 @@ def fp8_health(
         grad_fn = jax.value_and_grad(with_probes, argnums=(*positions, len(args)), has_aux=True)
         # Inside a shard_map body each device measures its own shard: the probes, whose
         # cotangents carry the backward figures, vary over the mesh axes as those do.
-        probes = jax_compat.varying_over(
-            jnp.zeros((n, 2, len(STATS)), _F32), _fp8_gemm.manual_axes()
-        )
+        # One per product, stacked over the iterations of the scans it runs in.
+        probes = [
+            jax_compat.varying_over(jnp.zeros((*s, 2, len(STATS)), _F32), _fp8_gemm.manual_axes())
+            for s in count.shapes
+        ]
         (loss, (aux, forward)), grads = grad_fn(*args, probes, **kwargs)
-        # A nested jit or remat traces its function once: the counting pass met its
-        # products, the measured pass reuses the jaxpr and never meets them.
+        # A jit or remat around an autocast call traces its function once: the
+        # counting pass met its products, the measured pass reuses the jaxpr and
+        # never meets them.
         unmeasured = list(dict.fromkeys(col.unmeasured + count.unmeasured))
         if unmeasured:
             warnings.warn(
                 "jaxamp.fp8_health: these FP8 products are traced apart from the loss (a "
-                "nested jit, loop body, remat or shard_map, or an autocast call on no "
-                f"differentiated argument) and are not measured: {unmeasured}",
+                "while loop body, cond branch, custom derivative, shard_map or jit with "
+                "shardings inside autocast, a jit or remat around an autocast call, or an "
+                f"autocast call on no differentiated argument) and are not measured: {unmeasured}",
                 UserWarning,
                 stacklevel=2,
             )
-        health = _report(col.names, col.rowwise, forward, grads[-1])
+        health = _report(dataclasses.replace(col, forward=forward), grads[-1])
         value = (loss, aux) if has_aux else loss
         grads = grads[0] if single else tuple(grads[:-1])
         return (value, health), grads

@@ -9,6 +9,7 @@ transformations JAX applies later see an ordinary program.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp.casting._fp8 import _fp8_health
 from jaxamp.casting._interpreter._casts import bind, cast, cast_all, to_original
 from jaxamp.casting._interpreter._constants import call_values, record
 from jaxamp.casting._interpreter._context import Context
@@ -90,8 +92,10 @@ def eval_call(eqn: Any, ins: Ins, ctx: Context) -> Outs:
         return eval_jaxpr(inner.jaxpr, inner.consts, args, ctx, marks)
     if jax_compat.inlinable_call(params):
         # Activations keep their dtype across the boundary (jax.nn.relu, silu,
-        # jnp.cross, jnp.tril are nested jits).
-        if kind_of(eqn.primitive.name) is Kind.JIT:
+        # jnp.cross, jnp.tril are nested jits). Under ``fp8_health`` inlined: its
+        # FP8 products then run in the caller's trace and are measured (the same
+        # values: XLA inlines a nested call anyway).
+        if kind_of(eqn.primitive.name) is Kind.JIT and not _fp8_health.collecting():
             hit = _eval_nested_jit(eqn, inner, invals, inmarks, ctx)
             if hit is not None:
                 return hit
@@ -194,10 +198,44 @@ def eval_remat(eqn: Any, ins: Ins, ctx: Context) -> Outs:
     params = eqn.params
     values = call_values(eqn.invars, invals, ctx.memo.known)
     body, out_marks = _marked_body(_closed(params["jaxpr"]), inmarks, ctx, values)
-    outs = jax.checkpoint(
-        body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
-    )(*invals)
-    return list(outs), out_marks
+    remat = functools.partial(
+        jax.checkpoint, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
+    )
+    if _fp8_health.collecting():
+        return _measured_remat(remat, body, invals, ctx), out_marks
+    return list(remat(body)(*invals)), out_marks
+
+
+def _measured_remat(
+    remat: Callable[..., Any], body: Callable[..., Any], invals: list[Any], ctx: Context
+) -> list[Any]:
+    """`body` on `invals` through `remat` under an ``fp8_health`` trace: its FP8
+    products take their probes as extra inputs of the region and return their
+    forward statistics as extra outputs (the rematerialised forward recomputes
+    them; the backward statistics leave once, as the probes' cotangents)."""
+    counted, found = _fp8_health.counting(body)
+    if _fp8_health.probes_for(0) is None:  # counting: the remat's own trace counts
+        outs = list(remat(counted)(*invals))
+        _fp8_health.adopt(found[0], ())
+        return outs
+    # Measuring: the region's inputs need its products' count first.
+    traced(counted, [jax_compat.aval_of(x) for x in invals], ctx)
+    products = found[0]
+    probes = _fp8_health.probes_for(len(products.names))
+    if not probes:
+        outs = list(remat(body)(*invals))
+        _fp8_health.adopt(products, ())
+        return outs
+
+    def measured(*xs: Any) -> list[Any]:
+        with _fp8_health.apart(xs[len(invals) :]) as sub:
+            outs = body(*xs[: len(invals)])
+        return [*outs, *sub.forward]
+
+    res = list(remat(measured)(*invals, *probes))
+    n = len(res) - len(probes)
+    _fp8_health.adopt(products, (), res[n:])
+    return res[:n]
 
 
 def _custom_primal(

@@ -18,14 +18,16 @@ float32 leaves marked.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from jax import lax
 from jax.extend.core import ClosedJaxpr, Literal
 
 from jaxamp._utils import jax_compat
 from jaxamp._utils.dtypes import is_float_dtype
+from jaxamp.casting._fp8 import _fp8_health
 from jaxamp.casting._interpreter._calls import traced
 from jaxamp.casting._interpreter._casts import SATURATING_CAST_OPS, bind, cast
 from jaxamp.casting._interpreter._context import Context
@@ -42,6 +44,8 @@ class _Region:
     jaxpr: ClosedJaxpr  # the autocast region
     got: list[_Form]  # each output's form before the exit cast
     cast_only: list[bool]  # each input: is it only ever read cast to the compute dtype?
+    # The FP8 products an ``fp8_health`` trace counted in it (``_fp8_health.apart``).
+    products: Any = None
 
 
 def _is_cast_down(eqn: Any, dtype: np.dtype) -> bool:
@@ -55,18 +59,49 @@ def _is_cast_down(eqn: Any, dtype: np.dtype) -> bool:
     return [e.primitive.name for e in open_jaxpr(inner)[0].eqns] == SATURATING_CAST_OPS
 
 
+def _region_body(
+    closed: ClosedJaxpr,
+    in_forms: Sequence[_Form | None],
+    out_forms: Sequence[_Form | str | None],
+    ctx: Context,
+    got: list[_Form],
+) -> Callable[..., list[Any]]:
+    """`closed` under autocast as a function of its inputs in their entry forms,
+    returning its outputs in their exit forms; `got` is filled in with the forms
+    before the exit casts each time it runs."""
+    jaxpr = closed.jaxpr
+    marks = [NONE if f is None else f[1] for f in in_forms]
+    sub_ctx = ctx.sub(in_region=True)
+
+    def body(*xs: Any) -> list[Any]:
+        outs, out_marks = eval_jaxpr(jaxpr, closed.consts, xs, sub_ctx, marks)
+        got[:] = [(o.dtype, m) for o, m in zip(outs, out_marks, strict=True)]
+        final = []
+        for o, f, v in zip(outs, out_forms, jaxpr.outvars, strict=True):
+            want = o.dtype if f == _FREE else v.aval.dtype if f is None else f[0]
+            if o.dtype != want and is_float_dtype(o.dtype) and is_float_dtype(want):
+                o = cast(sub_ctx, o, want)
+            final.append(o)
+        return final
+
+    return body
+
+
 def _trace_region(
     closed: ClosedJaxpr,
     in_forms: Sequence[_Form | None],
     out_forms: Sequence[_Form | str | None],
     ctx: Context,
+    count: bool = False,
 ) -> _Region:
     """Autocasts `closed` (a loop body, a branch) for given entry and exit forms.
 
     An input whose form is None enters in its original dtype, unmarked. An
     output whose form is None leaves in its original dtype, ``_FREE`` as the
-    region gives it, and a form in that form's dtype.
+    region gives it, and a form in that form's dtype. `count`: under
+    ``fp8_health``, the region counts its FP8 products (a scan hands them out).
     """
+    count = count and _fp8_health.collecting()
 
     def make() -> _Region:
         jaxpr = closed.jaxpr
@@ -74,22 +109,10 @@ def _trace_region(
             v.aval if f is None else v.aval.update(dtype=f[0], weak_type=False)
             for v, f in zip(jaxpr.invars, in_forms, strict=True)
         ]
-        marks = [NONE if f is None else f[1] for f in in_forms]
         got: list[_Form] = []
-        sub_ctx = ctx.sub(in_region=True)
-
-        def body(*xs: Any) -> list[Any]:
-            outs, out_marks = eval_jaxpr(jaxpr, closed.consts, xs, sub_ctx, marks)
-            got[:] = [(o.dtype, m) for o, m in zip(outs, out_marks, strict=True)]
-            final = []
-            for o, f, v in zip(outs, out_forms, jaxpr.outvars, strict=True):
-                want = o.dtype if f == _FREE else v.aval.dtype if f is None else f[0]
-                if o.dtype != want and is_float_dtype(o.dtype) and is_float_dtype(want):
-                    o = cast(sub_ctx, o, want)
-                final.append(o)
-            return final
-
-        region = traced(body, avals, ctx)
+        body = _region_body(closed, in_forms, out_forms, ctx, got)
+        counted, products = _fp8_health.counting(body)
+        region = traced(counted if count else body, avals, ctx)
         # Which inputs the autocast region reads only through a cast down to
         # the compute dtype (the casts are inlined).
         cast_only = [True] * len(region.jaxpr.invars)
@@ -102,9 +125,9 @@ def _trace_region(
             for v in e.invars:
                 if not down and not isinstance(v, Literal) and v in index:
                     cast_only[index[v]] = False
-        return _Region(region, list(got), cast_only)
+        return _Region(region, list(got), cast_only, products[0] if products else None)
 
-    key = ("region", id(closed), ctx.position.stack, tuple(in_forms), tuple(out_forms))
+    key = ("region", id(closed), ctx.position.stack, tuple(in_forms), tuple(out_forms), count)
     return ctx.memoized(key, closed, make)
 
 
@@ -197,7 +220,7 @@ def eval_scan(eqn: Any, ins: Ins, ctx: Context) -> Outs:
     demoted: set[int] = set()
     while True:
         exits = [forms[i] for i in carry] + [_FREE] * nys
-        region = _trace_region(body, forms, exits, ctx)
+        region = _trace_region(body, forms, exits, ctx, count=True)
         changed = False
         for j, i in enumerate(carry):
             if forms[i] is not None and region.got[j] != forms[i]:
@@ -219,4 +242,39 @@ def eval_scan(eqn: Any, ins: Ins, ctx: Context) -> Outs:
         for i, f, g in zip(carry, (forms[i] for i in carry), region.got, strict=False)
     ] + [m for _, m in region.got[ncarry:]]
     entry = _entry(invals, inmarks, dtypes, orig, forms, ctx)
-    return bind(eqn, entry, dict(params, jaxpr=region.jaxpr)), marks
+    products = region.products
+    probes = None if products is None else _fp8_health.probes_for(len(products.names))
+    if not probes:  # no fp8_health, no FP8 product in the body, or counting them
+        outs, forward = bind(eqn, entry, dict(params, jaxpr=region.jaxpr)), []
+    else:
+        body = _region_body(params["jaxpr"], forms, exits, ctx, [])
+        outs, forward = _measured_scan(params, entry, body, probes)
+    if products is not None:
+        _fp8_health.adopt(products, (params["length"],), forward)
+    return outs, marks
+
+
+def _measured_scan(
+    params: dict[str, Any], entry: list[Any], body: Callable[..., list[Any]], probes: list[Any]
+) -> tuple[list[Any], list[Any]]:
+    """The scan of `params` on `entry` with `body` (its autocast body) under an
+    ``fp8_health`` trace measuring its FP8 products: ``(outputs, forward
+    statistics of each product, stacked per iteration)``.
+
+    Each iteration's products take that iteration's slice of `probes`, scanned in
+    beside ``xs``, and return their forward statistics beside ``ys``: the backward
+    statistics leave as the probes' cotangents, one per iteration. Re-issued
+    through the public ``lax.scan``, which takes the extra inputs and outputs
+    whatever the scan primitive's parameters are in this JAX."""
+    carry0, ncarry = jax_compat.scan_counts(params)
+    consts, init, xs = entry[:carry0], entry[carry0 : carry0 + ncarry], entry[carry0 + ncarry :]
+
+    def step(carry: list[Any], x: tuple[list[Any], list[Any]]) -> tuple[list[Any], Any]:
+        with _fp8_health.apart(x[1]) as sub:
+            outs = body(*consts, *carry, *x[0])
+        return outs[:ncarry], (outs[ncarry:], sub.forward)
+
+    carry, (ys, forward) = lax.scan(
+        step, init, (xs, probes), params["length"], params["reverse"], params["unroll"]
+    )
+    return [*carry, *ys], forward
