@@ -120,6 +120,19 @@ def _noise(noise: dict[str, list[float]], model: str) -> str:
     return f"{lo:+.2f} to {hi:+.2f} %"
 
 
+def _outcome(row: dict[str, Any], noise: dict[str, list[float]]) -> list[str]:
+    """The training columns both FP8 tables end with: final losses, ratio, noise, result."""
+    a, b = row.get("fp8") or {}, row.get("bf16") or {}
+    return [
+        _num(a.get("final"), ".5f"),
+        _num(b.get("final"), ".5f"),
+        _num(row.get("final_f32"), ".5f"),
+        _ratio(row),
+        _noise(noise, row["model"]),
+        _verdict(row),
+    ]
+
+
 def _fp8_cell(row: dict[str, Any], noise: dict[str, list[float]]) -> list[str]:
     a, b, p = (row.get(k) or {} for k in ("fp8", "bf16", "products"))
     return [
@@ -130,12 +143,7 @@ def _fp8_cell(row: dict[str, Any], noise: dict[str, list[float]]) -> list[str]:
         _num(b.get("out_err"), ".2e"),
         _num(a.get("grad_cos"), ".5f"),
         _num(b.get("grad_cos"), ".6f"),
-        _num(a.get("final"), ".5f"),
-        _num(b.get("final"), ".5f"),
-        _num(row.get("final_f32"), ".5f"),
-        _ratio(row),
-        _noise(noise, row["model"]),
-        _verdict(row),
+        *_outcome(row, noise),
     ]
 
 
@@ -215,7 +223,7 @@ def select_table(rows: list[dict[str, Any]], noise_rows: list[dict[str, Any]] = 
         "|" + "---|" * len(head),
     ]
     for row in sorted(rows, key=lambda r: (r["model"], r["scaling"], -r["selection"]["budget"])):
-        sel, a, b, p = (row.get(k) or {} for k in ("selection", "fp8", "bf16", "products"))
+        sel, p = row["selection"], row.get("products") or {}
         modules = sel.get("modules", {})
         cells = [
             row["model"],
@@ -224,12 +232,7 @@ def select_table(rows: list[dict[str, Any]], noise_rows: list[dict[str, Any]] = 
             f"{sum(modules.values())} of {len(modules)}",
             f"{p['fp8']} of {p['total']}" if p else "-",
             f"{sel['error']:.3g}" if sum(modules.values()) else "-",
-            _num(a.get("final"), ".5f"),
-            _num(b.get("final"), ".5f"),
-            _num(row.get("final_f32"), ".5f"),
-            _ratio(row),
-            _noise(noise, row["model"]),
-            _verdict(row),
+            *_outcome(row, noise),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
