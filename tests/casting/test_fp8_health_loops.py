@@ -230,3 +230,18 @@ def test_a_scan_in_an_autocast_call_under_the_losss_own_jit_or_remat_is_unmeasur
     with pytest.warns(UserWarning, match=r"not measured: \['dot_general'\]"):
         (_, health), grad = jax.jit(jaxamp.fp8_health(lambda w: jnp.sum(fwd(w, x))))(w)
     assert health == {} and grad.shape == w.shape
+
+
+def test_a_scan_of_no_iterations_has_no_entry():
+    """A scan of length 0 (a stack of no layers) runs its products no time: there
+    is nothing to pool, and the step still runs as jax.value_and_grad does."""
+    w = jax.random.normal(jax.random.key(7), (0, D, D))
+    v = jax.random.normal(jax.random.key(8), (D, D))
+    x = jax.random.normal(jax.random.key(9), (B, D))
+    fwd = jaxamp.autocast(lambda w, v, x: _scan_block(w, x) @ v, dtype=jnp.bfloat16, fp8=FP8_ALL)
+    loss = lambda w, v: jnp.sum(fwd(w, v, x))  # noqa: E731
+    (value, health), grads = jax.jit(jaxamp.fp8_health(loss, argnums=(0, 1)))(w, v)
+    assert list(health) == ["v"]
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, v)
+    assert float(value) == float(ref_value)
+    jax.tree.map(np.testing.assert_array_equal, grads, ref_grads)

@@ -223,6 +223,8 @@ def _report(col: _Collector, backward: list[Any]) -> dict[str, dict[str, dict[st
     for name, rowwise, shape, fwd, bwd in zip(
         col.names, col.rowwise, col.shapes, col.forward, backward, strict=True
     ):
+        if 0 in shape:  # a scan of no iterations: no cast ran, nothing to pool
+            continue
         casts = {"lhs": fwd[..., 0, :], "rhs": fwd[..., 1, :]}
         if rowwise:
             casts.update(grad_dgrad=bwd[..., 0, :], grad_wgrad=bwd[..., 1, :])
@@ -272,7 +274,8 @@ def fp8_health(
     Products in a ``lax.scan`` body inside the autocast function (``nn.scan``,
     ``nnx.scan``, a ``fori_loop`` with static bounds) are measured every
     iteration, and each product of the body (a scanned layer) has one entry,
-    pooled over its iterations: the largest amax, the mean of the fractions.
+    pooled over its iterations: the largest amax, the mean of the fractions
+    (a scan of length 0 runs none: no entry).
     Products in a ``jax.checkpoint`` / ``nn.remat`` region or a nested ``jit``
     inside the autocast function are measured as inline ones are (the remat
     stays a remat; the jit is inlined, the same values). Not measured, and
