@@ -220,10 +220,14 @@ def test_a_scan_or_remat_in_an_unmeasured_trace_is_named_unmeasured(block, where
     np.testing.assert_array_equal(grad, ref_grad)
 
 
-@pytest.mark.parametrize("wrap", [jax.checkpoint, jax.jit])
+@pytest.mark.parametrize(
+    "wrap",
+    [jax.checkpoint, jax.jit, lambda f: lambda w, x: jax.vmap(f, (None, 0))(w, x[None])[0]],
+    ids=["checkpoint", "jit", "vmap"],
+)
 def test_a_scan_in_an_autocast_call_under_the_losss_own_jit_or_remat_is_unmeasured(wrap):
-    """``jax.checkpoint(model)`` in the loss traces the autocast call apart, once:
-    its scanned products are named unmeasured as its inline ones are."""
+    """``jax.checkpoint(model)`` or ``jax.vmap(model)`` in the loss traces the autocast
+    call apart: its scanned products are named unmeasured as its inline ones are."""
     w = jax.random.normal(jax.random.key(5), (L, D, D)) / 8
     x = jax.random.normal(jax.random.key(6), (B, D))
     fwd = wrap(jaxamp.autocast(_scan_block, dtype=jnp.bfloat16, fp8=FP8_ALL))

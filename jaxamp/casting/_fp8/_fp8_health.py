@@ -155,7 +155,7 @@ def adopt(sub: _Collector, shape: tuple[int, ...], forward: Sequence[Any] = ()) 
     col = _active()
     assert col is not None
     # A region in a trace no handler hands the figures out of (a cond branch, a
-    # while body, a jit or remat around the autocast call) is not measured, as
+    # while body, a jit, remat or vmap around the autocast call) is not measured, as
     # a product written there is not (``dot``): ``probes_for`` gave it none.
     measured = sub.names if _here(col) else []
     for name, rowwise, s in zip(measured, sub.rowwise, sub.shapes, strict=False):
@@ -168,8 +168,8 @@ def adopt(sub: _Collector, shape: tuple[int, ...], forward: Sequence[Any] = ()) 
 
 def _here(col: _Collector) -> bool:
     """Whether `col` collects in the trace JAX is tracing in now. Values made in
-    another (a while body, a cond branch, a jit with shardings, shard_map, a jit
-    or remat around the autocast call) cannot leave with the loss."""
+    another (a while body, a cond branch, a jit with shardings, shard_map, a jit,
+    remat or vmap around the autocast call) cannot leave with the loss."""
     return jax_compat.current_trace() is col.trace
 
 
