@@ -177,3 +177,75 @@ def test_remat_and_nested_jit_are_measured_as_inline_products(wrap):
     jax.tree.map(np.testing.assert_array_equal, health, ref_health)
     assert float(value) == float(ref_value)
     jax.tree.map(np.testing.assert_array_equal, grads, ref_grads)
+
+
+def _scan_block(w, h):
+    return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), h, w)[0]
+
+
+def _remat_block(w, h):
+    return jax.checkpoint(lambda w, h: jnp.tanh(h @ w[0]))(w, h)
+
+
+@pytest.mark.parametrize("block", [_scan_block, _remat_block], ids=["scan", "remat"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        lambda block, w, x: jax.lax.cond(x[0, 0] < 100.0, lambda: block(w, x), lambda: x),
+        lambda block, w, x: (
+            jax.lax.while_loop(
+                lambda c: c[0] < 1,
+                lambda c: (c[0] + 1, block(jax.lax.stop_gradient(w), c[1])),
+                (0, x),
+            )[1]
+            + w[0, :1]
+        ),
+    ],
+    ids=["cond", "while"],
+)
+def test_a_scan_or_remat_in_an_unmeasured_trace_is_named_unmeasured(block, where):
+    """A scan or remat inside a cond branch or a while body runs in that trace: its
+    figures cannot leave with the loss. Named unmeasured, as a product written
+    there directly is, and training is untouched (no leaked tracer)."""
+    w = jax.random.normal(jax.random.key(3), (L, D, D)) / 8
+    x = jax.random.normal(jax.random.key(4), (B, D))
+    fwd = jaxamp.autocast(lambda w, x: where(block, w, x), dtype=jnp.bfloat16, fp8=FP8_ALL)
+    loss = lambda w: jnp.sum(fwd(w, x))  # noqa: E731
+    # One product, named once though the branch is traced twice.
+    with pytest.warns(UserWarning, match=r"not measured: \['\w+'\]"):
+        (value, health), grad = jax.jit(jaxamp.fp8_health(loss))(w)
+    assert health == {}
+    ref_value, ref_grad = jax.jit(jax.value_and_grad(loss))(w)
+    assert float(value) == float(ref_value)
+    np.testing.assert_array_equal(grad, ref_grad)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [jax.checkpoint, jax.jit, lambda f: lambda w, x: jax.vmap(f, (None, 0))(w, x[None])[0]],
+    ids=["checkpoint", "jit", "vmap"],
+)
+def test_a_scan_in_an_autocast_call_under_the_losss_own_jit_or_remat_is_unmeasured(wrap):
+    """``jax.checkpoint(model)`` or ``jax.vmap(model)`` in the loss traces the autocast
+    call apart: its scanned products are named unmeasured as its inline ones are."""
+    w = jax.random.normal(jax.random.key(5), (L, D, D)) / 8
+    x = jax.random.normal(jax.random.key(6), (B, D))
+    fwd = wrap(jaxamp.autocast(_scan_block, dtype=jnp.bfloat16, fp8=FP8_ALL))
+    with pytest.warns(UserWarning, match=r"not measured: \['dot_general'\]"):
+        (_, health), grad = jax.jit(jaxamp.fp8_health(lambda w: jnp.sum(fwd(w, x))))(w)
+    assert health == {} and grad.shape == w.shape
+
+
+def test_a_scan_of_no_iterations_has_no_entry():
+    """A scan of length 0 (a stack of no layers) runs its products no time: there
+    is nothing to pool, and the step still runs as jax.value_and_grad does."""
+    w = jax.random.normal(jax.random.key(7), (0, D, D))
+    v = jax.random.normal(jax.random.key(8), (D, D))
+    x = jax.random.normal(jax.random.key(9), (B, D))
+    fwd = jaxamp.autocast(lambda w, v, x: _scan_block(w, x) @ v, dtype=jnp.bfloat16, fp8=FP8_ALL)
+    loss = lambda w, v: jnp.sum(fwd(w, v, x))  # noqa: E731
+    (value, health), grads = jax.jit(jaxamp.fp8_health(loss, argnums=(0, 1)))(w, v)
+    assert list(health) == ["v"]
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, v)
+    assert float(value) == float(ref_value)
+    jax.tree.map(np.testing.assert_array_equal, grads, ref_grads)

@@ -78,6 +78,14 @@ class _Collector:
         self.shapes.append(shape)
         return len(self.names) - 1
 
+    def skip(self, name: str) -> None:
+        """Records a product not measured, named apart from the measured ones only:
+        a trace may run a region more than once (a branch whose output forms
+        settle after two traces), and a layer is named once."""
+        name = _unique(name, self.names)
+        if name not in self.unmeasured:
+            self.unmeasured.append(name)
+
 
 _local = threading.local()
 
@@ -132,7 +140,7 @@ def probes_for(count: int) -> list[Any] | None:
     """The probes of the next `count` products of the active collector (None while
     counting): a region's products take them as inputs."""
     col = _active()
-    if col is None or col.probes is None:
+    if col is None or col.probes is None or not _here(col):
         return None
     i = len(col.names)
     if i + count > len(col.probes):
@@ -146,12 +154,23 @@ def adopt(sub: _Collector, shape: tuple[int, ...], forward: Sequence[Any] = ()) 
     as the region returned them (stacked over `shape`) when measuring."""
     col = _active()
     assert col is not None
-    for name, rowwise, s in zip(sub.names, sub.rowwise, sub.shapes, strict=True):
+    # A region in a trace no handler hands the figures out of (a cond branch, a
+    # while body, a jit, remat or vmap around the autocast call) is not measured, as
+    # a product written there is not (``dot``): ``probes_for`` gave it none.
+    measured = sub.names if _here(col) else []
+    for name, rowwise, s in zip(measured, sub.rowwise, sub.shapes, strict=False):
         col.add(name.partition("#")[0], rowwise, (*shape, *s))
-    for name in sub.unmeasured:
-        col.unmeasured.append(_unique(name.partition("#")[0], col.names + col.unmeasured))
+    for name in [*sub.names[len(measured) :], *sub.unmeasured]:
+        col.skip(name.partition("#")[0])
     if col.probes is not None:
         col.forward.extend(forward)
+
+
+def _here(col: _Collector) -> bool:
+    """Whether `col` collects in the trace JAX is tracing in now. Values made in
+    another (a while body, a cond branch, a jit with shardings, shard_map, a jit,
+    remat or vmap around the autocast call) cannot leave with the loss."""
+    return jax_compat.current_trace() is col.trace
 
 
 def _changed() -> RuntimeError:
@@ -169,11 +188,8 @@ def dot(lhs: Any, rhs: Any, gemm: _fp8_gemm.Gemm, name: str) -> Any:
     if col is None:
         return _fp8_gemm.fp8_dot_general(lhs, rhs, gemm)
     name = name or UNNAMED
-    if jax_compat.current_trace() is not col.trace:
-        # A trace no handler hands the figures out of (a while body, a cond
-        # branch, a jit with shardings, shard_map): its values cannot leave
-        # with the loss.
-        col.unmeasured.append(_unique(name, col.names + col.unmeasured))
+    if not _here(col):
+        col.skip(name)
         return _fp8_gemm.fp8_dot_general(lhs, rhs, gemm)
     i = col.add(name, gemm.rowwise, ())
     if col.probes is None:  # counting
@@ -207,6 +223,8 @@ def _report(col: _Collector, backward: list[Any]) -> dict[str, dict[str, dict[st
     for name, rowwise, shape, fwd, bwd in zip(
         col.names, col.rowwise, col.shapes, col.forward, backward, strict=True
     ):
+        if 0 in shape:  # a scan of no iterations: no cast ran, nothing to pool
+            continue
         casts = {"lhs": fwd[..., 0, :], "rhs": fwd[..., 1, :]}
         if rowwise:
             casts.update(grad_dgrad=bwd[..., 0, :], grad_wgrad=bwd[..., 1, :])
@@ -256,16 +274,17 @@ def fp8_health(
     Products in a ``lax.scan`` body inside the autocast function (``nn.scan``,
     ``nnx.scan``, a ``fori_loop`` with static bounds) are measured every
     iteration, and each product of the body (a scanned layer) has one entry,
-    pooled over its iterations: the largest amax, the mean of the fractions.
+    pooled over its iterations: the largest amax, the mean of the fractions
+    (a scan of length 0 runs none: no entry).
     Products in a ``jax.checkpoint`` / ``nn.remat`` region or a nested ``jit``
     inside the autocast function are measured as inline ones are (the remat
     stays a remat; the jit is inlined, the same values). Not measured, and
     named in a warning: products in a ``while_loop`` body (not
     reverse-differentiable), a ``cond`` branch, a custom derivative, a
     ``shard_map`` or a ``jit`` with shardings or donation inside the autocast
-    function, and an autocast call made inside a ``jit`` or ``checkpoint`` of
-    the loss's own (traced apart from the loss: put the ``jit`` or remat inside
-    the autocast function instead).
+    function (a scan or remat there included), and an autocast call made
+    inside a ``jit`` or ``checkpoint`` of the loss's own (traced apart from the
+    loss: put the ``jit`` or remat inside the autocast function instead).
 
     Args:
       fun: the loss function, returning a scalar loss (or ``(loss, aux)`` with
