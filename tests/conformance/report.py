@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -155,14 +156,14 @@ NOISE_TEXT = (
 )
 
 
-def _noise_text(noise_rows: list[dict[str, Any]]) -> str:
+def _noise_text(noise_rows: Sequence[dict[str, Any]]) -> str:
     if not noise_rows:
         return ""
     r = noise_rows[0]
     return " " + NOISE_TEXT.format(seeds=len(r["ratios"]), rel=r["rel"])
 
 
-def fp8_table(rows: list[dict[str, Any]], noise_rows: list[dict[str, Any]] = ()) -> str:
+def fp8_table(rows: list[dict[str, Any]], noise_rows: Sequence[dict[str, Any]] = ()) -> str:
     noise = {r["model"]: r["ratios"] for r in noise_rows}
     steps = max((r["steps"] for r in rows), default=0)
     head = [
@@ -179,7 +180,7 @@ def fp8_table(rows: list[dict[str, Any]], noise_rows: list[dict[str, Any]] = ())
         "not multiples of 16); `fwd err`: max |y - y_f32| / max |y_f32| of the logits; "
         f"`grad cos`: cosine of the gradient at init to float32's; `final loss`: after {steps} "
         "AdamW steps with no loss scale, judged by the float32 model. Goal: final loss within "
-        "1 % of bfloat16 autocast's." + _noise_text(list(noise_rows)),
+        "1 % of bfloat16 autocast's." + _noise_text(noise_rows),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -197,7 +198,7 @@ def fp8_table(rows: list[dict[str, Any]], noise_rows: list[dict[str, Any]] = ())
     return "\n".join(lines)
 
 
-def select_table(rows: list[dict[str, Any]], noise_rows: list[dict[str, Any]] = ()) -> str:
+def select_table(rows: list[dict[str, Any]], noise_rows: Sequence[dict[str, Any]] = ()) -> str:
     """The rows trained with ``jaxamp.fp8_select``'s selection (``fp8.evaluate(...,
     selected=True)``)."""
     noise = {r["model"]: r["ratios"] for r in noise_rows}
@@ -217,7 +218,7 @@ def select_table(rows: list[dict[str, Any]], noise_rows: list[dict[str, Any]] = 
         "`jaxamp.fp8(scaling, select=selection)`, as the table above. `layers kept`: candidate "
         "layers left in FP8 (module paths, or the weights products read); `FP8 products`: "
         "forward products that ran in FP8 with the selection. Goal: final loss within 1 % of "
-        "bfloat16 autocast's." + _noise_text(list(noise_rows)),
+        "bfloat16 autocast's." + _noise_text(noise_rows),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
