@@ -24,10 +24,13 @@ each way of storing the moments; the final held-out loss as a ratio to float32
 moments'.
 
 ``--fidelity-gpt2``: the same on ``transformers``' GPT-2 (bench_low_precision.py's
-byte-LM task), two rounding seeds per stored format.
+byte-LM task), two rounding seeds per stored format. ``--paired-gpt2``: that task on
+five other streams of training batches, each stored format against float32 moments on
+the same batches, beside float32 moments with the learning rate moved by 0.2 %
+(``BAND``): how far a run moves when nothing that matters changes.
 
 Run: ``python benchmarks/bench_optimizer_state.py [--quick] [--no-large] [--fidelity STEPS]
-[--fidelity-gpt2 STEPS]``;
+[--fidelity-gpt2 STEPS] [--paired-gpt2 STEPS]``;
 ``make bench`` runs the memory table on its model and the ~124M GPT.
 """
 
@@ -225,6 +228,30 @@ def fidelity(
     return out
 
 
+def _train_gpt2(task: Any, steps: int, stored: Any, seed: int, lr_scale: float = 1.0) -> float:
+    """One run of ``fidelity_gpt2``'s task and optimizer; the final held-out loss."""
+    import bench_low_precision as blp
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(blp.schedule(task.lr * lr_scale, steps), b2=0.95, weight_decay=0.01),
+    )
+    if stored is not None:
+        tx = jaxamp.low_precision_state(tx, stored, seed=seed)
+
+    @jax.jit
+    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any]:
+        grads = jax.grad(task.loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = task.params, tx.init(task.params)
+    for i in range(steps):
+        params, opt_state = step(params, opt_state, task.batch(i))
+    evaluate = jax.jit(task.loss)
+    return float(np.mean([float(evaluate(params, b)) for b in task.eval_batches]))
+
+
 def fidelity_gpt2(steps: int, names: tuple[str, ...], seeds: tuple[int, ...] = (0, 1)) -> dict:
     """``transformers``' FlaxGPT2LMHeadModel (code we did not write; bench_low_precision's
     byte-LM task: random init, a fresh batch each step, held-out loss over 8 batches)
@@ -234,35 +261,47 @@ def fidelity_gpt2(steps: int, names: tuple[str, ...], seeds: tuple[int, ...] = (
     import bench_low_precision as blp
 
     task = blp.GPT2(quick=False)
-    evaluate = jax.jit(task.loss)
     out: dict[str, Any] = {"steps": steps, "model": task.name, "rows": {}}
     for name in names:
         stored = FIDELITY[name]
-        losses = []
-        for seed in seeds if stored is not None else seeds[:1]:
-            tx = optax.chain(
-                optax.clip_by_global_norm(1.0),
-                optax.adamw(blp.schedule(task.lr, steps), b2=0.95, weight_decay=0.01),
-            )
-            if stored is not None:
-                tx = jaxamp.low_precision_state(tx, stored, seed=seed)
-
-            @jax.jit
-            def step(params: Any, opt_state: Any, batch: Any, tx: Any = tx) -> tuple[Any, Any]:
-                grads = jax.grad(task.loss)(params, batch)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), opt_state
-
-            params, opt_state = task.params, tx.init(task.params)
-            for i in range(steps):
-                params, opt_state = step(params, opt_state, task.batch(i))
-            losses.append(float(np.mean([float(evaluate(params, b)) for b in task.eval_batches])))
+        runs = seeds if stored is not None else seeds[:1]
+        losses = [_train_gpt2(task, steps, stored, seed) for seed in runs]
         out["rows"][name] = {"eval_loss": float(np.mean(losses)), "each": losses}
         print(f"  {name:<28} held-out loss {losses}", flush=True)
     base = out["rows"].get("float32 moments", {}).get("eval_loss")
     for r in out["rows"].values():
         r["ratio"] = r["eval_loss"] / base if base else float("nan")
     return out
+
+
+#: The learning rate moved by 2**-9 (0.2 %) either way: float32 moments' own band, a
+#: change of the trajectory no user would call a different run.
+BAND = (1 - 2.0**-9, 1 + 2.0**-9)
+
+
+def paired_gpt2(
+    steps: int, names: tuple[str, ...], data_seeds: tuple[int, ...] = (10, 11, 12, 13, 14)
+) -> dict:
+    """``fidelity_gpt2``'s task on other data: for each data seed (another stream of
+    training batches, the same held-out batches), float32 moments, float32 moments
+    with the learning rate moved by ``BAND``, and each stored format (rounding seed 0),
+    from the same init. A final loss is as sensitive to the path as to the format: a
+    stored format is judged by its mean difference from float32 over the data seeds
+    (paired), beside the spread float32's own band shows."""
+    import bench_low_precision as blp
+
+    task = blp.GPT2(quick=False)
+    rows: dict[str, list[float]] = {}
+    for data_seed in data_seeds:
+        task.data_seed = data_seed
+        base = _train_gpt2(task, steps, None, 0)
+        runs = {f"float32, lr x {m:.4f}": (None, m) for m in BAND}
+        runs.update({name: (FIDELITY[name], 1.0) for name in names if FIDELITY[name] is not None})
+        for name, (stored, lr_scale) in runs.items():
+            diff = _train_gpt2(task, steps, stored, 0, lr_scale) / base - 1
+            rows.setdefault(name, []).append(diff)
+            print(f"  data {data_seed} {name:<28} {diff * 100:+.2f} %", flush=True)
+    return {"steps": steps, "model": task.name, "data_seeds": data_seeds, "rows": rows}
 
 
 FIDELITY: dict[str, Any] = {
@@ -324,6 +363,24 @@ def format_fidelity_gpt2(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_paired_gpt2(result: dict[str, Any]) -> str:
+    seeds = ", ".join(str(d) for d in result["data_seeds"])
+    lines = [
+        f"{result['model']}, {result['steps']} steps, final held-out loss vs float32 "
+        f"moments' on the same data (data seeds {seeds})",
+        "",
+        "| run | by data seed | mean | largest |",
+        "|---|---|---|---|",
+    ]
+    for name, diffs in result["rows"].items():
+        each = ", ".join(f"{d * 100:+.2f}" for d in diffs)
+        worst = max(diffs, key=abs)
+        lines.append(
+            f"| {name} | {each} % | {np.mean(diffs) * 100:+.2f} % | {worst * 100:+.2f} % |"
+        )
+    return "\n".join(lines)
+
+
 def run(quick: bool = False, large: bool = True) -> dict[str, Any]:
     """The memory table on ``make bench``'s model (``tiny`` if ``quick``) and, if
     ``large``, the ~124M GPT."""
@@ -355,6 +412,13 @@ def main() -> None:
         metavar="STEPS",
         help="also train transformers' GPT-2 this many steps per way of storing (two seeds)",
     )
+    ap.add_argument(
+        "--paired-gpt2",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also the GPT-2 runs on five other data seeds, paired with float32's and its band",
+    )
     ap.add_argument("--write", action="store_true", help=f"write {GENERATED.relative_to(ROOT)}")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -366,6 +430,9 @@ def main() -> None:
     if args.fidelity_gpt2:
         fid = fidelity_gpt2(args.fidelity_gpt2, tuple(FIDELITY))
         report += "\n\n" + format_fidelity_gpt2(fid)
+    if args.paired_gpt2:
+        pairs = paired_gpt2(args.paired_gpt2, tuple(FIDELITY))
+        report += "\n\n" + format_paired_gpt2(pairs)
     print(report)
     if args.write:
         GENERATED.parent.mkdir(parents=True, exist_ok=True)
