@@ -42,7 +42,8 @@ loss moves by a change that is no change of precision.
 
 On the CPU XLA computes an FP8 product as a float32 product of the FP8 values (a GPU's
 FP8 GEMM's numbers up to summation order, not its speed). The defaults (600 steps, 3
-noise draws) take about 13 minutes on 2 CPU cores at ``nice -n 19``, measured.
+noise draws), measured at ``nice -n 19`` on 2 cores that other jobs shared: 13 CPU-minutes
+(780 s), 27:40 wall at 47 % of a core; alone on 2 cores, 13 minutes at most.
 
 Run: ``python benchmarks/fp8_clients.py --lm1b ~/flax/examples/lm1b [--out r.json]``.
 """
