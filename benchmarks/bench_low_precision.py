@@ -120,6 +120,10 @@ class Task:
             out = logits(p, batch[:, :-1]).astype(jnp.float32)
             return optax.softmax_cross_entropy_with_integer_labels(out, batch[:, 1:]).mean()
 
+        self._set_loss(loss)
+
+    def _set_loss(self, loss: Callable[[Any, jax.Array], jax.Array]) -> None:
+        """``loss(params, window)`` (a batch of ``seq + 1``-byte windows) and its eval."""
         self.loss = loss
         key = jax.random.key(1)
         self.eval_batches = [
@@ -131,8 +135,9 @@ class Task:
         key = jax.random.fold_in(jax.random.key(self.data_seed), i)
         return self.get_batch(self.train, key, self.bsz, self.seq)
 
-    def final_loss(self, params: Any) -> float:
-        p = jax.tree.map(lambda x: x.astype(BF16), params)
+    def final_loss(self, params: Any, dtype: Any = BF16) -> float:
+        """The held-out loss, computed with `params` cast to `dtype`."""
+        p = jax.tree.map(lambda x: x.astype(dtype), params)
         return float(np.mean([float(self._eval(p, b)) for b in self.eval_batches]))
 
 

@@ -61,6 +61,17 @@ LEFT_OUT: dict[str, dict[str, str]] = {
             "the BERT conformance row"
         ),
     },
+    "tests/repo/test_fp8_clients.py": {
+        # benchmarks/fp8_clients.py on a stand-in for flax's lm1b models.py: the corpus,
+        # an FP8 train step's compile (~6 s), and every row with fp8_select (~30 s).
+        "test_a_client_loaded_by_path_trains_in_fp8_with_its_products_counted": (
+            "the FP8 conformance rows' tests (tests/conformance/test_fp8_rows.py) and "
+            "the flag's error test in this file"
+        ),
+        "test_every_row_runs_and_is_judged_against_bfloat16_autocast": (
+            "fp8_select's own tests; the train test above in make test-slow"
+        ),
+    },
     "tests/multidevice/test_conformance_mesh.py": {
         "test_conformance_explicit_mesh[flax-nnx-attention@data-float16]": (
             "the same model on the tensor axis in bfloat16"

@@ -113,6 +113,20 @@ NOISE_REL = 2.0**-9
 NOISE_SEEDS = 5
 
 
+def perturbed(params: Any, seed: int) -> Any:
+    """`params` with each floating leaf times ``1 + NOISE_REL * N(0, 1)`` (draw `seed`):
+    the noise floor's init, a change smaller than casting it to bfloat16."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    moved = [
+        x * (1 + NOISE_REL * jax.random.normal(k, x.shape, x.dtype))
+        if jnp.issubdtype(x.dtype, jnp.floating)
+        else x
+        for x, k in zip(leaves, keys, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, moved)
+
+
 def noise_floor(name: str, steps: int = harness.STEPS) -> dict[str, Any]:
     """How far bfloat16 autocast's final loss moves by a change that is no change of
     precision: `NOISE_SEEDS` trainings from the init perturbed by ``NOISE_REL``, each
@@ -127,15 +141,7 @@ def noise_floor(name: str, steps: int = harness.STEPS) -> dict[str, Any]:
     apply = jaxamp.autocast(built.apply, dtype=jnp.bfloat16)
     ratios = []
     for seed in range(NOISE_SEEDS):
-        leaves, treedef = jax.tree_util.tree_flatten(built.params)
-        keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-        moved = [
-            x * (1 + NOISE_REL * jax.random.normal(k, x.shape, x.dtype))
-            if jnp.issubdtype(x.dtype, jnp.floating)
-            else x
-            for x, k in zip(leaves, keys, strict=True)
-        ]
-        run = dataclasses.replace(built, params=jax.tree_util.tree_unflatten(treedef, moved))
+        run = dataclasses.replace(built, params=perturbed(built.params, seed))
         t = harness._train(apply, run, None, steps)
         ratios.append(harness._final_loss(ref, built, t) / base)
     return {"model": name, "kind": "fp8_noise", "steps": steps, "rel": NOISE_REL, "ratios": ratios}
