@@ -163,6 +163,12 @@ def low_precision_state(
             f"optax.GradientTransformation), got {type(inner).__name__}."
         )
     if isinstance(dtype, Mapping):
+        if not dtype:  # would store nothing, silently: every moment left in float32
+            raise ValueError(
+                "low_precision_state: dtype is an empty mapping, which stores no moment. "
+                "Write dtype='8bit' or dtype=jnp.bfloat16 for every moment, or name the "
+                "state's fields, e.g. {'mu': '8bit', 'nu': jnp.bfloat16} for optax.adam's."
+            )
         fields = {str(k): _target(v, f"dtype[{k!r}]") for k, v in dtype.items()}
         everywhere = None
     else:
