@@ -83,6 +83,14 @@ def _seed_key(seed: Any) -> jax.Array:
         ) from None
 
 
+def _held(x: Any) -> bool:
+    """A node this wrapper's state keeps whole: a stored moment, or the state of a
+    ``low_precision_state`` inside ``inner`` (it stores its own moments; its 8-bit
+    scales are not moments, and storing them again would lose the code tags in their
+    low bits)."""
+    return is_stored(x) or isinstance(x, LowPrecisionState)
+
+
 def _names(path: tuple[Any, ...]) -> list[str]:
     return [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
 
@@ -116,7 +124,8 @@ def low_precision_state(
 
     The moments are the floating leaves of ``inner``'s state with at least
     ``min_size`` elements (smaller ones, and counts and hyperparameters, stay as
-    they are), except optax.MultiSteps' gradient sum. Put the wrapper *inside* the
+    they are), except optax.MultiSteps' gradient sum and the state of a
+    ``low_precision_state`` inside ``inner`` (kept as it stores it). Put the wrapper *inside* the
     guard and around the optimizer itself:
     ``jaxamp.skip_nonfinite(jaxamp.low_precision_state(optax.adamw(1e-3), "8bit"))``.
 
@@ -154,6 +163,12 @@ def low_precision_state(
             f"optax.GradientTransformation), got {type(inner).__name__}."
         )
     if isinstance(dtype, Mapping):
+        if not dtype:  # would store nothing, silently: every moment left in float32
+            raise ValueError(
+                "low_precision_state: dtype is an empty mapping, which stores no moment. "
+                "Write dtype='8bit' or dtype=jnp.bfloat16 for every moment, or name the "
+                "state's fields, e.g. {'mu': '8bit', 'nu': jnp.bfloat16} for optax.adam's."
+            )
         fields = {str(k): _target(v, f"dtype[{k!r}]") for k, v in dtype.items()}
         everywhere = None
     else:
@@ -179,7 +194,7 @@ def low_precision_state(
 
     def target(path: tuple[Any, ...], leaf: Any) -> Any:
         names = _names(path)
-        if not is_float(leaf) or jnp.ndim(leaf) == 0 or jnp.size(leaf) < min_size:
+        if _held(leaf) or not is_float(leaf) or jnp.ndim(leaf) == 0 or jnp.size(leaf) < min_size:
             return None
         if _ACCUMULATORS.intersection(names):
             return None
@@ -192,7 +207,7 @@ def low_precision_state(
 
     def store(stored: Any, new: Any, key: jax.Array) -> Any:
         """``new`` (the wrapped optimizer's state) in ``stored``'s form."""
-        leaves, treedef = jax.tree.flatten(stored, is_leaf=is_stored)
+        leaves, treedef = jax.tree.flatten(stored, is_leaf=_held)
         news = treedef.flatten_up_to(new)
         out = []
         for i, (s, n) in enumerate(zip(leaves, news, strict=True)):
@@ -209,7 +224,7 @@ def low_precision_state(
                 "dtype)), not the other way round."
             )
         key = seed_key
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=_held)
         _check_fields(fields, leaves)
         out = []
         for i, (path, leaf) in enumerate(leaves):
@@ -228,7 +243,7 @@ def low_precision_state(
     ) -> tuple[Any, LowPrecisionState]:
         state = _rewrapped(state, params, init_fn)
         values = jax.tree.map(
-            lambda s: s.value() if is_stored(s) else s, state.inner_state, is_leaf=is_stored
+            lambda s: s.value() if is_stored(s) else s, state.inner_state, is_leaf=_held
         )
         updates, new = inner.update(updates, values, params, **extra_args)
         key = jax.random.fold_in(seed_key, state.count)

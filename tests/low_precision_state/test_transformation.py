@@ -181,6 +181,7 @@ def test_multisteps_accumulates_in_float32() -> None:
         ({"dtype": jnp.float32}, "dtype must be"),
         ({"dtype": {"mu": "4bit"}}, "dtype['mu'] must be"),
         ({"dtype": None}, "dtype must be"),
+        ({"dtype": {}}, "dtype is an empty mapping"),
         ({"dtype": "8bit", "block_size": 0}, "`block_size`"),
         ({"dtype": "8bit", "block_size": 1.5}, "`block_size`"),
         ({"dtype": "8bit", "block_size": True}, "`block_size`"),

@@ -78,3 +78,32 @@ def test_seed_as_a_jax_key_is_that_key() -> None:
         got = stored(seed)
         same = jax.tree.map(lambda a, b: bool((a == b).all()), got, want)
         assert all(jax.tree.leaves(same))
+
+
+@pytest.mark.parametrize(
+    ("outer", "rel"), [("8bit", 2**-2), (jnp.bfloat16, 2**-6)], ids=["8bit", "bf16"]
+)
+def test_a_wrapped_optimizer_wrapped_again_keeps_its_own_stored_state(outer, rel) -> None:
+    """An optimizer already wrapped (in a chain the user wraps as a whole, or twice by
+    mistake) keeps its own stored moments: the outer wrapper stores only the moments of
+    the rest. Its 8-bit scales (float32, at least min_size of them here) are not
+    moments: stored again they lost the code tags in their low bits and the step
+    failed."""
+    params = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((64, 256)), jnp.float32)}
+    grads = [jax.tree.map(lambda x, i=i: x * 10.0**-i, params) for i in range(3)]
+    inner = jaxamp.low_precision_state(optax.adam(1e-3), "8bit", block_size=32, min_size=64)
+    momentum = optax.sgd(1e-3, momentum=0.9)
+    tx = jaxamp.low_precision_state(optax.chain(inner, momentum), outer, min_size=64)
+    ref = optax.chain(inner, momentum)  # the momentum's trace in float32
+    state, ref_state = jax.jit(tx.init)(params), jax.jit(ref.init)(params)
+    step, ref_step = jax.jit(tx.update), jax.jit(ref.update)
+    for g in grads:
+        u, state = step(g, state, params)
+        u_ref, ref_state = ref_step(g, ref_state, params)
+        # the stored trace moves the update by at most a few of its format's steps
+        want = np.asarray(u_ref["w"])
+        np.testing.assert_allclose(np.asarray(u["w"]), want, atol=rel * np.abs(want).max())
+        # the inner wrapper's state as the inner wrapper alone keeps it, bit for bit
+        kept = jax.tree.map(lambda a, b: bool((a == b).all()), state.inner_state[0], ref_state[0])
+        assert all(jax.tree.leaves(kept))
+    assert _n_stored(state.inner_state[0]) == 2 and _n_stored(state.inner_state[1]) == 1
