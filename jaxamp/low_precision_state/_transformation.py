@@ -28,9 +28,13 @@ __all__ = ["LowPrecisionState", "low_precision_state"]
 #: The 8-bit block code's name, as ``dtype=`` takes it.
 EIGHT_BIT = "8bit"
 
-#: Accumulators, not moments: summed, never decayed, so rounding would bias them
-#: (optax.MultiSteps' sum of a window's gradients).
-_ACCUMULATORS = frozenset({"acc_grads"})
+#: Fields that are not moments, kept as they are whatever ``dtype`` says: an
+#: accumulator (optax.MultiSteps' sum of a window's gradients: summed, never decayed,
+#: so rounding would bias it) and the copies of the params optax's optimizers keep
+#: (prodigy's ``params0``, DoG's ``init_params``, COCOB's ``init_particles``,
+#: schedule-free's ``z``): they are subtracted from the params, and stored, their
+#: difference would be mostly rounding error.
+_NOT_MOMENTS = frozenset({"acc_grads", "params0", "init_params", "init_particles", "z"})
 
 
 class LowPrecisionState(NamedTuple):
@@ -124,8 +128,10 @@ def low_precision_state(
 
     The moments are the floating leaves of ``inner``'s state with at least
     ``min_size`` elements (smaller ones, and counts and hyperparameters, stay as
-    they are), except optax.MultiSteps' gradient sum and the state of a
-    ``low_precision_state`` inside ``inner`` (kept as it stores it). Put the wrapper *inside* the
+    they are), except optax.MultiSteps' gradient sum, the copies of the params that
+    optax's prodigy, DoG, COCOB and schedule-free keep (``params0``, ``init_params``,
+    ``init_particles``, ``z``) and the state of a ``low_precision_state`` inside
+    ``inner`` (kept as it stores it). Put the wrapper *inside* the
     guard and around the optimizer itself:
     ``jaxamp.skip_nonfinite(jaxamp.low_precision_state(optax.adamw(1e-3), "8bit"))``.
 
@@ -196,7 +202,7 @@ def low_precision_state(
         names = _names(path)
         if _held(leaf) or not is_float(leaf) or jnp.ndim(leaf) == 0 or jnp.size(leaf) < min_size:
             return None
-        if _ACCUMULATORS.intersection(names):
+        if _NOT_MOMENTS.intersection(names):
             return None
         if everywhere is not None:
             return everywhere
