@@ -270,7 +270,9 @@ def _check_fields(fields: Mapping[str, Any], leaves: list[tuple[Any, Any]]) -> N
             "the state of `inner` has no field called, so nothing there would be stored. "
             f"Its fields are: {', '.join(sorted(present)) or '(none)'}. Write those names, "
             "e.g. {'mu': '8bit', 'nu': jnp.bfloat16} for optax.adam's moments, or "
-            "dtype='8bit' for every moment."
+            "dtype='8bit' for every moment. Fields are attributes of the state's nodes "
+            "(a NamedTuple's or a dataclass's), not keys of a dict: for a state kept in "
+            "dicts, write one dtype for every moment."
         )
 
 
