@@ -288,10 +288,9 @@ def paired_gpt2(
     """``fidelity_gpt2``'s task on other data: for each data seed (another stream of
     training batches, the same held-out batches), float32 moments, float32 moments
     with the learning rate moved by ``BAND`` (unless not `band`), and each stored
-    format (rounding seed 0),
-    from the same init. A final loss is as sensitive to the path as to the format: a
-    stored format is judged by its mean difference from float32 over the data seeds
-    (paired), beside the spread float32's own band shows."""
+    format (rounding seed 0), from the same init. A final loss is as sensitive to the
+    path as to the format: a stored format is judged by its mean difference from
+    float32 over the data seeds (paired), beside the spread float32's own band shows."""
     import bench_low_precision as blp
 
     task = blp.GPT2(quick=False)

@@ -176,6 +176,14 @@ def low_precision_state(
                 "state's fields, e.g. {'mu': '8bit', 'nu': jnp.bfloat16} for optax.adam's."
             )
         fields = {str(k): _target(v, f"dtype[{k!r}]") for k, v in dtype.items()}
+        kept = sorted(_NOT_MOMENTS.intersection(k for k, v in fields.items() if v is not None))
+        if kept:  # would be ignored, silently
+            raise ValueError(
+                f"low_precision_state: dtype names {', '.join(map(repr, kept))}, which is "
+                "never stored: a gradient sum or a copy of the params, not a moment (stored, "
+                "the difference from the params would be mostly rounding error). Leave it "
+                "out of the mapping."
+            )
         everywhere = None
     else:
         fields, everywhere = {}, _target(dtype, "dtype")

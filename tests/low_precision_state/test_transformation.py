@@ -24,7 +24,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import jaxamp
-from jaxamp.low_precision_state import Quantized8, Rounded16, _codes
+from jaxamp.low_precision_state import Quantized8, Rounded16, _codes, _transformation
 from jaxamp.low_precision_state._stored import is_stored
 
 BLOCK, MIN_SIZE, STEPS, LR = 32, 256, 3, 1e-2
@@ -186,15 +186,12 @@ def test_copies_of_the_params_stay_as_they_are(make, field) -> None:
     params, and stored in 8 bits their difference is mostly rounding error."""
     params = {"w": jnp.ones((64, 256))}
     state = jax.eval_shape(jaxamp.low_precision_state(make(), "8bit").init, params)
-    found = []
-
-    def visit(path, leaf):
-        names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
-        if field in names:
-            found.append(leaf)
-
-    jax.tree_util.tree_map_with_path(visit, state, is_leaf=is_stored)
+    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_stored)[0]
+    found = [x for path, x in leaves if field in _transformation._names(path)]
     assert found and all(not is_stored(x) and x.dtype == np.float32 for x in found)
+    # Named in a mapping, it is refused rather than ignored.
+    with pytest.raises(ValueError, match=f"dtype names '{field}', which is never stored"):
+        jaxamp.low_precision_state(make(), {field: "8bit"})
 
 
 def test_prodigy_in_8_bits_trains_as_in_float32() -> None:
