@@ -5,7 +5,8 @@ from jaxamp.casting._autocast._api import autocast, full_precision, keep_float32
 from jaxamp.casting._find_overflow._find_overflow import OverflowReport, find_overflow
 from jaxamp.casting._fp8._fp8_config import Fp8Config, fp8
 from jaxamp.casting._fp8._fp8_health import fp8_health
-from jaxamp.casting._fp8_select._fp8_select import Fp8Selection, fp8_select
+from jaxamp.casting._fp8_select._fp8_select import fp8_select
+from jaxamp.casting._fp8_select._selection import Fp8Selection
 from jaxamp.casting._rules._policy import Policy
 from jaxamp.casting._rules._rules import DEFAULT_RULES
 

@@ -22,13 +22,24 @@ where module paths do not tell layers apart), not program order, name the
 candidates: a model called twice is one set of layers, and the result is the
 same for the same program and arguments (no randomness; XLA's CPU and GPU
 products are deterministic).
+
+With ``other_batches`` the budget is measured against the gradient's sampling
+noise, which a step on a fresh batch carries anyway: with sigma the relative
+distance of one batch's gradient from the mean (estimated from the calibration
+batch and the others, ``||g_0 - g_k||**2 / 2`` averaged), FP8's error e and the
+noise add in quadrature (rounding does not depend on which examples a batch
+holds), so the gradient a step applies moves ``sqrt(sigma**2 + e**2) - sigma``
+farther from the mean gradient; the budget bounds that, so a set is kept while
+``e <= sqrt(budget**2 + 2 * budget * sigma)`` (``Fp8Selection.threshold``). With
+no other batch, sigma is 0 and the threshold is the budget: a model trained on one
+batch (or fitting its data) has no sampling noise to hide FP8's error in.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,94 +48,11 @@ import numpy as np
 
 from jaxamp._utils.dtypes import is_inexact
 from jaxamp.casting._fp8._fp8_config import fp8
+from jaxamp.casting._fp8_select._selection import Fp8Selection, _threshold
 
-__all__ = ["Fp8Selection", "fp8_select"]
-
-#: What ``Fp8Selection.signal`` names: the measure its errors are in.
-SIGNAL = "relative gradient error vs bfloat16 autocast: ||g_fp8 - g_bf16|| / ||g_bf16||"
 _FP8 = "float8_e4m3fn"
 
-
-@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class Fp8Selection(Mapping[str, bool]):
-    """What ``jaxamp.fp8_select`` measured and chose; as a mapping, layer -> bool.
-
-    Pass it back as ``jaxamp.fp8(select=selection)`` (``audit`` then gives each
-    decision's measured reason), or ``dict(selection)`` edited, or read back
-    from JSON / a checkpoint (``to_dict`` / ``from_dict``).
-
-    Attributes:
-      modules: layer -> True (its products run FP8) or False (kept in the
-        autocast dtype). A layer is its module path as ``jaxamp.audit`` prints
-        it (``Block_0/Dense_1``), or, where the products of one module path read
-        different weights (equinox scopes its layers by class) or there is no
-        path (an nnx module merged inside the function, a plain function), the
-        path of the weight its product reads in the function's arguments
-        (``mlp/0/layers/1/weight``, ``attn/query/kernel``); audit's per-op
-        rows give each product's layer (``OpRow.layer``).
-      reasons: layer -> the measured reason of its decision.
-      alone: layer -> the error with only its products in FP8.
-      error: the error with every kept module in FP8 (0.0 when none is kept).
-      budget: the budget the selection kept `error` within.
-      scaling: the FP8 scaling it was measured with.
-      signal: what the errors measure (``SIGNAL``).
-    """
-
-    modules: dict[str, bool]
-    reasons: dict[str, str]
-    alone: dict[str, float]
-    error: float
-    budget: float
-    scaling: str
-    signal: str = SIGNAL
-
-    def __getitem__(self, path: str) -> bool:
-        return self.modules[path]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.modules)
-
-    def __len__(self) -> int:
-        return len(self.modules)
-
-    @property
-    def kept(self) -> float:
-        """The share of candidate layers kept in FP8 (1.0 when there is none)."""
-        return sum(self.modules.values()) / len(self.modules) if self.modules else 1.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data (str, bool, float): ``json.dumps`` it, or save it in a checkpoint."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Fp8Selection:
-        """The selection ``to_dict`` wrote (e.g. ``json.loads`` of it)."""
-        try:
-            return cls(
-                modules={str(k): bool(v) for k, v in data["modules"].items()},
-                reasons={str(k): str(v) for k, v in data["reasons"].items()},
-                alone={str(k): float(v) for k, v in data["alone"].items()},
-                error=float(data["error"]),
-                budget=float(data["budget"]),
-                scaling=str(data["scaling"]),
-                signal=str(data.get("signal", SIGNAL)),
-            )
-        except (KeyError, AttributeError, TypeError) as e:
-            raise ValueError(
-                "Fp8Selection.from_dict: expected what Fp8Selection.to_dict returns (keys "
-                f"'modules', 'reasons', 'alone', 'error', 'budget', 'scaling'); {e!r}"
-            ) from e
-
-    def __str__(self) -> str:
-        n = sum(self.modules.values())
-        lines = [
-            f"jaxamp.fp8_select ({self.scaling}, budget {self.budget:g}): {n} of "
-            f"{len(self.modules)} layers in FP8, error {self.error:.4g} ({self.signal})"
-        ]
-        for path in self.modules:
-            on = "FP8 " if self.modules[path] else "bf16"
-            lines.append(f"  {on}  {path or '(no module, no weight)'}: {self.reasons[path]}")
-        return "\n".join(lines)
+__all__ = ["Fp8Selection", "fp8_select"]
 
 
 def _check_budget(budget: Any) -> float:
@@ -146,6 +74,7 @@ def fp8_select(
     modules: Mapping[str, bool] | None = None,
     first_last_bf16: bool = True,
     batched: bool = False,
+    other_batches: Sequence[tuple[Any, ...]] = (),
 ) -> Callable[..., Fp8Selection]:
     """``jaxamp.fp8_select(loss_fun)(*args)``: the layers whose FP8 products keep the
     loss gradient within `budget` of bfloat16 autocast's, measured on `args`.
@@ -194,6 +123,13 @@ def fp8_select(
       batched: as ``jaxamp.fp8``.
       dtype: the autocast dtype (default bfloat16).
       argnums: which arguments the gradient is of (default 0).
+      other_batches: `fun`'s arguments on other training batches, a list of
+        tuples like `args` (``[(params, batch_2)]``): the budget then bounds how
+        much farther from the mean gradient FP8 moves a step's gradient, beside
+        the sampling noise a step on a fresh batch has anyway (module
+        docstring; ``Fp8Selection.noise``, ``.threshold``). For training on
+        fresh batches, far from fitting the data; not for a model trained on
+        one batch or fitting its data to a loss near 0.
 
     Returns:
       A function of `fun`'s arguments returning an [`Fp8Selection`][jaxamp.types.Fp8Selection]:
@@ -211,20 +147,32 @@ def fp8_select(
             "write jaxamp.fp8_select(loss_fun)(*args)"
         )
     budget = _check_budget(budget)
+    if not isinstance(other_batches, Sequence) or not all(type(b) is tuple for b in other_batches):
+        raise TypeError(
+            f"jaxamp.fp8_select: other_batches={_short(other_batches)}; write a list of "
+            "argument tuples of fun, one per other batch: other_batches=[(params, batch_2)]"
+        )
     base = dict(scaling=scaling, modules=modules, first_last_bf16=first_last_bf16, batched=batched)
     fp8(**base)  # its errors, here, in the caller's words
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> Fp8Selection:
-        return _select(fun, args, kwargs, budget, base, dtype, argnums)
+        return _select(fun, args, kwargs, budget, base, dtype, argnums, other_batches)
 
     return run
 
 
-def _select(
-    fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], budget: float,
-    base: dict[str, Any], dtype: Any, argnums: Any,
-) -> Fp8Selection:  # fmt: skip
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _gradients(
+    fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], base: dict[str, Any],
+    dtype: Any, argnums: Any,
+) -> Callable[[Mapping[str, bool] | None], np.ndarray]:  # fmt: skip
+    """``gradient(select)``: the flat float64 gradient of autocast `fun` at `args`, with the
+    FP8 products of the `select` layers (None: bfloat16 autocast, no FP8)."""
     from jaxamp.casting._autocast._api import autocast
 
     arrays, diff, call = _arrays(args, kwargs, argnums)
@@ -241,6 +189,41 @@ def _select(
         g = jax.jit(jax.grad(of))([arrays[j] for j in diff], fixed)
         return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in g] or [np.zeros(0)])
 
+    return gradient
+
+
+def _noise(
+    ref: np.ndarray, args: tuple[Any, ...], others: Sequence[tuple[Any, ...]],
+    at: Callable[[tuple[Any, ...]], Callable[..., np.ndarray]],
+) -> float:  # fmt: skip
+    """The sampling noise of one batch's gradient relative to `ref`'s norm, from the
+    bfloat16 gradients at `others`: ``sqrt(mean ||ref - g_k||**2 / 2) / ||ref||``."""
+    def spec(a: tuple[Any, ...]) -> Any:
+        return jax.tree.structure(a), [getattr(x, "shape", None) for x in jax.tree.leaves(a)]
+
+    sq = []
+    for k, other in enumerate(others):
+        if spec(other) != spec(args):
+            raise ValueError(
+                f"jaxamp.fp8_select: other_batches[{k}] is not shaped like the calibration "
+                "arguments; give each other batch as the same arguments of fun, with the "
+                "same structure and shapes: other_batches=[(params, batch_2)]"
+            )
+        sq.append(float(np.sum((ref - at(other)(None)) ** 2)))
+    return math.sqrt(sum(sq) / len(sq) / 2) / float(np.linalg.norm(ref)) if sq else 0.0
+
+
+def _select(
+    fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], budget: float,
+    base: dict[str, Any], dtype: Any, argnums: Any, others: Sequence[tuple[Any, ...]],
+) -> Fp8Selection:  # fmt: skip
+    from jaxamp.casting._autocast._api import autocast
+
+    def at(a: tuple[Any, ...]) -> Callable[..., np.ndarray]:
+        return _gradients(fun, a, kwargs, base, dtype, argnums)
+
+    arrays, _, call = _arrays(args, kwargs, argnums)
+    gradient = at(args)
     out = jax.eval_shape(functools.partial(call, fun), arrays)
     if not (hasattr(out, "shape") and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)):
         raise ValueError(
@@ -256,6 +239,14 @@ def _select(
             f"jaxamp.fp8_select: bfloat16 autocast's gradient on these arguments has norm {norm}; "
             "calibrate on a batch and parameters where the loss has a finite, nonzero gradient"
         )
+    noise = _noise(ref, args, others, at)
+    if not math.isfinite(noise):
+        raise ValueError(
+            "jaxamp.fp8_select: bfloat16 autocast's gradient on other_batches is not finite; "
+            "give other batches of the training data at the same parameters"
+        )
+    limit = _threshold(budget, noise)
+    named = f"{limit:.3g} (budget {budget:g} beside noise {noise:.3g})" if noise else f"{budget:g}"
 
     def error(kept: set[str]) -> float:
         g = gradient({p: p in kept for p in paths})
@@ -264,10 +255,10 @@ def _select(
 
     modules, reasons, alone = {p: False for p in paths}, {}, {}
     everything = error(set(paths)) if paths else 0.0
-    if everything <= budget:
+    if everything <= limit:
         for p in paths:
             modules[p] = True
-            reasons[p] = f"all {len(paths)} modules in FP8: error {everything:.3g} <= {budget:g}"
+            reasons[p] = f"all {len(paths)} modules in FP8: error {everything:.3g} <= {named}"
         return Fp8Selection(
             modules=modules,
             reasons=reasons,
@@ -275,25 +266,26 @@ def _select(
             error=everything,
             budget=budget,
             scaling=base["scaling"],
+            noise=noise,
         )
     alone = {p: error({p}) for p in paths}
     kept: set[str] = set()
     total = 0.0
     for p in sorted(paths, key=lambda p: (alone[p], p)):
-        if alone[p] > budget:
-            reasons[p] = f"alone {alone[p]:.3g} > budget {budget:g}"
+        if alone[p] > limit:
+            reasons[p] = f"alone {alone[p]:.3g} > budget {named}"
             continue
         with_it = error(kept | {p})
-        if with_it <= budget:
+        if with_it <= limit:
             kept.add(p)
             modules[p], total = True, with_it
             reasons[p] = (
-                f"error {with_it:.3g} <= {budget:g} with it and the {len(kept) - 1} kept "
+                f"error {with_it:.3g} <= {named} with it and the {len(kept) - 1} kept "
                 f"before it (alone {alone[p]:.3g})"
             )
         else:
             reasons[p] = (
-                f"error {with_it:.3g} > budget {budget:g} with the {len(kept)} kept "
+                f"error {with_it:.3g} > budget {named} with the {len(kept)} kept "
                 f"(alone {alone[p]:.3g})"
             )
     return Fp8Selection(
@@ -303,6 +295,7 @@ def _select(
         error=total,
         budget=budget,
         scaling=base["scaling"],
+        noise=noise,
     )
 
 
