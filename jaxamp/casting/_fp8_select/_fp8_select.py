@@ -198,6 +198,7 @@ def _noise(
 ) -> float:  # fmt: skip
     """The sampling noise of one batch's gradient relative to `ref`'s norm, from the
     bfloat16 gradients at `others`: ``sqrt(mean ||ref - g_k||**2 / 2) / ||ref||``."""
+
     def spec(a: tuple[Any, ...]) -> Any:
         return jax.tree.structure(a), [getattr(x, "shape", None) for x in jax.tree.leaves(a)]
 
