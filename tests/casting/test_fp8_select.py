@@ -143,11 +143,11 @@ def _other_batch(seed: int) -> tuple[list[jax.Array], jax.Array]:
     return params, jax.random.normal(jax.random.key(seed), (BATCH, D))
 
 
-def test_other_batches_measure_the_sampling_noise_and_bound_the_error_beside_it():
+def test_other_batches_measure_the_sampling_noise_and_bound_the_error_beside_it(selection):
     params, x = _args()
     others = [_other_batch(s) for s in (11, 12)]
     chosen = jaxamp.fp8_select(_loss, budget=BUDGET, first_last_bf16=False, other_batches=others)
-    selection = chosen(params, x)
+    noisy = chosen(params, x)
     # The noise, as the docstring defines it, from the bfloat16 gradients (float64 here).
     ref = _grad(None)
     g = []
@@ -159,31 +159,31 @@ def test_other_batches_measure_the_sampling_noise_and_bound_the_error_beside_it(
             )
         )
     noise = np.sqrt(np.mean([np.sum((ref - gk) ** 2) for gk in g]) / 2) / np.linalg.norm(ref)
-    assert selection.noise == pytest.approx(noise, rel=1e-6) and noise > 0.1
+    assert noisy.noise == pytest.approx(noise, rel=1e-6) and noise > 0.1
     # The threshold: the FP8 error e at which sqrt(noise**2 + e**2) - noise is the budget.
-    e = selection.threshold
+    e = noisy.threshold
     assert np.sqrt(noise**2 + e**2) - noise == pytest.approx(BUDGET, rel=1e-9)
     # This batch-to-batch noise dwarfs the planted layer's FP8 error: every layer is
     # kept, where without other batches the planted one is not (the first test).
-    alone = _select().alone[HOSTILE]
+    alone = selection.alone[HOSTILE]
     assert BUDGET < alone < e
-    assert dict(selection) == {"l0": True, "l1": True, "l2": True}
+    assert dict(noisy) == {"l0": True, "l1": True, "l2": True}
     everything = _grad(jaxamp.fp8(first_last_bf16=False))
     assert np.linalg.norm(everything - ref) / np.linalg.norm(ref) == pytest.approx(
-        selection.error, rel=1e-6
+        noisy.error, rel=1e-6
     )
-    assert f"beside noise {noise:.3g}" in selection.reasons["l1"]
-    back = jaxamp.types.Fp8Selection.from_dict(json.loads(json.dumps(selection.to_dict())))
-    assert back.noise == selection.noise and back.threshold == selection.threshold
+    assert f"beside noise {noise:.3g}" in noisy.reasons["l1"]
+    back = jaxamp.types.Fp8Selection.from_dict(json.loads(json.dumps(noisy.to_dict())))
+    assert back.noise == noisy.noise and back.threshold == noisy.threshold
 
 
-def test_the_calibration_batch_given_again_has_no_noise_and_selects_as_without():
+def test_the_calibration_batch_given_again_has_no_noise_and_selects_as_without(selection):
     params, x = _args()
     same = jaxamp.fp8_select(
         _loss, budget=BUDGET, first_last_bf16=False, other_batches=[(params, x)]
     )(params, x)
     assert same.noise == 0.0 and same.threshold == BUDGET
-    assert same.to_dict() == {**_select().to_dict(), "noise": 0.0}
+    assert same.to_dict() == {**selection.to_dict(), "noise": 0.0}
 
 
 def test_other_batches_that_are_not_argument_tuples_are_named():
