@@ -28,6 +28,9 @@ clu, grain, orbax, so it is not imported). Its optimizer is the lm1b example's A
 (``fp8_clients.ADAMW`` and ``LR``: the same b1, b2, eps, weight decay and peak rate),
 on the same warm-up + cosine schedule (its rsqrt schedule after 1,000 warm-up steps
 decays too little in 600).
+
+The defaults (600 steps, 3 noise draws), measured at ``nice -n 19`` on 2 cores that other
+jobs shared: 673 CPU-s (11 CPU-minutes), 11:15 wall.
 """
 
 from __future__ import annotations
