@@ -103,7 +103,7 @@ def test_gemma_without_the_example_names_the_flag_and_what_to_give(tmp_path: Pat
 
 
 def test_a_package_the_example_imports_that_is_missing_is_named(tmp_path: Path) -> None:
-    # The real example imports jaxtyping, which jaxamp does not install.
+    # The real example imports jaxtyping, which jaxamp's own dependencies do not bring.
     _stand_in(tmp_path, "import jaxamp_test_absent_package\n")
     with pytest.raises(
         ModuleNotFoundError, match=r"--gemma .*imports jaxamp_test_absent_package, .*pip install"
