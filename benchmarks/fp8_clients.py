@@ -1,5 +1,5 @@
-"""FP8 on a program we did not write: Flax's lm1b example model, with and without
-``jaxamp.fp8_select``.
+"""FP8 on programs we did not write: Flax's lm1b example model (linen) and its gemma
+example model (nnx, ``fp8_client_gemma``), with and without ``jaxamp.fp8_select``.
 
 The client is ``TransformerLM`` of flax's ``examples/lm1b/models.py``, imported at run
 time from a flax checkout (``--lm1b DIR``, the directory holding that file; nothing of
@@ -45,7 +45,9 @@ FP8 GEMM's numbers up to summation order, not its speed). The defaults (600 step
 noise draws), measured at ``nice -n 19`` on 2 cores that other jobs shared: 13 CPU-minutes
 (780 s), 27:40 wall at 47 % of a core; alone on 2 cores, 13 minutes at most.
 
-Run: ``python benchmarks/fp8_clients.py --lm1b ~/flax/examples/lm1b [--out r.json]``.
+Run: ``python benchmarks/fp8_clients.py --lm1b ~/flax/examples/lm1b [--out r.json]``,
+or ``--gemma ~/flax/examples/gemma`` for the nnx client (``fp8_client_gemma``'s docstring:
+its config; the rest, data, optimizer, rows and table, is this module's).
 """
 
 from __future__ import annotations
@@ -126,31 +128,54 @@ def lm1b_batch(window: jax.Array) -> dict[str, jax.Array]:
     return {"inputs": inputs, "labels": inputs, "weights": (inputs > 0).astype(jnp.float32)}
 
 
-class Lm1bTask(bench_low_precision.Task):
-    """The client as ``bench_low_precision``'s byte-LM task, and as a conformance
+class ClientTask(bench_low_precision.Task):
+    """A client as ``bench_low_precision``'s byte-LM task, and as a conformance
     ``models.Built`` (``built``: ``apply(params, state, batch)``, the first training batch)
-    for ``harness`` and ``fp8``'s functions."""
+    for ``harness`` and ``fp8``'s functions. A client sets ``name``, ``config`` (its
+    fields, as the results record them), ``client_batch`` and calls ``_set_apply``."""
+
+    # Every client trains on the same batches and is judged on the same held-out ones.
+    data_seed = 4
+    config: dict[str, Any]
+    built: models.Built
+
+    def __init__(self) -> None:
+        super().__init__(quick=False)
+
+    @staticmethod
+    def client_batch(window: jax.Array) -> dict[str, jax.Array]:
+        """The example's batch (``inputs``, ``labels``, ``weights``) from a batch of
+        ``seq + 1``-byte windows."""
+        raise NotImplementedError
+
+    def _set_apply(self, params: Any, apply: Any) -> None:
+        self.built = models.Built(params, {}, self.client_batch(self.batch(0)), apply, None, lr=LR)
+        loss = harness._loss_fn(apply, self.built)
+        self._set_loss(lambda p, window: loss(p, {}, self.client_batch(window))[0])
+
+
+class Lm1bTask(ClientTask):
+    """flax's linen ``TransformerLM`` at `config`."""
 
     name = "Flax lm1b TransformerLM (examples/lm1b/models.py)"
-    data_seed = 4
+    client_batch = staticmethod(lm1b_batch)
 
     def __init__(self, module: Any, config: dict[str, Any] = CONFIG) -> None:
-        super().__init__(quick=False)
-        cfg = module.TransformerConfig(**config, max_len=self.seq)
-        model = module.TransformerLM(cfg)
+        super().__init__()
+        self.config = {**config, "max_len": self.seq}
+        model = module.TransformerLM(module.TransformerConfig(**self.config))
 
         def apply(params: Any, state: Any, batch: dict[str, Any]) -> tuple[jax.Array, Any]:
             return model.apply({"params": params}, batch["inputs"]), state
 
         tokens = jnp.ones((1, self.seq), jnp.int32)
         # The example annotates its params for sharding (nn.Partitioned): plain arrays here.
-        params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), tokens)["params"])
-        self.built = models.Built(params, {}, lm1b_batch(self.batch(0)), apply, None, lr=LR)
-        loss = harness._loss_fn(apply, self.built)
-        self._set_loss(lambda p, window: loss(p, {}, lm1b_batch(window))[0])
+        self._set_apply(
+            nn.meta.unbox(jax.jit(model.init)(jax.random.key(0), tokens)["params"]), apply
+        )
 
 
-def train(task: Lm1bTask, apply: Any, steps: int, params: Any = None) -> dict[str, Any]:
+def train(task: ClientTask, apply: Any, steps: int, params: Any = None) -> dict[str, Any]:
     """`steps` AdamW steps of the model run by `apply` (from the init, or `params`), a
     fresh batch each; the final held-out loss judged in float32, the skipped steps and
     the params half way through (``"half"``, where the selection is calibrated)."""
@@ -162,7 +187,7 @@ def train(task: Lm1bTask, apply: Any, steps: int, params: Any = None) -> dict[st
 
     @jax.jit
     def step(params: Any, opt_state: Any, window: jax.Array) -> tuple[Any, Any]:
-        batch = lm1b_batch(window)
+        batch = task.client_batch(window)
         _, grads = jaxamp.value_and_grad(loss, has_aux=True)(opt_state, params, {}, batch)
         return jaxamp.step(tx, grads, opt_state, params)
 
@@ -180,7 +205,7 @@ def train(task: Lm1bTask, apply: Any, steps: int, params: Any = None) -> dict[st
 
 
 def select(
-    task: Lm1bTask, scaling: str, params: Any, step: int, budget: float | None = None
+    task: ClientTask, scaling: str, params: Any, step: int, budget: float | None = None
 ) -> jaxamp.types.Fp8Selection:
     """``jaxamp.fp8_select`` (`budget`, or its default) on the float32 model's loss on
     the batch of training step `step`, at `params` (bfloat16 autocast's at that step)."""
@@ -191,19 +216,17 @@ def select(
 
     given = {} if budget is None else {"budget": budget}
     chosen = jaxamp.fp8_select(value, scaling=scaling, **given)
-    return chosen(params, lm1b_batch(task.batch(step)))
+    return chosen(params, task.client_batch(task.batch(step)))
 
 
 def run(
-    module: ModuleType,
+    task: ClientTask,
     steps: int = STEPS,
     noise_seeds: int = NOISE_SEEDS,
     budgets: tuple[float, ...] = (),
     log: Any = print,
-    config: dict[str, Any] = CONFIG,
 ) -> dict[str, Any]:
     """Every row (module docstring), as a dict: ``rows``, ``noise`` (ratios), ``config``."""
-    task = Lm1bTask(module, config)
     built = task.built
     bf16 = jaxamp.autocast(built.apply, dtype=jnp.bfloat16)
     rows: list[dict[str, Any]] = []
@@ -242,7 +265,7 @@ def run(
         log(f"bfloat16 noise draw {seed}: {noise[-1]:.4f}")
     return {
         "client": task.name,
-        "config": {**config, "max_len": task.seq, "batch": task.bsz, "seq": task.seq},
+        "config": {**task.config, "batch": task.bsz, "seq": task.seq},
         "optimizer": {"adamw": ADAMW, "peak_lr": LR, "schedule": "5 % warmup, cosine to 0"},
         "steps": steps,
         "goal": fp8.GOAL,
@@ -283,11 +306,11 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _git_commit(directory: Path) -> str | None:
-    """The commit of the checkout `directory`'s models.py is tracked in; None if none."""
+def _git_commit(directory: Path, file: str) -> str | None:
+    """The commit of the checkout `directory`'s `file` is tracked in; None if none."""
     git = ["git", "-C", str(directory)]
     try:
-        subprocess.run([*git, "ls-files", "--error-unmatch", "models.py"], capture_output=True,
+        subprocess.run([*git, "ls-files", "--error-unmatch", file], capture_output=True,
                        check=True)  # fmt: skip
         out = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True)  # fmt: skip
@@ -298,7 +321,9 @@ def _git_commit(directory: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lm1b", required=True, help="flax's examples/lm1b directory (a checkout)")
+    client = p.add_mutually_exclusive_group(required=True)
+    client.add_argument("--lm1b", help="flax's examples/lm1b directory (a checkout)")
+    client.add_argument("--gemma", help="flax's examples/gemma directory (a checkout)")
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--noise-seeds", type=int, default=NOISE_SEEDS)
     p.add_argument(
@@ -311,9 +336,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     start = time.perf_counter()
-    module = load_lm1b(args.lm1b)
-    result = run(module, args.steps, args.noise_seeds, tuple(args.budgets))
-    result["flax_commit"] = _git_commit(Path(args.lm1b).expanduser())
+    if args.gemma:
+        import fp8_client_gemma  # it imports this module: not at the top
+
+        directory, file = args.gemma, "transformer.py"
+        task: ClientTask = fp8_client_gemma.GemmaTask(fp8_client_gemma.load_gemma(directory))
+    else:
+        directory, file = args.lm1b, "models.py"
+        task = Lm1bTask(load_lm1b(directory))
+    result = run(task, args.steps, args.noise_seeds, tuple(args.budgets))
+    result["flax_commit"] = _git_commit(Path(directory).expanduser(), file)
     result["jax"] = jax.__version__
     result["wall_s"] = time.perf_counter() - start
     print(format_table(result))

@@ -80,6 +80,17 @@ LEFT_OUT: dict[str, dict[str, str]] = {
             "fp8_select's own tests; the train test above in make test-slow"
         ),
     },
+    "tests/repo/test_fp8_client_gemma.py": {
+        # fp8_client_gemma on a stand-in for flax's examples/gemma: an FP8 train step's
+        # compile (~7 s) and every row with fp8_select (~35 s), as the lm1b ones above.
+        "test_the_nnx_client_trains_in_fp8_with_its_products_counted": (
+            "the FP8 conformance rows' tests (their nnx LM) and this file's loading tests"
+        ),
+        "test_every_row_of_the_nnx_client_runs_with_its_layers_named": (
+            "tests/casting/test_fp8_layers.py's nnx module merged inside the function; "
+            "the train test above in make test-slow"
+        ),
+    },
     "tests/multidevice/test_conformance_mesh.py": {
         "test_conformance_explicit_mesh[flax-nnx-attention@data-float16]": (
             "the same model on the tensor axis in bfloat16"

@@ -74,7 +74,8 @@ def test_a_client_loaded_by_path_trains_in_fp8_with_its_products_counted(tmp_pat
 def test_every_row_runs_and_is_judged_against_bfloat16_autocast(tmp_path: Path) -> None:
     (tmp_path / "models.py").write_text(STAND_IN)
     module = fp8_clients.load_lm1b(tmp_path)
-    result = fp8_clients.run(module, steps=2, noise_seeds=1, log=lambda _: None, config=CONFIG)
+    task = fp8_clients.Lm1bTask(module, CONFIG)
+    result = fp8_clients.run(task, steps=2, noise_seeds=1, log=lambda _: None)
     names = [r["row"] for r in result["rows"]]
     selected = [f"fp8 {s}, fp8_select (budget 0.05)" for s in fp8.SCALINGS]
     assert names == ["float32", "bfloat16 autocast", "fp8 tensorwise", "fp8 rowwise", *selected]
