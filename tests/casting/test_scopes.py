@@ -85,3 +85,31 @@ def test_fp8_module_rules_hold_under_vmap():
     ]
     off = jaxamp.fp8(modules={"head": False}, first_last_bf16=False)
     assert _dot_dtypes(jaxamp.autocast(f, dtype=BF16, fp8=off), X, W) == [("bfloat16", "bfloat16")]
+
+
+def test_an_einsums_subscripts_are_not_a_module():
+    """``jnp.einsum`` opens a ``named_call`` scope named by its subscripts: an nnx
+    ``Einsum``'s product is its module's (``proj``), in ``report.ops``, in the HLO
+    view and for ``modules=`` patterns, not ``proj/BTD,DF->BTF``."""
+    from flax import nnx
+
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(32, 32, rngs=rngs)
+            self.proj = nnx.Einsum("BTD,DF->BTF", (32, 32), rngs=rngs)
+            self.head = nnx.Linear(32, 32, rngs=rngs)
+
+        def __call__(self, x):
+            with jax.named_scope("outer"):  # a plain einsum, implicit output, spaces
+                y = jnp.einsum("btd, df", x, self.head.kernel[...]).transpose(0, 2, 1)  # bft
+            return self.head(self.proj(self.lin(x))) + y
+
+    m, x = M(nnx.Rngs(0)), jnp.ones((2, 16, 32))
+    cfg = jaxamp.fp8(first_last_bf16=False, modules={"proj": False})
+    report = jaxamp.audit(jaxamp.autocast(m, dtype=BF16, fp8=cfg))(x)
+    dots = [(r.module, r.dtype) for r in report.ops if r.primitive == "dot_general"]
+    assert dots == [
+        ("outer", "float8_e4m3fn"), ("lin", "float8_e4m3fn"), ("proj", "bfloat16"),
+        ("head", "float8_e4m3fn"),
+    ]  # fmt: skip
+    assert sorted(r.module for r in report.matmuls) == ["head", "lin", "outer", "proj"]

@@ -26,17 +26,26 @@ def join(outer: str, inner: str) -> str:
     return f"{outer}/{inner}" if outer and inner else outer or inner
 
 
+#: The scope ``jnp.einsum`` opens (``named_call`` with its subscripts, ``BTD,DF->BTF``):
+#: an op's name, not a module's, so a module path never holds it (an ``nnx.Einsum``'s
+#: product is its module's, ``proj``, not ``proj/BTD,DF->BTF``).
+_EINSUM = re.compile(
+    r"[A-Za-z.\s]*(?:,[A-Za-z.\s]*)+(?:->[A-Za-z.\s]*)?|[A-Za-z.\s]*->[A-Za-z.\s]*"
+)
+
+
 def scope_parts(stack: str) -> list[str]:
     """The scope names of a name stack, outermost first, without the transformations
     JAX wraps them in: ``vmap(eqx.nn.MLP)/Linear`` (a model called under ``jax.vmap``,
     as equinox models are) and ``transpose(jvp(head))`` name ``eqx.nn.MLP`` and
-    ``head``, so ``modules=`` patterns and ``full_precision`` hold there too."""
+    ``head``, so ``modules=`` patterns and ``full_precision`` hold there too; and
+    without ``jnp.einsum``'s subscripts (``_EINSUM``)."""
     parts, depth, cur = [], 0, ""
     for ch in stack + "/":
         if ch == "/" and depth == 0:
             while re.fullmatch(r"[\w.-]+\((.*)\)", cur):
                 cur = cur[cur.index("(") + 1 : -1]
-            parts += [p for p in cur.split("/") if p]
+            parts += [p for p in cur.split("/") if p and not _EINSUM.fullmatch(p)]
             cur = ""
             continue
         depth += (ch == "(") - (ch == ")")
