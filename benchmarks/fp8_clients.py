@@ -30,7 +30,9 @@ Rows, from the same init over the same batches:
 * FP8 tensorwise and rowwise with ``jaxamp.fp8_select``'s selection at its default
   budget (and at each ``--budgets`` value), calibrated as ``tests/conformance/fp8.py``'s
   ``select`` does: on a training batch (the one of the step half way through) at
-  bfloat16 autocast's parameters after half of the steps.
+  bfloat16 autocast's parameters after half of the steps; and at the default budget
+  with the next two steps' batches as ``other_batches`` (``OTHERS``: the budget beside
+  the sampling noise of a step on a fresh batch, as this task trains).
 
 Each row: the held-out loss of its final params judged in float32, over bfloat16
 autocast's and float32's; forward products in FP8 of all (``jaxamp.audit``, as the
@@ -95,6 +97,9 @@ CONFIG = {
 ADAMW = {"b1": 0.9, "b2": 0.98, "eps": 1e-9, "weight_decay": 0.1}
 LR = 0.0016
 STEPS, NOISE_SEEDS = 600, 3
+#: The selection rows with ``other_batches``: the batches of the two steps after the
+#: calibration batch's.
+OTHERS = 2
 SCALINGS = fp8.SCALINGS
 
 
@@ -205,17 +210,24 @@ def train(task: ClientTask, apply: Any, steps: int, params: Any = None) -> dict[
 
 
 def select(
-    task: ClientTask, scaling: str, params: Any, step: int, budget: float | None = None
+    task: ClientTask,
+    scaling: str,
+    params: Any,
+    step: int,
+    budget: float | None = None,
+    others: int = 0,
 ) -> jaxamp.types.Fp8Selection:
     """``jaxamp.fp8_select`` (`budget`, or its default) on the float32 model's loss on
-    the batch of training step `step`, at `params` (bfloat16 autocast's at that step)."""
+    the batch of training step `step`, at `params` (bfloat16 autocast's at that step);
+    with `others`, the batches of the steps after it as ``other_batches``."""
     loss = harness._loss_fn(task.built.apply, task.built)
 
     def value(p: Any, batch: dict[str, Any]) -> jax.Array:
         return loss(p, {}, batch)[0]
 
-    given = {} if budget is None else {"budget": budget}
-    chosen = jaxamp.fp8_select(value, scaling=scaling, **given)
+    given: dict[str, Any] = {} if budget is None else {"budget": budget}
+    batches = [(params, task.client_batch(task.batch(step + k))) for k in range(1, others + 1)]
+    chosen = jaxamp.fp8_select(value, scaling=scaling, other_batches=batches, **given)
     return chosen(params, task.client_batch(task.batch(step)))
 
 
@@ -247,12 +259,13 @@ def run(
     for scaling in SCALINGS:
         cfg = jaxamp.fp8(scaling)
         row(f"fp8 {scaling}", jaxamp.autocast(built.apply, dtype=jnp.bfloat16, fp8=cfg))
-    for budget in (None, *budgets):
+    for budget, others in [(None, 0), *((b, 0) for b in budgets), (None, OTHERS)]:
         for scaling in SCALINGS:
-            chosen = select(task, scaling, half, steps // 2, budget)
+            chosen = select(task, scaling, half, steps // 2, budget, others)
             cfg = jaxamp.fp8(scaling, select=chosen)
             apply = jaxamp.autocast(built.apply, dtype=jnp.bfloat16, fp8=cfg)
-            name = f"fp8 {scaling}, fp8_select (budget {chosen.budget:g})"
+            beside = f", {others} other batches" if others else ""
+            name = f"fp8 {scaling}, fp8_select (budget {chosen.budget:g}{beside})"
             row(name, apply, budget=chosen.budget, selection=chosen.to_dict())
     f32, base = rows[0]["final"], rows[1]["final"]
     for r in rows:

@@ -77,7 +77,9 @@ def test_every_row_runs_and_is_judged_against_bfloat16_autocast(tmp_path: Path) 
     task = fp8_clients.Lm1bTask(module, CONFIG)
     result = fp8_clients.run(task, steps=2, noise_seeds=1, log=lambda _: None)
     names = [r["row"] for r in result["rows"]]
-    selected = [f"fp8 {s}, fp8_select (budget 0.05)" for s in fp8.SCALINGS]
+    selected = [f"fp8 {s}, fp8_select (budget 0.05)" for s in fp8.SCALINGS] + [
+        f"fp8 {s}, fp8_select (budget 0.05, 2 other batches)" for s in fp8.SCALINGS
+    ]
     assert names == ["float32", "bfloat16 autocast", "fp8 tensorwise", "fp8 rowwise", *selected]
     bf16, f32 = result["rows"][1]["final"], result["rows"][0]["final"]
     for r in result["rows"]:
@@ -87,5 +89,7 @@ def test_every_row_runs_and_is_judged_against_bfloat16_autocast(tmp_path: Path) 
     assert all(len(r["selection"]["modules"]) == 1 for r in result["rows"][4:])
     assert len(result["noise"]["ratios"]) == 1
     table = fp8_clients.format_table(result).splitlines()
-    assert [line.split(" | ")[0] for line in table[2:8]] == [f"| {n}" for n in names]
+    assert [line.split(" | ")[0] for line in table[2:10]] == [f"| {n}" for n in names]
+    # The other batches' sampling noise is measured (nonzero: they differ from the first).
+    assert all(r["selection"]["noise"] > 0 for r in result["rows"][6:])
     json.dumps(result, default=float)  # what --out writes
