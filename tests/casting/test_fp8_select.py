@@ -194,3 +194,26 @@ def test_other_batches_that_are_not_argument_tuples_are_named():
         jaxamp.fp8_select(_loss, other_batches=x)
     with pytest.raises(ValueError, match=r"other_batches\[0\] is not shaped like"):
         jaxamp.fp8_select(_loss, other_batches=[(params, x[:4])])(params, x)
+
+
+def test_other_batches_at_other_parameters_are_refused_not_read_as_noise():
+    # The same batch at another init differs in gradient only by the parameters: read
+    # as sampling noise it would let the planted layer in.
+    params, x = _args()
+    moved = [w * 3 for w in params]
+    with pytest.raises(ValueError, match=r"other_batches\[1\].*same parameters"):
+        jaxamp.fp8_select(_loss, other_batches=[(params, x[::-1]), (moved, x)])(params, x)
+
+
+def test_a_batch_passed_by_keyword_with_other_batches_is_refused():
+    # other_batches hold positional arguments only: the calibration batch by keyword
+    # would be reused on every other batch, a noise of 0 that was never measured.
+    params, x = _args()
+    with pytest.raises(TypeError, match=r"positionally.*\(params, batch\)"):
+        jaxamp.fp8_select(_loss, other_batches=[(params,)])(params, x=x)
+
+
+def test_argnums_out_of_range_is_named():
+    params, x = _args()
+    with pytest.raises(ValueError, match=r"argnums=5.*2 arguments"):
+        jaxamp.fp8_select(_loss, argnums=5)(params, x)

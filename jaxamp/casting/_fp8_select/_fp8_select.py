@@ -137,9 +137,12 @@ def fp8_select(
 
     Raises:
       TypeError: `fun` is not callable, or arguments of `fun` are given to
-        ``fp8_select`` itself.
-      ValueError: `budget` is not a number >= 0; `fun` returns no scalar; the
-        bfloat16 gradient is zero or not finite (nothing to compare against).
+        ``fp8_select`` itself; an array argument is given by keyword with
+        `other_batches` (they are positional).
+      ValueError: `budget` is not a number >= 0; `argnums` is out of range; `fun`
+        returns no scalar; the bfloat16 gradient is zero or not finite (nothing to
+        compare against); another batch is shaped otherwise, or is at other
+        parameters (its `argnums` arrays differ).
     """
     if not callable(fun):
         raise TypeError(
@@ -157,6 +160,15 @@ def fp8_select(
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> Fp8Selection:
+        named = [k for k, v in kwargs.items() if any(map(_is_array, jax.tree.leaves(v)))]
+        if other_batches and named:
+            # The other batches are positional tuples: an array by keyword would be the
+            # calibration's on every one of them, a noise never measured.
+            raise TypeError(
+                f"jaxamp.fp8_select: {', '.join(named)} given by keyword with other_batches; "
+                "pass fun's arguments positionally, as the other batches are: "
+                "fp8_select(fun, other_batches=[(params, batch_2)])(params, batch)"
+            )
         return _select(fun, args, kwargs, budget, base, dtype, argnums, other_batches)
 
     return run
@@ -165,6 +177,10 @@ def fp8_select(
 def _short(x: Any) -> str:
     text = repr(x)
     return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
 def _gradients(
@@ -195,6 +211,7 @@ def _gradients(
 def _noise(
     ref: np.ndarray, args: tuple[Any, ...], others: Sequence[tuple[Any, ...]],
     at: Callable[[tuple[Any, ...]], Callable[..., np.ndarray]],
+    wrt: Callable[[tuple[Any, ...]], list[Any]],
 ) -> float:  # fmt: skip
     """The sampling noise of one batch's gradient relative to `ref`'s norm, from the
     bfloat16 gradients at `others`: ``sqrt(mean ||ref - g_k||**2 / 2) / ||ref||``."""
@@ -209,6 +226,16 @@ def _noise(
                 f"jaxamp.fp8_select: other_batches[{k}] is not shaped like the calibration "
                 "arguments; give each other batch as the same arguments of fun, with the "
                 "same structure and shapes: other_batches=[(params, batch_2)]"
+            )
+        # Another batch at other parameters differs by more than its examples: read as
+        # sampling noise, the parameters' difference would let FP8 error in.
+        theirs, ours = wrt(other), wrt(args)
+        pairs = zip(theirs, ours, strict=False)
+        if len(theirs) != len(ours) or not all(p is q or np.array_equal(p, q) for p, q in pairs):
+            raise ValueError(
+                f"jaxamp.fp8_select: other_batches[{k}] differs from the calibration "
+                "arguments in what the gradient is of (argnums), not only in the batch; give "
+                "each other batch at the same parameters: other_batches=[(params, batch_2)]"
             )
         sq.append(float(np.sum((ref - at(other)(None)) ** 2)))
     return math.sqrt(sum(sq) / len(sq) / 2) / float(np.linalg.norm(ref)) if sq else 0.0
@@ -240,7 +267,12 @@ def _select(
             f"jaxamp.fp8_select: bfloat16 autocast's gradient on these arguments has norm {norm}; "
             "calibrate on a batch and parameters where the loss has a finite, nonzero gradient"
         )
-    noise = _noise(ref, args, others, at)
+
+    def wrt(a: tuple[Any, ...]) -> list[Any]:
+        arrays, diff, _ = _arrays(a, kwargs, argnums)
+        return [arrays[j] for j in sorted(diff)]
+
+    noise = _noise(ref, args, others, at, wrt)
     if not math.isfinite(noise):
         raise ValueError(
             "jaxamp.fp8_select: bfloat16 autocast's gradient on other_batches is not finite; "
@@ -310,8 +342,13 @@ def _arrays(
     ``eqx.filter_grad`` does."""
     flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
     nums = {argnums} if isinstance(argnums, int) else set(argnums)
-    nums = {n % len(args) for n in nums if -len(args) <= n < len(args)}
-    at = [i for i, (_, x) in enumerate(flat) if isinstance(x, jax.Array | np.ndarray | np.generic)]
+    if not all(isinstance(n, int) and -len(args) <= n < len(args) for n in nums):
+        raise ValueError(
+            f"jaxamp.fp8_select: argnums={argnums!r} for fun called with {len(args)} "
+            f"arguments; write the positions of the parameters among them, e.g. argnums=0"
+        )
+    nums = {n % len(args) for n in nums}
+    at = [i for i, (_, x) in enumerate(flat) if _is_array(x)]
     diff = set()
     for j, i in enumerate(at):
         path, x = flat[i]
