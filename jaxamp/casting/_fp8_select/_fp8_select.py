@@ -33,6 +33,10 @@ farther from the mean gradient; the budget bounds that, so a set is kept while
 ``e <= sqrt(budget**2 + 2 * budget * sigma)`` (``Fp8Selection.threshold``). With
 no other batch, sigma is 0 and the threshold is the budget: a model trained on one
 batch (or fitting its data) has no sampling noise to hide FP8's error in.
+The quadrature holds for the part of FP8's error that changes from batch to batch;
+the part common to every batch adds up over steps, as the noise does not, so the kept
+set is measured on the other batches too and, where its common part (``_noise._bias``)
+is over the budget of the mean gradient, the noise is not counted (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import numpy as np
 
 from jaxamp._utils.dtypes import is_inexact
 from jaxamp.casting._fp8._fp8_config import fp8
+from jaxamp.casting._fp8_select._noise import _bias, _noise
 from jaxamp.casting._fp8_select._selection import Fp8Selection, _threshold
 
 _FP8 = "float8_e4m3fn"
@@ -93,7 +98,8 @@ def fp8_select(
     order of least error alone (ties by module path), each joins the kept set
     if the set's error with it is within `budget`. It compiles the gradient
     once per candidate and once per one that could join (at most twice the
-    candidates, plus the reference): a calibration, not a train step.
+    candidates, plus the reference; with `other_batches`, twice more per other
+    batch and once for the kept set): a calibration, not a train step.
 
     FP8 costs the gradient least at init: calibrate at parameters like the ones
     it will train (a checkpoint part way through; after a few hundred bfloat16
@@ -127,7 +133,9 @@ def fp8_select(
         tuples like `args` (``[(params, batch_2)]``): the budget then bounds how
         much farther from the mean gradient FP8 moves a step's gradient, beside
         the sampling noise a step on a fresh batch has anyway (module
-        docstring; ``Fp8Selection.noise``, ``.threshold``). For training on
+        docstring; ``Fp8Selection.noise``, ``.threshold``), unless the FP8 error
+        common to the batches is over the budget of the mean gradient (then the
+        selection is the one without them, its noise 0). For training on
         fresh batches, far from fitting the data; not for a model trained on
         one batch or fitting its data to a loss near 0.
 
@@ -208,39 +216,6 @@ def _gradients(
     return gradient
 
 
-def _noise(
-    ref: np.ndarray, args: tuple[Any, ...], others: Sequence[tuple[Any, ...]],
-    at: Callable[[tuple[Any, ...]], Callable[..., np.ndarray]],
-    wrt: Callable[[tuple[Any, ...]], list[Any]],
-) -> float:  # fmt: skip
-    """The sampling noise of one batch's gradient relative to `ref`'s norm, from the
-    bfloat16 gradients at `others`: ``sqrt(mean ||ref - g_k||**2 / 2) / ||ref||``."""
-
-    def spec(a: tuple[Any, ...]) -> Any:
-        return jax.tree.structure(a), [getattr(x, "shape", None) for x in jax.tree.leaves(a)]
-
-    sq = []
-    for k, other in enumerate(others):
-        if spec(other) != spec(args):
-            raise ValueError(
-                f"jaxamp.fp8_select: other_batches[{k}] is not shaped like the calibration "
-                "arguments; give each other batch as the same arguments of fun, with the "
-                "same structure and shapes: other_batches=[(params, batch_2)]"
-            )
-        # Another batch at other parameters differs by more than its examples: read as
-        # sampling noise, the parameters' difference would let FP8 error in.
-        theirs, ours = wrt(other), wrt(args)
-        pairs = zip(theirs, ours, strict=False)
-        if len(theirs) != len(ours) or not all(p is q or np.array_equal(p, q) for p, q in pairs):
-            raise ValueError(
-                f"jaxamp.fp8_select: other_batches[{k}] differs from the calibration "
-                "arguments in what the gradient is of (argnums), not only in the batch; give "
-                "each other batch at the same parameters: other_batches=[(params, batch_2)]"
-            )
-        sq.append(float(np.sum((ref - at(other)(None)) ** 2)))
-    return math.sqrt(sum(sq) / len(sq) / 2) / float(np.linalg.norm(ref)) if sq else 0.0
-
-
 def _select(
     fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], budget: float,
     base: dict[str, Any], dtype: Any, argnums: Any, others: Sequence[tuple[Any, ...]],
@@ -272,35 +247,62 @@ def _select(
         arrays, diff, _ = _arrays(a, kwargs, argnums)
         return [arrays[j] for j in sorted(diff)]
 
-    noise = _noise(ref, args, others, at, wrt)
+    noise, grads = _noise(ref, args, others, at, wrt)
     if not math.isfinite(noise):
         raise ValueError(
             "jaxamp.fp8_select: bfloat16 autocast's gradient on other_batches is not finite; "
             "give other batches of the training data at the same parameters"
         )
-    limit = _threshold(budget, noise)
-    named = f"{limit:.3g} (budget {budget:g} beside noise {noise:.3g})" if noise else f"{budget:g}"
+    errors: dict[frozenset[str], float] = {}  # a set's error does not depend on the limit
 
     def error(kept: set[str]) -> float:
-        g = gradient({p: p in kept for p in paths})
-        e = float(np.linalg.norm(g - ref) / norm)
-        return e if np.isfinite(e) else float("inf")
+        if frozenset(kept) not in errors:
+            g = gradient({p: p in kept for p in paths})
+            e = float(np.linalg.norm(g - ref) / norm)
+            errors[frozenset(kept)] = e if np.isfinite(e) else float("inf")
+        return errors[frozenset(kept)]
 
-    modules, reasons, alone = {p: False for p in paths}, {}, {}
+    limit = _threshold(budget, noise)
+    named = f"{limit:.3g} (budget {budget:g} beside noise {noise:.3g})" if noise else f"{budget:g}"
+    chosen = _choose(paths, error, limit, named)
+    kept = {p for p, on in chosen[0].items() if on}
+    if noise and kept:
+        # The quadrature only holds for the part of FP8's error that changes from batch to
+        # batch; the part common to every batch adds up over steps as the sampling noise
+        # does not, so it must be within the budget of the mean gradient, as on one batch.
+        select = {p: p in kept for p in paths}
+        ds = [at(o)(select) - g for o, g in zip(others, grads, strict=True)]
+        bias = _bias(gradient(select) - ref, ref, ds, grads)
+        if bias > budget:
+            named = (
+                f"{budget:g} (noise {noise:.3g} not counted: the FP8 error common to the "
+                f"batches was {bias:.3g} of the mean gradient with {len(kept)} kept)"
+            )
+            noise, chosen = 0.0, _choose(paths, error, budget, named)
+    modules, reasons, alone, total = chosen
+    return Fp8Selection(
+        modules=modules,
+        reasons=reasons,
+        alone=alone,
+        error=total,
+        budget=budget,
+        scaling=base["scaling"],
+        noise=noise,
+    )
+
+
+def _choose(
+    paths: list[str], error: Callable[[set[str]], float], limit: float, named: str
+) -> tuple[dict[str, bool], dict[str, str], dict[str, float], float]:
+    """``(modules, reasons, alone, error)``: every layer if their error is within `limit`,
+    else each in order of least error alone while the set's error stays within it."""
+    modules, reasons = {p: False for p in paths}, {}
     everything = error(set(paths)) if paths else 0.0
     if everything <= limit:
         for p in paths:
             modules[p] = True
             reasons[p] = f"all {len(paths)} modules in FP8: error {everything:.3g} <= {named}"
-        return Fp8Selection(
-            modules=modules,
-            reasons=reasons,
-            alone={},
-            error=everything,
-            budget=budget,
-            scaling=base["scaling"],
-            noise=noise,
-        )
+        return modules, reasons, {}, everything
     alone = {p: error({p}) for p in paths}
     kept: set[str] = set()
     total = 0.0
@@ -321,15 +323,7 @@ def _select(
                 f"error {with_it:.3g} > budget {named} with the {len(kept)} kept "
                 f"(alone {alone[p]:.3g})"
             )
-    return Fp8Selection(
-        modules=modules,
-        reasons=reasons,
-        alone=alone,
-        error=total,
-        budget=budget,
-        scaling=base["scaling"],
-        noise=noise,
-    )
+    return modules, reasons, alone, total
 
 
 def _arrays(
