@@ -290,3 +290,19 @@ def test_other_batches_do_not_let_in_an_fp8_error_common_to_every_batch():
     g = grads(None)
     d = grads(jaxamp.fp8(first_last_bf16=False)) - g
     assert np.sqrt(max(_pair_mean_sq(d), 0.0) / _pair_mean_sq(g)) > 2 * BUDGET
+
+
+def test_the_common_error_estimate_reads_a_planted_bias_and_no_mean_direction_as_inf():
+    from jaxamp.casting._fp8_select._noise import _bias
+
+    # d_k = b + r_k and g_k = mu + n_k, independent unit normal r_k and 3 * n_k in 10**5
+    # dimensions: r_0 . r_k spreads by sqrt(dim) = 316 about ||b||**2 = 1000, 22 % over
+    # the two pairs, 11 % on the ratio (n_0 . n_k: 3 % of ||mu||**2); 0.2 is twice that.
+    rng = np.random.default_rng(0)
+    n = 10**5
+    mu, b = rng.normal(size=n), 0.1 * rng.normal(size=n)
+    g = [mu + 3 * rng.normal(size=n) for _ in range(3)]
+    d = [b + rng.normal(size=n) for _ in range(3)]
+    want = np.linalg.norm(b) / np.linalg.norm(mu)
+    assert _bias(d[0], g[0], d[1:], g[1:]) == pytest.approx(want, rel=0.2)
+    assert _bias(d[0], g[0], [d[1]], [-g[0]]) == float("inf")

@@ -274,10 +274,12 @@ def _select(
         ds = [at(o)(select) - g for o, g in zip(others, grads, strict=True)]
         bias = _bias(gradient(select) - ref, ref, ds, grads)
         if bias > budget:
-            named = (
-                f"{budget:g} (noise {noise:.3g} not counted: the FP8 error common to the "
-                f"batches was {bias:.3g} of the mean gradient with {len(kept)} kept)"
+            common = (
+                f"the FP8 error common to the batches was {bias:.3g} of the mean gradient"
+                if math.isfinite(bias)
+                else "the batches' gradients had no mean direction in common"
             )
+            named = f"{budget:g} (noise {noise:.3g} not counted: {common} with {len(kept)} kept)"
             noise, chosen = 0.0, _choose(paths, error, budget, named)
     modules, reasons, alone, total = chosen
     return Fp8Selection(
