@@ -1,6 +1,7 @@
 """``jaxamp.fp8_select``: the modules whose FP8 products keep the gradient within a budget."""
 
 import json
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -146,7 +147,11 @@ def _other_batch(seed: int) -> tuple[list[jax.Array], jax.Array]:
 def test_other_batches_measure_the_sampling_noise_and_bound_the_error_beside_it(selection):
     params, x = _args()
     others = [_other_batch(s) for s in (11, 12)]
-    chosen = jaxamp.fp8_select(_loss, budget=BUDGET, first_last_bf16=False, other_batches=others)
+    # At this budget the FP8 error common to every batch (0.13 of the mean gradient with
+    # every layer in FP8, measured on these batches) is within it; the student below has
+    # one that is not.
+    budget = 0.15
+    chosen = jaxamp.fp8_select(_loss, budget=budget, first_last_bf16=False, other_batches=others)
     noisy = chosen(params, x)
     # The noise, as the docstring defines it, from the bfloat16 gradients (float64 here).
     ref = _grad(None)
@@ -162,11 +167,11 @@ def test_other_batches_measure_the_sampling_noise_and_bound_the_error_beside_it(
     assert noisy.noise == pytest.approx(noise, rel=1e-6) and noise > 0.1
     # The threshold: the FP8 error e at which sqrt(noise**2 + e**2) - noise is the budget.
     e = noisy.threshold
-    assert np.sqrt(noise**2 + e**2) - noise == pytest.approx(BUDGET, rel=1e-9)
+    assert np.sqrt(noise**2 + e**2) - noise == pytest.approx(budget, rel=1e-9)
     # This batch-to-batch noise dwarfs the planted layer's FP8 error: every layer is
     # kept, where without other batches the planted one is not (the first test).
     alone = selection.alone[HOSTILE]
-    assert BUDGET < alone < e
+    assert budget < alone < e
     assert dict(noisy) == {"l0": True, "l1": True, "l2": True}
     everything = _grad(jaxamp.fp8(first_last_bf16=False))
     assert np.linalg.norm(everything - ref) / np.linalg.norm(ref) == pytest.approx(
@@ -194,3 +199,110 @@ def test_other_batches_that_are_not_argument_tuples_are_named():
         jaxamp.fp8_select(_loss, other_batches=x)
     with pytest.raises(ValueError, match=r"other_batches\[0\] is not shaped like"):
         jaxamp.fp8_select(_loss, other_batches=[(params, x[:4])])(params, x)
+
+
+def test_other_batches_at_other_parameters_are_refused_not_read_as_noise():
+    # The same batch at another init differs in gradient only by the parameters: read
+    # as sampling noise it would let the planted layer in.
+    params, x = _args()
+    moved = [w * 3 for w in params]
+    with pytest.raises(ValueError, match=r"other_batches\[1\].*same parameters"):
+        jaxamp.fp8_select(_loss, other_batches=[(params, x[::-1]), (moved, x)])(params, x)
+
+
+def test_a_batch_passed_by_keyword_with_other_batches_is_refused():
+    # other_batches hold positional arguments only: the calibration batch by keyword
+    # would be reused on every other batch, a noise of 0 that was never measured.
+    params, x = _args()
+    with pytest.raises(TypeError, match=r"positionally.*\(params, batch\)"):
+        jaxamp.fp8_select(_loss, other_batches=[(params,)])(params, x=x)
+
+
+def test_argnums_out_of_range_is_named():
+    params, x = _args()
+    with pytest.raises(ValueError, match=r"argnums=5.*2 arguments"):
+        jaxamp.fp8_select(_loss, argnums=5)(params, x)
+
+
+def _forward(params: list[jax.Array], x: jax.Array) -> jax.Array:
+    for i, w in enumerate(params):
+        x = _layer(f"l{i}", x, w)
+    return x
+
+
+def _student_loss(params: list[jax.Array], x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean((_forward(params, x) - y) ** 2)
+
+
+def _student() -> Callable[[int], tuple[list[jax.Array], jax.Array, jax.Array]]:
+    """``batch(s)``: `_student_loss`'s arguments on fresh batch `s`, at a student of a
+    3-layer teacher after 300 bfloat16 SGD steps on fresh batches."""
+    k = jax.random.split(jax.random.key(7), 6)
+    teacher = [jax.random.normal(k[i], (D, D)) * 1.5 / np.sqrt(D) for i in range(3)]
+
+    @jax.jit
+    def data(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x = jax.random.normal(jax.random.fold_in(jax.random.key(10_000), s), (BATCH, D))
+        return x, _forward(teacher, x)
+
+    grad = jax.grad(jaxamp.autocast(_student_loss, dtype=jnp.bfloat16))
+
+    @jax.jit
+    def train(params: list[jax.Array]) -> list[jax.Array]:
+        def step(s, p):
+            return [w - 0.2 * g for w, g in zip(p, grad(p, *data(s)), strict=True)]
+
+        return jax.lax.fori_loop(0, 300, step, params)
+
+    params = train([jax.random.normal(k[3 + i], (D, D)) / np.sqrt(D) for i in range(3)])
+    return lambda s: (params, *data(s))
+
+
+def _pair_mean_sq(v: np.ndarray) -> float:
+    """``||E v||**2`` without the rows' own noise: the mean of ``v_i . v_j`` over i != j."""
+    total = v.sum(0)
+    return float((total @ total - np.sum(v * v)) / (len(v) * (len(v) - 1)))
+
+
+def test_other_batches_do_not_let_in_an_fp8_error_common_to_every_batch():
+    # Here a batch's gradient is about as far from the mean gradient as it is long
+    # (noise ~0.9), so the threshold lets every layer in, though the FP8 error common to
+    # every batch (which adds up over steps, as the noise does not) is about 0.4 of the
+    # mean gradient. In a /tmp run of this setup (its batches drawn otherwise: noise
+    # 1.01, common error 0.38), trained 4000 steps more so, the held-out loss ended
+    # 2.1 % over bfloat16's, 40 times bfloat16's own spread over 3 inits, where the
+    # selection without other batches ended 0.14 % over (docs/fp8.md).
+    batch = _student()
+    kw = dict(budget=BUDGET, first_last_bf16=False)
+    others = [batch(1), batch(2)]
+    selection = jaxamp.fp8_select(_student_loss, **kw, other_batches=others)(*batch(0))
+    alone = jaxamp.fp8_select(_student_loss, **kw)(*batch(0))
+    assert dict(selection) == dict(alone) and not selection[HOSTILE]
+    assert "not counted" in selection.reasons[HOSTILE] and selection.noise == 0.0
+
+    # The set the threshold alone lets in: its FP8 error common to the batches, over 64
+    # batches, against the mean gradient.
+    def grads(cfg: jaxamp.types.Fp8Config | None) -> np.ndarray:
+        f = jax.grad(jaxamp.autocast(_student_loss, dtype=jnp.bfloat16, fp8=cfg))
+        g = jax.jit(jax.vmap(lambda s: f(*batch(s))))(jnp.arange(100, 164))
+        return np.concatenate([np.asarray(w, np.float64).reshape(64, -1) for w in g], 1)
+
+    g = grads(None)
+    d = grads(jaxamp.fp8(first_last_bf16=False)) - g
+    assert np.sqrt(max(_pair_mean_sq(d), 0.0) / _pair_mean_sq(g)) > 2 * BUDGET
+
+
+def test_the_common_error_estimate_reads_a_planted_bias_and_no_mean_direction_as_inf():
+    from jaxamp.casting._fp8_select._noise import _bias
+
+    # d_k = b + r_k and g_k = mu + n_k, independent unit normal r_k and 3 * n_k in 10**5
+    # dimensions: r_0 . r_k spreads by sqrt(dim) = 316 about ||b||**2 = 1000, 22 % over
+    # the two pairs, 11 % on the ratio (n_0 . n_k: 3 % of ||mu||**2); 0.2 is twice that.
+    rng = np.random.default_rng(0)
+    n = 10**5
+    mu, b = rng.normal(size=n), 0.1 * rng.normal(size=n)
+    g = [mu + 3 * rng.normal(size=n) for _ in range(3)]
+    d = [b + rng.normal(size=n) for _ in range(3)]
+    want = np.linalg.norm(b) / np.linalg.norm(mu)
+    assert _bias(d[0], g[0], d[1:], g[1:]) == pytest.approx(want, rel=0.2)
+    assert _bias(d[0], g[0], [d[1]], [-g[0]]) == float("inf")

@@ -33,6 +33,10 @@ farther from the mean gradient; the budget bounds that, so a set is kept while
 ``e <= sqrt(budget**2 + 2 * budget * sigma)`` (``Fp8Selection.threshold``). With
 no other batch, sigma is 0 and the threshold is the budget: a model trained on one
 batch (or fitting its data) has no sampling noise to hide FP8's error in.
+The quadrature holds for the part of FP8's error that changes from batch to batch;
+the part common to every batch adds up over steps, as the noise does not, so the kept
+set is measured on the other batches too and, where its common part (``_noise._bias``)
+is over the budget of the mean gradient, the noise is not counted (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import numpy as np
 
 from jaxamp._utils.dtypes import is_inexact
 from jaxamp.casting._fp8._fp8_config import fp8
+from jaxamp.casting._fp8_select._noise import _bias, _noise
 from jaxamp.casting._fp8_select._selection import Fp8Selection, _threshold
 
 _FP8 = "float8_e4m3fn"
@@ -93,7 +98,8 @@ def fp8_select(
     order of least error alone (ties by module path), each joins the kept set
     if the set's error with it is within `budget`. It compiles the gradient
     once per candidate and once per one that could join (at most twice the
-    candidates, plus the reference): a calibration, not a train step.
+    candidates, plus the reference; with `other_batches`, twice more per other
+    batch and once for the kept set): a calibration, not a train step.
 
     FP8 costs the gradient least at init: calibrate at parameters like the ones
     it will train (a checkpoint part way through; after a few hundred bfloat16
@@ -127,7 +133,9 @@ def fp8_select(
         tuples like `args` (``[(params, batch_2)]``): the budget then bounds how
         much farther from the mean gradient FP8 moves a step's gradient, beside
         the sampling noise a step on a fresh batch has anyway (module
-        docstring; ``Fp8Selection.noise``, ``.threshold``). For training on
+        docstring; ``Fp8Selection.noise``, ``.threshold``), unless the FP8 error
+        common to the batches is over the budget of the mean gradient (then the
+        selection is the one without them, its noise 0). For training on
         fresh batches, far from fitting the data; not for a model trained on
         one batch or fitting its data to a loss near 0.
 
@@ -137,9 +145,12 @@ def fp8_select(
 
     Raises:
       TypeError: `fun` is not callable, or arguments of `fun` are given to
-        ``fp8_select`` itself.
-      ValueError: `budget` is not a number >= 0; `fun` returns no scalar; the
-        bfloat16 gradient is zero or not finite (nothing to compare against).
+        ``fp8_select`` itself; an array argument is given by keyword with
+        `other_batches` (they are positional).
+      ValueError: `budget` is not a number >= 0; `argnums` is out of range; `fun`
+        returns no scalar; the bfloat16 gradient is zero or not finite (nothing to
+        compare against); another batch is shaped otherwise, or is at other
+        parameters (its `argnums` arrays differ).
     """
     if not callable(fun):
         raise TypeError(
@@ -157,6 +168,15 @@ def fp8_select(
 
     @functools.wraps(fun)
     def run(*args: Any, **kwargs: Any) -> Fp8Selection:
+        named = [k for k, v in kwargs.items() if any(map(_is_array, jax.tree.leaves(v)))]
+        if other_batches and named:
+            # The other batches are positional tuples: an array by keyword would be the
+            # calibration's on every one of them, a noise never measured.
+            raise TypeError(
+                f"jaxamp.fp8_select: {', '.join(named)} given by keyword with other_batches; "
+                "pass fun's arguments positionally, as the other batches are: "
+                "fp8_select(fun, other_batches=[(params, batch_2)])(params, batch)"
+            )
         return _select(fun, args, kwargs, budget, base, dtype, argnums, other_batches)
 
     return run
@@ -165,6 +185,10 @@ def fp8_select(
 def _short(x: Any) -> str:
     text = repr(x)
     return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
 def _gradients(
@@ -190,28 +214,6 @@ def _gradients(
         return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in g] or [np.zeros(0)])
 
     return gradient
-
-
-def _noise(
-    ref: np.ndarray, args: tuple[Any, ...], others: Sequence[tuple[Any, ...]],
-    at: Callable[[tuple[Any, ...]], Callable[..., np.ndarray]],
-) -> float:  # fmt: skip
-    """The sampling noise of one batch's gradient relative to `ref`'s norm, from the
-    bfloat16 gradients at `others`: ``sqrt(mean ||ref - g_k||**2 / 2) / ||ref||``."""
-
-    def spec(a: tuple[Any, ...]) -> Any:
-        return jax.tree.structure(a), [getattr(x, "shape", None) for x in jax.tree.leaves(a)]
-
-    sq = []
-    for k, other in enumerate(others):
-        if spec(other) != spec(args):
-            raise ValueError(
-                f"jaxamp.fp8_select: other_batches[{k}] is not shaped like the calibration "
-                "arguments; give each other batch as the same arguments of fun, with the "
-                "same structure and shapes: other_batches=[(params, batch_2)]"
-            )
-        sq.append(float(np.sum((ref - at(other)(None)) ** 2)))
-    return math.sqrt(sum(sq) / len(sq) / 2) / float(np.linalg.norm(ref)) if sq else 0.0
 
 
 def _select(
@@ -240,35 +242,69 @@ def _select(
             f"jaxamp.fp8_select: bfloat16 autocast's gradient on these arguments has norm {norm}; "
             "calibrate on a batch and parameters where the loss has a finite, nonzero gradient"
         )
-    noise = _noise(ref, args, others, at)
+
+    def wrt(a: tuple[Any, ...]) -> list[Any]:
+        arrays, diff, _ = _arrays(a, kwargs, argnums)
+        return [arrays[j] for j in sorted(diff)]
+
+    noise, grads = _noise(ref, args, others, at, wrt)
     if not math.isfinite(noise):
         raise ValueError(
             "jaxamp.fp8_select: bfloat16 autocast's gradient on other_batches is not finite; "
             "give other batches of the training data at the same parameters"
         )
-    limit = _threshold(budget, noise)
-    named = f"{limit:.3g} (budget {budget:g} beside noise {noise:.3g})" if noise else f"{budget:g}"
+    errors: dict[frozenset[str], float] = {}  # a set's error does not depend on the limit
 
     def error(kept: set[str]) -> float:
-        g = gradient({p: p in kept for p in paths})
-        e = float(np.linalg.norm(g - ref) / norm)
-        return e if np.isfinite(e) else float("inf")
+        if frozenset(kept) not in errors:
+            g = gradient({p: p in kept for p in paths})
+            e = float(np.linalg.norm(g - ref) / norm)
+            errors[frozenset(kept)] = e if np.isfinite(e) else float("inf")
+        return errors[frozenset(kept)]
 
-    modules, reasons, alone = {p: False for p in paths}, {}, {}
+    limit = _threshold(budget, noise)
+    named = f"{limit:.3g} (budget {budget:g} beside noise {noise:.3g})" if noise else f"{budget:g}"
+    chosen = _choose(paths, error, limit, named)
+    kept = {p for p, on in chosen[0].items() if on}
+    if noise and kept:
+        # The quadrature only holds for the part of FP8's error that changes from batch to
+        # batch; the part common to every batch adds up over steps as the sampling noise
+        # does not, so it must be within the budget of the mean gradient, as on one batch.
+        select = {p: p in kept for p in paths}
+        ds = [at(o)(select) - g for o, g in zip(others, grads, strict=True)]
+        bias = _bias(gradient(select) - ref, ref, ds, grads)
+        if bias > budget:
+            common = (
+                f"the FP8 error common to the batches was {bias:.3g} of the mean gradient"
+                if math.isfinite(bias)
+                else "the batches' gradients had no mean direction in common"
+            )
+            named = f"{budget:g} (noise {noise:.3g} not counted: {common} with {len(kept)} kept)"
+            noise, chosen = 0.0, _choose(paths, error, budget, named)
+    modules, reasons, alone, total = chosen
+    return Fp8Selection(
+        modules=modules,
+        reasons=reasons,
+        alone=alone,
+        error=total,
+        budget=budget,
+        scaling=base["scaling"],
+        noise=noise,
+    )
+
+
+def _choose(
+    paths: list[str], error: Callable[[set[str]], float], limit: float, named: str
+) -> tuple[dict[str, bool], dict[str, str], dict[str, float], float]:
+    """``(modules, reasons, alone, error)``: every layer if their error is within `limit`,
+    else each in order of least error alone while the set's error stays within it."""
+    modules, reasons = {p: False for p in paths}, {}
     everything = error(set(paths)) if paths else 0.0
     if everything <= limit:
         for p in paths:
             modules[p] = True
             reasons[p] = f"all {len(paths)} modules in FP8: error {everything:.3g} <= {named}"
-        return Fp8Selection(
-            modules=modules,
-            reasons=reasons,
-            alone={},
-            error=everything,
-            budget=budget,
-            scaling=base["scaling"],
-            noise=noise,
-        )
+        return modules, reasons, {}, everything
     alone = {p: error({p}) for p in paths}
     kept: set[str] = set()
     total = 0.0
@@ -289,15 +325,7 @@ def _select(
                 f"error {with_it:.3g} > budget {named} with the {len(kept)} kept "
                 f"(alone {alone[p]:.3g})"
             )
-    return Fp8Selection(
-        modules=modules,
-        reasons=reasons,
-        alone=alone,
-        error=total,
-        budget=budget,
-        scaling=base["scaling"],
-        noise=noise,
-    )
+    return modules, reasons, alone, total
 
 
 def _arrays(
@@ -310,8 +338,13 @@ def _arrays(
     ``eqx.filter_grad`` does."""
     flat, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
     nums = {argnums} if isinstance(argnums, int) else set(argnums)
-    nums = {n % len(args) for n in nums if -len(args) <= n < len(args)}
-    at = [i for i, (_, x) in enumerate(flat) if isinstance(x, jax.Array | np.ndarray | np.generic)]
+    if not all(isinstance(n, int) and -len(args) <= n < len(args) for n in nums):
+        raise ValueError(
+            f"jaxamp.fp8_select: argnums={argnums!r} for fun called with {len(args)} "
+            f"arguments; write the positions of the parameters among them, e.g. argnums=0"
+        )
+    nums = {n % len(args) for n in nums}
+    at = [i for i, (_, x) in enumerate(flat) if _is_array(x)]
     diff = set()
     for j, i in enumerate(at):
         path, x = flat[i]
