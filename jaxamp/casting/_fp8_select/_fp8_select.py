@@ -23,20 +23,21 @@ candidates: a model called twice is one set of layers, and the result is the
 same for the same program and arguments (no randomness; XLA's CPU and GPU
 products are deterministic).
 
-With ``other_batches`` the budget is measured against the gradient's sampling
-noise, which a step on a fresh batch carries anyway: with sigma the relative
-distance of one batch's gradient from the mean (estimated from the calibration
-batch and the others, ``||g_0 - g_k||**2 / 2`` averaged), FP8's error e and the
-noise add in quadrature (rounding does not depend on which examples a batch
-holds), so the gradient a step applies moves ``sqrt(sigma**2 + e**2) - sigma``
-farther from the mean gradient; the budget bounds that, so a set is kept while
-``e <= sqrt(budget**2 + 2 * budget * sigma)`` (``Fp8Selection.threshold``). With
-no other batch, sigma is 0 and the threshold is the budget: a model trained on one
-batch (or fitting its data) has no sampling noise to hide FP8's error in.
-The quadrature holds for the part of FP8's error that changes from batch to batch;
-the part common to every batch adds up over steps, as the noise does not, so the kept
-set is measured on the other batches too and, where its common part (``_noise._bias``)
-is over the budget of the mean gradient, the noise is not counted (docs/fp8.md).
+With ``other_batches`` the budget is measured beside the gradient's sampling noise,
+which a step on a fresh batch carries anyway. FP8's error d on a batch is split into
+the part common to every batch, c (``E[d_i . d_j] = ||c||**2`` for independent
+batches i != j), and the part that changes from batch to batch, v (``||d||**2 -
+||c||**2`` on average; ``_noise.split``). The changing part and the noise (sigma,
+one batch's gradient's distance from the mean, ``||g_0 - g_k||**2 / 2`` averaged)
+add in quadrature and average out over steps together: the step moves
+``sqrt(sigma**2 + ||v||**2) - sigma`` farther from the mean gradient, within the
+budget while ``||v|| <= sqrt(budget**2 + 2 * budget * sigma)``
+(``Fp8Selection.threshold``). The common part adds up over steps as the noise does
+not: it is held to the budget against the gradient it adds up beside, the mean
+gradient mu (``E[g_i . g_j] = ||mu||**2``): ``||c|| <= budget * ||mu||``. Without
+other batches a set is kept while ``||d|| <= budget`` (relative to the calibration
+gradient's norm, as the changing part is): a model trained on one batch (or fitting
+its data) has no sampling noise to hide FP8's error in.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import numpy as np
 
 from jaxamp._utils.dtypes import is_inexact
 from jaxamp.casting._fp8._fp8_config import fp8
-from jaxamp.casting._fp8_select._noise import _bias, _noise
+from jaxamp.casting._fp8_select._noise import mean_norm, noise_of, split
 from jaxamp.casting._fp8_select._selection import Fp8Selection, _threshold
 
 _FP8 = "float8_e4m3fn"
@@ -194,23 +195,30 @@ def _is_array(x: Any) -> bool:
 def _gradients(
     fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], base: dict[str, Any],
     dtype: Any, argnums: Any,
-) -> Callable[[Mapping[str, bool] | None], np.ndarray]:  # fmt: skip
-    """``gradient(select)``: the flat float64 gradient of autocast `fun` at `args`, with the
-    FP8 products of the `select` layers (None: bfloat16 autocast, no FP8)."""
+) -> Callable[..., np.ndarray]:  # fmt: skip
+    """``gradient(select, at=args)``: the flat float64 gradient of autocast `fun` with the
+    FP8 products of the `select` layers (None: bfloat16 autocast, no FP8), at `args` or
+    at other arguments of their structure (another batch): compiled once per `select`."""
     from jaxamp.casting._autocast._api import autocast
 
-    arrays, diff, call = _arrays(args, kwargs, argnums)
-    fixed = [x for j, x in enumerate(arrays) if j not in diff]
+    _, diff, call = _arrays(args, kwargs, argnums)
+    compiled: dict[Any, Any] = {}
 
-    def gradient(select: Mapping[str, bool] | None) -> np.ndarray:
-        cfg = None if select is None else fp8(**base, select=select)
-        f = autocast(fun, dtype=dtype, fp8=cfg)
+    def gradient(select: Mapping[str, bool] | None, at: tuple[Any, ...] = args) -> np.ndarray:
+        key = None if select is None else tuple(sorted(select.items()))
+        if key not in compiled:
+            cfg = None if select is None else fp8(**base, select=select)
+            f = autocast(fun, dtype=dtype, fp8=cfg)
 
-        def of(wrt: list[Any], rest: list[Any]) -> Any:
-            it, other = iter(wrt), iter(rest)
-            return call(f, [next(it) if j in diff else next(other) for j in range(len(arrays))])
+            def of(wrt: list[Any], rest: list[Any], n: int) -> Any:
+                it, other = iter(wrt), iter(rest)
+                return call(f, [next(it) if j in diff else next(other) for j in range(n)])
 
-        g = jax.jit(jax.grad(of))([arrays[j] for j in diff], fixed)
+            compiled[key] = jax.jit(jax.grad(of), static_argnums=2)
+        arrays = _arrays(at, kwargs, argnums)[0]
+        wrt = [arrays[j] for j in range(len(arrays)) if j in diff]
+        rest = [arrays[j] for j in range(len(arrays)) if j not in diff]
+        g = compiled[key](wrt, rest, len(arrays))
         return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in g] or [np.zeros(0)])
 
     return gradient
@@ -222,11 +230,8 @@ def _select(
 ) -> Fp8Selection:  # fmt: skip
     from jaxamp.casting._autocast._api import autocast
 
-    def at(a: tuple[Any, ...]) -> Callable[..., np.ndarray]:
-        return _gradients(fun, a, kwargs, base, dtype, argnums)
-
     arrays, _, call = _arrays(args, kwargs, argnums)
-    gradient = at(args)
+    gradient = _gradients(fun, args, kwargs, base, dtype, argnums)
     out = jax.eval_shape(functools.partial(call, fun), arrays)
     if not (hasattr(out, "shape") and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)):
         raise ValueError(
@@ -247,41 +252,47 @@ def _select(
         arrays, diff, _ = _arrays(a, kwargs, argnums)
         return [arrays[j] for j in sorted(diff)]
 
-    noise, grads = _noise(ref, args, others, at, wrt)
+    noise, grads = noise_of(ref, args, others, lambda o: gradient(None, o), wrt)
     if not math.isfinite(noise):
         raise ValueError(
             "jaxamp.fp8_select: bfloat16 autocast's gradient on other_batches is not finite; "
             "give other batches of the training data at the same parameters"
         )
-    errors: dict[frozenset[str], float] = {}  # a set's error does not depend on the limit
-
-    def error(kept: set[str]) -> float:
-        if frozenset(kept) not in errors:
-            g = gradient({p: p in kept for p in paths})
-            e = float(np.linalg.norm(g - ref) / norm)
-            errors[frozenset(kept)] = e if np.isfinite(e) else float("inf")
-        return errors[frozenset(kept)]
-
     limit = _threshold(budget, noise)
-    named = f"{limit:.3g} (budget {budget:g} beside noise {noise:.3g})" if noise else f"{budget:g}"
-    chosen = _choose(paths, error, limit, named)
-    kept = {p for p, on in chosen[0].items() if on}
-    if noise and kept:
-        # The quadrature only holds for the part of FP8's error that changes from batch to
-        # batch; the part common to every batch adds up over steps as the sampling noise
-        # does not, so it must be within the budget of the mean gradient, as on one batch.
-        select = {p: p in kept for p in paths}
-        ds = [at(o)(select) - g for o, g in zip(others, grads, strict=True)]
-        bias = _bias(gradient(select) - ref, ref, ds, grads)
-        if bias > budget:
-            common = (
-                f"the FP8 error common to the batches was {bias:.3g} of the mean gradient"
-                if math.isfinite(bias)
-                else "the batches' gradients had no mean direction in common"
-            )
-            named = f"{budget:g} (noise {noise:.3g} not counted: {common} with {len(kept)} kept)"
-            noise, chosen = 0.0, _choose(paths, error, budget, named)
-    modules, reasons, alone, total = chosen
+    mean = mean_norm([ref, *grads])  # the mean gradient's norm (others: an estimate)
+    cache: dict[frozenset[str], tuple[float, float, float]] = {}
+
+    def measure(kept: set[str]) -> tuple[float, float, float]:
+        """``(error, common, varying)`` of `kept` in FP8: its error on the calibration
+        batch, and, with other batches, its part common to the batches against the mean
+        gradient and the part that changes against the calibration gradient."""
+        if frozenset(kept) not in cache:
+            select = {p: p in kept for p in paths}
+            ds = [gradient(select) - ref]
+            ds += [gradient(select, o) - g for o, g in zip(others, grads, strict=True)]
+            e = float(np.linalg.norm(ds[0]) / norm)
+            common, varying = split(ds) if others else (e, e)
+            if others:
+                common = common / mean if mean > 0 else 0.0 if common == 0 else math.inf
+                varying /= norm
+            got = e, common, varying
+            cache[frozenset(kept)] = tuple(x if np.isfinite(x) else math.inf for x in got)
+        return cache[frozenset(kept)]
+
+    def judge(kept: set[str]) -> tuple[bool, float, str]:
+        e, common, varying = measure(kept)
+        if not others:
+            return e <= budget, e, f"error {e:.3g} {'<=' if e <= budget else '> budget'} {budget:g}"
+        fits = common <= budget and varying <= limit
+        return fits, e, (
+            f"error {e:.3g}: common to the batches {common:.3g} of the mean gradient "
+            f"{'<=' if common <= budget else '> budget'} {budget:g}, varying {varying:.3g} "
+            f"{'<=' if varying <= limit else '> budget'} {limit:.3g} ({budget:g} beside noise "
+            f"{noise:.3g})"
+        )  # fmt: skip
+
+    modules, reasons, alone, kept = _choose(paths, judge)
+    total, common, _ = measure(kept) if kept else (0.0, 0.0, 0.0)
     return Fp8Selection(
         modules=modules,
         reasons=reasons,
@@ -290,42 +301,39 @@ def _select(
         budget=budget,
         scaling=base["scaling"],
         noise=noise,
+        common=common if others else 0.0,
     )
 
 
 def _choose(
-    paths: list[str], error: Callable[[set[str]], float], limit: float, named: str
-) -> tuple[dict[str, bool], dict[str, str], dict[str, float], float]:
-    """``(modules, reasons, alone, error)``: every layer if their error is within `limit`,
-    else each in order of least error alone while the set's error stays within it."""
+    paths: list[str], judge: Callable[[set[str]], tuple[bool, float, str]]
+) -> tuple[dict[str, bool], dict[str, str], dict[str, float], set[str]]:
+    """``(modules, reasons, alone, kept)``: every layer if their set fits (``judge``: fits,
+    its error, why), else each in order of least error alone while the set still fits."""
     modules, reasons = {p: False for p in paths}, {}
-    everything = error(set(paths)) if paths else 0.0
-    if everything <= limit:
+    fits, _, why = judge(set(paths)) if paths else (True, 0.0, "")
+    if fits:
         for p in paths:
             modules[p] = True
-            reasons[p] = f"all {len(paths)} modules in FP8: error {everything:.3g} <= {named}"
-        return modules, reasons, {}, everything
-    alone = {p: error({p}) for p in paths}
+            reasons[p] = f"all {len(paths)} modules in FP8: {why}"
+        return modules, reasons, {}, set(paths)
+    verdicts = {p: judge({p}) for p in paths}
+    alone = {p: v[1] for p, v in verdicts.items()}
     kept: set[str] = set()
-    total = 0.0
     for p in sorted(paths, key=lambda p: (alone[p], p)):
-        if alone[p] > limit:
-            reasons[p] = f"alone {alone[p]:.3g} > budget {named}"
+        if not verdicts[p][0]:
+            reasons[p] = f"alone: {verdicts[p][2]}"
             continue
-        with_it = error(kept | {p})
-        if with_it <= limit:
+        fits, _, why = judge(kept | {p})
+        if fits:
             kept.add(p)
-            modules[p], total = True, with_it
+            modules[p] = True
             reasons[p] = (
-                f"error {with_it:.3g} <= {named} with it and the {len(kept) - 1} kept "
-                f"before it (alone {alone[p]:.3g})"
+                f"with it and the {len(kept) - 1} kept before it: {why} (alone {alone[p]:.3g})"
             )
         else:
-            reasons[p] = (
-                f"error {with_it:.3g} > budget {named} with the {len(kept)} kept "
-                f"(alone {alone[p]:.3g})"
-            )
-    return modules, reasons, alone, total
+            reasons[p] = f"with the {len(kept)} kept: {why} (alone {alone[p]:.3g})"
+    return modules, reasons, alone, kept
 
 
 def _arrays(

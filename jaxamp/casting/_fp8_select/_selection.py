@@ -39,6 +39,9 @@ class Fp8Selection(Mapping[str, bool]):
       signal: what the errors measure (``SIGNAL``).
       noise: the gradient's sampling noise measured with ``other_batches``, in
         the units of the errors (0.0 without them).
+      common: with ``other_batches``, the part of the kept set's error common to
+        every batch, relative to the mean gradient (held to `budget`; the part
+        that changes from batch to batch is held to `threshold`); 0.0 without them.
     """
 
     modules: dict[str, bool]
@@ -49,11 +52,12 @@ class Fp8Selection(Mapping[str, bool]):
     scaling: str
     signal: str = SIGNAL
     noise: float = 0.0
+    common: float = 0.0
 
     @property
     def threshold(self) -> float:
-        """The largest `error` a kept set may have: `budget` beside `noise` (the budget
-        without it); module docstring."""
+        """The largest error of a kept set that changes from batch to batch: `budget`
+        beside `noise` (the budget without other batches; ``fp8_select``)."""
         return _threshold(self.budget, self.noise)
 
     def __getitem__(self, path: str) -> bool:
@@ -87,6 +91,7 @@ class Fp8Selection(Mapping[str, bool]):
                 scaling=str(data["scaling"]),
                 signal=str(data.get("signal", SIGNAL)),
                 noise=float(data.get("noise", 0.0)),
+                common=float(data.get("common", 0.0)),
             )
         except (KeyError, AttributeError, TypeError) as e:
             raise ValueError(
@@ -96,7 +101,10 @@ class Fp8Selection(Mapping[str, bool]):
 
     def __str__(self) -> str:
         n = sum(self.modules.values())
-        beside = f" beside sampling noise {self.noise:.3g}: {self.threshold:.3g}" * (self.noise > 0)
+        beside = (
+            f", common {self.common:.3g}, varying within {self.threshold:.3g} beside "
+            f"sampling noise {self.noise:.3g}"
+        ) * (self.noise > 0)
         lines = [
             f"jaxamp.fp8_select ({self.scaling}, budget {self.budget:g}{beside}): {n} of "
             f"{len(self.modules)} layers in FP8, error {self.error:.4g} ({self.signal})"
