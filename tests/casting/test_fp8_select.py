@@ -1,6 +1,8 @@
 """``jaxamp.fp8_select``: the modules whose FP8 products keep the gradient within a budget."""
 
+import functools
 import json
+import re
 from collections.abc import Callable
 
 import jax
@@ -182,15 +184,20 @@ def test_other_batches_measure_the_sampling_noise_and_bound_the_error_beside_it(
     assert back.noise == noisy.noise and back.threshold == noisy.threshold
 
 
-def test_the_calibration_batch_given_again_has_no_noise_and_selects_as_without(selection):
+def test_a_batch_given_twice_or_one_other_batch_is_refused():
+    # A batch given again is no independent batch: it reads as no noise and as FP8
+    # error common to the batches. One other batch leaves the common part's estimate
+    # without a measure of its noise (test_one_pair_of_batches_...).
     params, x = _args()
-    same = jaxamp.fp8_select(
-        _loss, budget=BUDGET, first_last_bf16=False, other_batches=[(params, x)]
-    )(params, x)
-    assert same.noise == 0.0 and same.threshold == BUDGET
-    # Its FP8 error is all common to the "batches": held to the budget, as without them.
-    assert dict(same) == dict(selection) and same.alone == selection.alone
-    assert same.error == selection.error and same.common == pytest.approx(same.error)
+    fresh = [_other_batch(s) for s in (11, 12)]
+    select = jaxamp.fp8_select
+    with pytest.raises(ValueError, match=r"other_batches\[1\] is the calibration batch again"):
+        select(_loss, other_batches=[fresh[0], (params, x)])(params, x)
+    copy = (params, np.array(fresh[0][1]))  # equal by value, another object
+    with pytest.raises(ValueError, match=r"other_batches\[1\] is other_batches\[0\] again"):
+        select(_loss, other_batches=[fresh[0], copy])(params, x)
+    with pytest.raises(ValueError, match=r"1 batch; give at least two other batches"):
+        select(_loss, other_batches=[fresh[0]])
 
 
 def test_other_batches_that_are_not_argument_tuples_are_named():
@@ -200,14 +207,16 @@ def test_other_batches_that_are_not_argument_tuples_are_named():
     with pytest.raises(TypeError, match="other_batches="):
         jaxamp.fp8_select(_loss, other_batches=x)
     with pytest.raises(ValueError, match=r"other_batches\[0\] is not shaped like"):
-        jaxamp.fp8_select(_loss, other_batches=[(params, x[:4])])(params, x)
+        jaxamp.fp8_select(_loss, other_batches=[(params, x[:4]), _other_batch(11)])(params, x)
 
     # A Python scalar is compiled in as the calibration's: another value is refused.
     def scaled(p, x, c):
         return c * _loss(p, x)
 
     with pytest.raises(ValueError, match=r"other_batches\[0\].*not arrays"):
-        jaxamp.fp8_select(scaled, other_batches=[(params, x[::-1], 2.0)])(params, x, 1.0)
+        jaxamp.fp8_select(scaled, other_batches=[(params, x[::-1], 2.0), (params, -x, 1.0)])(
+            params, x, 1.0
+        )
 
 
 def test_other_batches_at_other_parameters_are_refused_not_read_as_noise():
@@ -224,7 +233,7 @@ def test_a_batch_passed_by_keyword_with_other_batches_is_refused():
     # would be reused on every other batch, a noise of 0 that was never measured.
     params, x = _args()
     with pytest.raises(TypeError, match=r"positionally.*\(params, batch\)"):
-        jaxamp.fp8_select(_loss, other_batches=[(params,)])(params, x=x)
+        jaxamp.fp8_select(_loss, other_batches=[(params,), (params,)])(params, x=x)
 
 
 def test_argnums_out_of_range_is_named():
@@ -243,6 +252,7 @@ def _student_loss(params: list[jax.Array], x: jax.Array, y: jax.Array) -> jax.Ar
     return jnp.mean((_forward(params, x) - y) ** 2)
 
 
+@functools.cache
 def _student() -> Callable[[int], tuple[list[jax.Array], jax.Array, jax.Array]]:
     """``batch(s)``: `_student_loss`'s arguments on fresh batch `s`, at a student of a
     3-layer teacher after 300 bfloat16 SGD steps on fresh batches."""
@@ -283,16 +293,18 @@ def test_other_batches_do_not_let_in_an_fp8_error_common_to_every_batch():
     # selection without other batches ended 0.14 % over (docs/fp8.md).
     batch = _student()
     kw = dict(budget=BUDGET, first_last_bf16=False)
-    others = [batch(1), batch(2)]
+    others = [batch(1), batch(2), batch(3), batch(4)]
     selection = jaxamp.fp8_select(_student_loss, **kw, other_batches=others)(*batch(0))
     alone = jaxamp.fp8_select(_student_loss, **kw)(*batch(0))
     # The planted layer's common part is over the budget: it stays out, whatever the
-    # noise lets its changing part be; the noise is counted for the rest.
+    # noise lets its changing part be. Four other batches: with two, on these, the
+    # gradients' pairs with one left out show no mean direction (as without them).
     assert not selection[HOSTILE] and not alone[HOSTILE]
     why = selection.reasons[HOSTILE]
     assert "common to the batches" in why and "> budget" in why.split("varying")[0]
+    # Not "as many kept as without other batches": the common part is held against the
+    # mean gradient, here a fifth of a batch's, and l0 and l2's together is 0.16 of it.
     assert selection.noise > 0.5 and selection.common <= BUDGET
-    assert sum(selection.values()) >= sum(alone.values())
 
     # The set the threshold alone lets in: its FP8 error common to the batches, over 64
     # batches, against the mean gradient.
@@ -324,3 +336,61 @@ def test_the_split_reads_a_planted_common_error_and_the_part_that_changes():
     assert split([r, -r]) == (0.0, pytest.approx(np.linalg.norm(r)))
     # One batch given twice: all common.
     assert split([r, r]) == (pytest.approx(np.linalg.norm(r)), 0.0)
+
+
+def test_one_pair_of_batches_is_too_noisy_to_judge_the_common_part_by_its_estimate():
+    # On the student, batches 1003 (calibration), 1004 and 1005: at 03b7f42 the common
+    # part's estimate put every layer in FP8 (0.112 of the mean gradient, within the
+    # budget), though over 256 batches it is 0.36 for that set and 0.32 for the planted
+    # layer alone (a /tmp run: the estimate alone let the planted layer in on 18 % of
+    # draws of three batches). Its jackknife bound, one standard error up, keeps it out.
+    batch = _student()
+    others = [batch(1004), batch(1005)]
+    kw = dict(budget=BUDGET, first_last_bf16=False, other_batches=others)
+    selection = jaxamp.fp8_select(_student_loss, **kw)(*batch(1003))
+    assert not selection[HOSTILE]
+    why = selection.reasons[HOSTILE].split("varying")[0]
+    common, bound = (float(v) for v in re.findall(r"(?:batches|most) ([0-9.]+)", why))
+    assert common <= bound and BUDGET < bound and "> budget" in why
+
+
+def test_the_common_bound_lets_in_fewer_harmful_sets_than_the_estimate():
+    from jaxamp.casting._fp8_select._noise import common_bound, pair_means
+
+    # Three batches, 64 parameters, the sampling noise ~5 times the mean gradient, FP8's
+    # common error 0.3 of it (2.4 times the budget) and its changing part 1.2 of it
+    # (a regime like the student's). 300 draws.
+    rng = np.random.default_rng(0)
+    estimate = bound = 0
+    for _ in range(300):
+        mu, b = rng.normal(size=(2, 64))
+        mu, b = mu / np.linalg.norm(mu), 0.3 * b / np.linalg.norm(b)
+        g = [mu + 0.6 * rng.normal(size=64) for _ in range(3)]
+        d = [b + 0.15 * rng.normal(size=64) for _ in range(3)]
+        mean = pair_means(g)
+        if mean[0] > 0 and np.all(mean[1] > 0):
+            e, u = common_bound(d, mean)
+            assert u >= e
+            estimate, bound = estimate + (e <= BUDGET), bound + (u <= BUDGET)
+    assert estimate >= 20 and bound <= estimate / 5
+    # With many batches both read the truth.
+    g = [mu + 0.6 * rng.normal(size=64) for _ in range(200)]
+    d = [b + 0.15 * rng.normal(size=64) for _ in range(200)]
+    assert common_bound(d, pair_means(g)) == pytest.approx((0.3, 0.3), rel=0.15)
+
+
+def test_batches_with_no_mean_direction_select_as_without_them():
+    # The loss's sign flips on the third batch: the gradients' pairs average <= 0 with
+    # a batch left out, so no common part can be held against the mean gradient.
+    params, x = _args()
+
+    def signed(p, x, s):
+        return s * _loss(p, x)
+
+    one, minus = jnp.float32(1), jnp.float32(-1)
+    others = [(params, _other_batch(11)[1], one), (params, _other_batch(12)[1], minus)]
+    kw = dict(budget=BUDGET, first_last_bf16=False)
+    got = jaxamp.fp8_select(signed, **kw, other_batches=others)(params, x, one)
+    want = jaxamp.fp8_select(signed, **kw)(params, x, one)
+    assert dict(got) == dict(want) and got.noise == 0.0 and got.error == want.error
+    assert all("no mean direction" in r for r in got.reasons.values())

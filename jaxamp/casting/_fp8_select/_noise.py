@@ -46,6 +46,17 @@ def noise_of(
                 "arguments in what the gradient is of (argnums), not only in the batch; give "
                 "each other batch at the same parameters: other_batches=[(params, batch_2)]"
             )
+        # A batch given twice is not an independent batch: it would read as no noise
+        # between the two and as FP8 error common to them, each estimate off.
+        seen = [args, *others[:k]]
+        same = [j for j, o in enumerate(seen) if _same_arrays(o, other)]
+        if same:
+            was = "the calibration batch" if same[0] == 0 else f"other_batches[{same[0] - 1}]"
+            raise ValueError(
+                f"jaxamp.fp8_select: other_batches[{k}] is {was} again (every array equal); "
+                "give each other batch once, each a different batch of the training data "
+                "at the same parameters: other_batches=[(params, batch_2), (params, batch_3)]"
+            )
         grads.append(at(other))
         sq.append(float(np.sum((ref - grads[-1]) ** 2)))
     noise = math.sqrt(sum(sq) / len(sq) / 2) / float(np.linalg.norm(ref)) if sq else 0.0
@@ -63,12 +74,37 @@ def split(ds: list[np.ndarray]) -> tuple[float, float]:
     return math.sqrt(c2), math.sqrt(v2)
 
 
-def mean_norm(gs: list[np.ndarray]) -> float:
-    """The norm of the mean of the gradients `gs` on independent batches, without their
-    own noise: ``sqrt(mean_{i<j} g_i . g_j)`` (0 where that is negative: no mean
-    direction shows through the noise)."""
-    pairs = [gs[i] @ gs[j] for i in range(len(gs)) for j in range(i + 1, len(gs))]
-    return math.sqrt(max(float(np.mean(pairs)), 0.0)) if pairs else 0.0
+def pair_means(vs: list[np.ndarray]) -> tuple[float, np.ndarray]:
+    """``mean_{i<j} v_i . v_j`` over the independent batches' `vs`, and the same with each
+    batch left out in turn (the jackknife's samples; at least 3 batches), signed: a
+    negative one is the noise of the estimate, which a clamp at 0 would hide."""
+    n = len(vs)
+    gram = np.array([[a @ b for b in vs] for a in vs])
+    off = gram - np.diag(np.diag(gram))
+    total = off.sum() / 2
+    loo = (total - off.sum(1)) / ((n - 1) * (n - 2) / 2)
+    return float(total / (n * (n - 1) / 2)), loo
+
+
+def common_bound(ds: list[np.ndarray], mean: tuple[float, np.ndarray]) -> tuple[float, float]:
+    """``(estimate, bound)`` of ``||c|| / ||mu||``: FP8's error common to the batches
+    (errors `ds`) against the mean gradient (`mean`: ``pair_means`` of the bfloat16
+    gradients, every one positive), the bound one jackknife standard error above the
+    estimate of the squared ratio. Both are ratios of noisy sums over the parameters:
+    on the tests' student toy, with the calibration batch and one or two others, the
+    estimate alone let in a layer whose common error is 2.5 times the budget in 26 % /
+    18 % of draws of the batches (the bound with two others: under 1 %)."""
+    (c2, c_loo), (m2, m_loo) = pair_means(ds), mean
+    ratio, loo = c2 / m2, c_loo / m_loo
+    n = len(ds)
+    se = math.sqrt((n - 1) / n * float(np.sum((loo - loo.mean()) ** 2)))
+    return math.sqrt(max(ratio, 0.0)), math.sqrt(max(ratio + se, 0.0))
+
+
+def _same_arrays(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether every array leaf of `a` equals `b`'s (their structures already match)."""
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return all(x is y or np.array_equal(x, y) for x, y in pairs if hasattr(x, "shape"))
 
 
 class _Static:
