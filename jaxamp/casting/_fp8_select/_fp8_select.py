@@ -34,7 +34,8 @@ add in quadrature and average out over steps together: the step moves
 budget while ``||v|| <= sqrt(budget**2 + 2 * budget * sigma)``
 (``Fp8Selection.threshold``). The common part adds up over steps as the noise does
 not: it is held to the budget against the gradient it adds up beside, the mean
-gradient mu (``E[g_i . g_j] = ||mu||**2``): ``||c|| <= budget * ||mu||``. Without
+gradient mu (``E[g_i . g_j] = ||mu||**2``): ``||c|| <= budget * ||mu||``, by a bound
+one jackknife standard error above the estimate (``_noise.common_bound``). Without
 other batches a set is kept while ``||d|| <= budget`` (relative to the calibration
 gradient's norm, as the changing part is): a model trained on one batch (or fitting
 its data) has no sampling noise to hide FP8's error in.
@@ -165,9 +166,8 @@ def fp8_select(
             "argument tuples of fun, one per other batch: other_batches=[(params, batch_2)]"
         )
     if len(other_batches) == 1:
-        # The common part is a ratio of two sums over pairs of batches: with one pair
-        # there is no telling how noisy it is (common_bound), and on the tests' student
-        # toy one pair alone let in a layer 2.5 times over the budget in a quarter of draws.
+        # One pair of batches gives no measure of the common part's noise (common_bound):
+        # on the tests' student it let in a layer 2.5 times over budget in 26 % of draws.
         raise ValueError(
             "jaxamp.fp8_select: other_batches has 1 batch; give at least two other "
             "batches (the FP8 error common to the batches is estimated from pairs of them, "
