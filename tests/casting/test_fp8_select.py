@@ -208,6 +208,10 @@ def test_other_batches_that_are_not_argument_tuples_are_named():
         jaxamp.fp8_select(_loss, other_batches=x)
     with pytest.raises(ValueError, match=r"other_batches\[0\] is not shaped like"):
         jaxamp.fp8_select(_loss, other_batches=[(params, x[:4]), _other_batch(11)])(params, x)
+    # Another dtype: another program (compiled again), its rounding read as noise.
+    with pytest.raises(ValueError, match=r"other_batches\[1\] is not shaped like.*dtypes"):
+        half = (params, _other_batch(12)[1].astype(jnp.bfloat16))
+        jaxamp.fp8_select(_loss, other_batches=[_other_batch(11), half])(params, x)
 
     # A Python scalar is compiled in as the calibration's: another value is refused.
     def scaled(p, x, c):

@@ -22,10 +22,14 @@ def noise_of(
     ||ref||``."""
 
     def spec(a: tuple[Any, ...]) -> Any:
-        # Arrays by shape; anything else (a Python scalar, an equinox model's function)
-        # is the calibration's on every batch (compiled in), so it must be the same.
+        # Arrays by shape and dtype (another dtype is another program, compiled again,
+        # and its rounding no sampling noise); anything else (a Python scalar, an
+        # equinox model's function) is the calibration's on every batch (compiled in),
+        # so it must be the same.
         leaves = jax.tree.leaves(a)
-        return jax.tree.structure(a), [getattr(x, "shape", _Static(x)) for x in leaves]
+        return jax.tree.structure(a), [
+            (x.shape, np.dtype(x.dtype)) if hasattr(x, "shape") else _Static(x) for x in leaves
+        ]
 
     sq, grads = [], []
     for k, other in enumerate(others):
@@ -33,7 +37,8 @@ def noise_of(
             raise ValueError(
                 f"jaxamp.fp8_select: other_batches[{k}] is not shaped like the calibration "
                 "arguments; give each other batch as the same arguments of fun, with the "
-                "same structure and shapes and the same values where they are not arrays: "
+                "same structure, shapes and dtypes and the same values where they are not "
+                "arrays: "
                 "other_batches=[(params, batch_2)]"
             )
         # Another batch at other parameters differs by more than its examples: read as
