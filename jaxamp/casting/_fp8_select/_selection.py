@@ -39,9 +39,11 @@ class Fp8Selection(Mapping[str, bool]):
       signal: what the errors measure (``SIGNAL``).
       noise: the gradient's sampling noise measured with ``other_batches``, in
         the units of the errors (0.0 without them).
-      common: with ``other_batches``, the part of the kept set's error common to
-        every batch, relative to the mean gradient (held to `budget`; the part
-        that changes from batch to batch is held to `threshold`); 0.0 without them.
+      common: with ``other_batches``, the estimate of the part of the kept set's
+        error common to every batch, relative to the mean gradient (a bound one
+        standard error above it is held to `budget`, each reason gives it; the
+        part that changes from batch to batch is held to `threshold`); 0.0
+        without them, or where their gradients show no mean direction.
     """
 
     modules: dict[str, bool]
