@@ -99,8 +99,8 @@ def fp8_select(
     order of least error alone (ties by module path), each joins the kept set
     if the set's error with it is within `budget`. It compiles the gradient
     once per candidate and once per one that could join (at most twice the
-    candidates, plus the reference; with `other_batches`, twice more per other
-    batch and once for the kept set): a calibration, not a train step.
+    candidates, plus the reference; with `other_batches`, each runs on every
+    batch): a calibration, not a train step.
 
     FP8 costs the gradient least at init: calibrate at parameters like the ones
     it will train (a checkpoint part way through; after a few hundred bfloat16
@@ -131,14 +131,14 @@ def fp8_select(
       dtype: the autocast dtype (default bfloat16).
       argnums: which arguments the gradient is of (default 0).
       other_batches: `fun`'s arguments on other training batches, a list of
-        tuples like `args` (``[(params, batch_2)]``): the budget then bounds how
-        much farther from the mean gradient FP8 moves a step's gradient, beside
-        the sampling noise a step on a fresh batch has anyway (module
-        docstring; ``Fp8Selection.noise``, ``.threshold``), unless the FP8 error
-        common to the batches is over the budget of the mean gradient (then the
-        selection is the one without them, its noise 0). For training on
-        fresh batches, far from fitting the data; not for a model trained on
-        one batch or fitting its data to a loss near 0.
+        tuples like `args` (``[(params, batch_2)]``; two or more), at the same
+        parameters: each set's error is then split into the part common to the
+        batches, held to `budget` times the mean gradient (it adds up over
+        steps), and the part that changes from batch to batch, held to `budget`
+        beside the sampling noise a step on a fresh batch has anyway (module
+        docstring; ``Fp8Selection.common``, ``.noise``, ``.threshold``). For
+        training on fresh batches, far from fitting the data; not for a model
+        trained on one batch or fitting its data to a loss near 0.
 
     Returns:
       A function of `fun`'s arguments returning an [`Fp8Selection`][jaxamp.types.Fp8Selection]:
