@@ -348,6 +348,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    if args.steps < 2:
+        # optax's warmup + cosine schedule raises on fewer, in its own words.
+        p.error(f"--steps {args.steps}: train at least 2 steps (default {STEPS})")
     start = time.perf_counter()
     if args.gemma:
         import fp8_client_gemma  # it imports this module: not at the top

@@ -55,6 +55,12 @@ def test_lm1b_without_models_py_names_the_flag_and_what_to_give(tmp_path: Path) 
         fp8_clients.load_lm1b(tmp_path)
 
 
+def test_too_few_steps_are_named_by_the_flag(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        fp8_clients.main(["--lm1b", str(tmp_path), "--steps", "0"])
+    assert "--steps 0: train at least 2 steps" in capsys.readouterr().err
+
+
 def test_a_client_loaded_by_path_trains_in_fp8_with_its_products_counted(tmp_path: Path) -> None:
     (tmp_path / "models.py").write_text(STAND_IN)
     module = fp8_clients.load_lm1b(tmp_path)

@@ -100,8 +100,8 @@ def fp8_select(
     order of least error alone (ties by module path), each joins the kept set
     if the set's error with it is within `budget`. It compiles the gradient
     once per candidate and once per one that could join (at most twice the
-    candidates, plus the reference; with `other_batches`, twice more per other
-    batch and once for the kept set): a calibration, not a train step.
+    candidates, plus the reference; with `other_batches`, each runs on every
+    batch): a calibration, not a train step.
 
     FP8 costs the gradient least at init: calibrate at parameters like the ones
     it will train (a checkpoint part way through; after a few hundred bfloat16
@@ -132,14 +132,15 @@ def fp8_select(
       dtype: the autocast dtype (default bfloat16).
       argnums: which arguments the gradient is of (default 0).
       other_batches: `fun`'s arguments on other training batches, a list of
-        tuples like `args` (``[(params, batch_2)]``): the budget then bounds how
-        much farther from the mean gradient FP8 moves a step's gradient, beside
-        the sampling noise a step on a fresh batch has anyway (module
-        docstring; ``Fp8Selection.noise``, ``.threshold``), and the FP8 error
-        common to the batches (a bound one standard error above its estimate)
-        within the budget of the mean gradient. Two or more, each once; where
-        their gradients show no mean direction, as without them. For training
-        on fresh batches; not for a model fitting its data to a loss near 0.
+        tuples like `args` (``[(params, batch_2), (params, batch_3)]``; two or
+        more, each once), at the same parameters: each set's error is then split
+        into the part common to the batches, held to `budget` times the mean
+        gradient (it adds up over steps; by a bound one standard error above its
+        estimate), the part that changes from batch to batch held to `budget`
+        beside the sampling noise a step on a fresh batch has anyway (module
+        docstring; ``Fp8Selection.common``, ``.noise``, ``.threshold``).
+        No mean direction in their gradients: as without them. For training on
+        fresh batches; not for a model fitting its data to a loss near 0.
 
     Returns:
       A function of `fun`'s arguments returning an [`Fp8Selection`][jaxamp.types.Fp8Selection]:
@@ -278,9 +279,8 @@ def _select(
 
     def measure(kept: set[str]) -> tuple[float, float, float, float]:
         """``(error, common, bound, varying)`` of `kept` in FP8: its error on the
-        calibration batch, and, with other batches, its part common to the batches
-        against the mean gradient (estimate, and the bound held to the budget) and the
-        part that changes against the calibration gradient."""
+        calibration batch; with other batches, its part common to them against the mean
+        gradient (estimate, bound) and the part that changes, against ``norm``."""
         if frozenset(kept) not in cache:
             select = {p: p in kept for p in paths}
             ds = [gradient(select) - ref]
@@ -321,8 +321,8 @@ def _select(
 
 
 _BLIND = (
-    " (other_batches: the batches' gradients show no mean direction in common, the mean "
-    "of g_i . g_j <= 0 with a batch left out; held to the budget as without them)"
+    " (other_batches: no mean direction in their gradients, the mean of g_i . g_j <= 0 "
+    "with one left out: held to the budget as without them; more batches may show one)"
 )
 
 
