@@ -16,6 +16,11 @@ custom calls (an FP8 GEMM XLA really runs) and the products ``jaxamp.audit`` fla
 optax at 7M and 124M params is ``gpu.py``'s ``safety-large`` / ``cond-small`` parts
 (``make bench-gpu``).
 
+``--size xl`` is the ~0.9B GPT (``models.SIZES["xl"]``), where FP8's GEMMs are large
+enough to pay: ``make bench-gpu-fp8-1b`` runs it for bfloat16 autocast and the two FP8
+scalings (fewer rounds; not timed on a GPU yet, so apart from ``make bench-gpu``'s
+8-minute budget).
+
 Run with a Python whose jax sees a CUDA GPU:
 ``python3 benchmarks/gpu_fp8.py --out benchmarks/gpu_results/fp8.json``; about 5
 minutes on an H200. ``--allow-cpu --size tiny`` is a (meaningless) smoke run.
@@ -94,7 +99,7 @@ def _machine() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="large", choices=["tiny", "default", "large"])
+    ap.add_argument("--size", default="large", choices=["tiny", "default", "large", "xl"])
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="steps per variant per round")

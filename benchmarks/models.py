@@ -37,6 +37,9 @@ SIZES: dict[str, ModelConfig] = {
     "default": ModelConfig(vocab=16384, d_model=256, n_layers=4, n_heads=4, seq_len=32, batch=2),
     # ~124M params, GPT-2 small shape; for a GPU.
     "large": ModelConfig(vocab=50304, d_model=768, n_layers=12, n_heads=12, seq_len=1024, batch=8),
+    # ~0.9B params (d_model 2048, 16 layers of 16 heads of 128, every dimension a
+    # multiple of 128): where FP8's GEMMs can pay (issue 46's ~1B row); for a GPU.
+    "xl": ModelConfig(vocab=50304, d_model=2048, n_layers=16, n_heads=16, seq_len=1024, batch=8),
     # Many small leaves (132: biases, norm scales and 64-wide kernels, 8 layers): what a
     # per-leaf cost (a check's reduction, a copy) weighs when the leaves are many and small.
     "many_leaves": ModelConfig(vocab=512, d_model=64, n_layers=8, n_heads=4, seq_len=16, batch=2),
