@@ -49,7 +49,8 @@ noise draws), measured at ``nice -n 19`` on 2 cores that other jobs shared: 13 C
 
 Run: ``python benchmarks/fp8_clients.py --lm1b ~/flax/examples/lm1b [--out r.json]``,
 or ``--gemma ~/flax/examples/gemma`` for the nnx client (``fp8_client_gemma``'s docstring:
-its config; the rest, data, optimizer, rows and table, is this module's).
+its config; the rest, data, optimizer, rows and table, is this module's);
+``fp8_client_clm.py`` runs this module's rows on transformers' GPT-2, its own recipe.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -137,12 +139,23 @@ class ClientTask(bench_low_precision.Task):
     """A client as ``bench_low_precision``'s byte-LM task, and as a conformance
     ``models.Built`` (``built``: ``apply(params, state, batch)``, the first training batch)
     for ``harness`` and ``fp8``'s functions. A client sets ``name``, ``config`` (its
-    fields, as the results record them), ``client_batch`` and calls ``_set_apply``."""
+    fields, as the results record them), ``client_batch`` and calls ``_set_apply``; one
+    trained otherwise than the lm1b example (``fp8_client_clm``) also sets
+    ``client_loss``, ``optimizer`` and ``optimizer_info``."""
 
     # Every client trains on the same batches and is judged on the same held-out ones.
     data_seed = 4
     config: dict[str, Any]
     built: models.Built
+    #: ``loss(logits, batch)``, a float32 scalar; None: the examples' weighted cross
+    #: entropy (``harness.loss_of``).
+    client_loss: Callable[[jax.Array, dict[str, Any]], jax.Array] | None = None
+    #: ``optimizer``'s, as the results record it.
+    optimizer_info: dict[str, Any] = {
+        "adamw": ADAMW,
+        "peak_lr": LR,
+        "schedule": "5 % warmup, cosine to 0",
+    }
 
     def __init__(self) -> None:
         super().__init__(quick=False)
@@ -153,8 +166,15 @@ class ClientTask(bench_low_precision.Task):
         ``seq + 1``-byte windows."""
         raise NotImplementedError
 
+    def optimizer(self, steps: int) -> optax.GradientTransformation:
+        """The optimizer of a run of `steps` steps: the lm1b example's AdamW on
+        ``bench_low_precision.schedule``."""
+        return optax.adamw(bench_low_precision.schedule(LR, steps), **ADAMW)  # type: ignore[arg-type]
+
     def _set_apply(self, params: Any, apply: Any) -> None:
-        self.built = models.Built(params, {}, self.client_batch(self.batch(0)), apply, None, lr=LR)
+        first = self.client_batch(self.batch(0))
+        lr = self.optimizer_info["peak_lr"]
+        self.built = models.Built(params, {}, first, apply, None, lr=lr, loss=self.client_loss)
         loss = harness._loss_fn(apply, self.built)
         self._set_loss(lambda p, window: loss(p, {}, self.client_batch(window))[0])
 
@@ -181,13 +201,12 @@ class Lm1bTask(ClientTask):
 
 
 def train(task: ClientTask, apply: Any, steps: int, params: Any = None) -> dict[str, Any]:
-    """`steps` AdamW steps of the model run by `apply` (from the init, or `params`), a
-    fresh batch each; the final held-out loss judged in float32, the skipped steps and
-    the params half way through (``"half"``, where the selection is calibrated)."""
+    """`steps` steps of `task`'s optimizer on the model run by `apply` (from the init,
+    or `params`), a fresh batch each; the final held-out loss judged in float32, the
+    skipped steps and the params half way through (``"half"``, where the selection is
+    calibrated)."""
     built = task.built
-    tx = jaxamp.skip_nonfinite(
-        optax.adamw(bench_low_precision.schedule(LR, steps), **ADAMW)  # type: ignore[arg-type]
-    )
+    tx = jaxamp.skip_nonfinite(task.optimizer(steps))
     loss = harness._loss_fn(apply, built)
 
     @jax.jit
@@ -279,7 +298,7 @@ def run(
     return {
         "client": task.name,
         "config": {**task.config, "batch": task.bsz, "seq": task.seq},
-        "optimizer": {"adamw": ADAMW, "peak_lr": LR, "schedule": "5 % warmup, cosine to 0"},
+        "optimizer": task.optimizer_info,
         "steps": steps,
         "goal": fp8.GOAL,
         "noise": {"rel": fp8.NOISE_REL, "ratios": noise},

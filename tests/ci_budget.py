@@ -91,6 +91,18 @@ LEFT_OUT: dict[str, dict[str, str]] = {
             "the train test above in make test-slow"
         ),
     },
+    "tests/repo/test_fp8_client_clm.py": {
+        # benchmarks/fp8_client_clm.py on a 1-layer GPT-2: an FP8 train step's compile
+        # and every row with both fp8_select calibrations, as the lm1b ones above.
+        "test_gpt2_trains_in_fp8_through_fp8_clients_train": (
+            "the hf-gpt2 FP8 conformance rows (tests/conformance/test_fp8_rows.py) and "
+            "this file's tests of the recipe (loss, decay mask, schedule) and the CLI's errors"
+        ),
+        "test_every_row_with_other_batches_runs_and_is_judged_against_bfloat16": (
+            "fp8_select's other_batches tests (tests/casting/test_fp8_select.py); the "
+            "train test above in make test-slow"
+        ),
+    },
     "tests/multidevice/test_conformance_mesh.py": {
         "test_conformance_explicit_mesh[flax-nnx-attention@data-float16]": (
             "the same model on the tensor axis in bfloat16"
