@@ -45,7 +45,6 @@ Run: ``python benchmarks/fp8_client_clm.py [--steps N] [--noise-seeds K] [--out 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -55,11 +54,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-HERE = Path(__file__).resolve().parent
-for _path in (HERE, HERE.parent):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
+# Runnable as a script: fp8_clients sits beside it (and puts the repository on the path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fp8_clients  # noqa: E402
 
 #: ``GPT2Config`` fields (``n_positions`` is the task's sequence length).
@@ -191,14 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     result = fp8_clients.run(ClmTask(lr=args.lr), args.steps, args.noise_seeds)
     result["transformers"] = transformers.__version__
-    result["jax"] = jax.__version__
-    result["wall_s"] = time.perf_counter() - start
-    print(fp8_clients.format_table(result))
-    print(selections(result))
-    print(f"wall time {result['wall_s']:.0f} s")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1, default=float) + "\n")
-    return result
+    return fp8_clients.finish(result, start, args.out, selections(result))
 
 
 if __name__ == "__main__":

@@ -381,12 +381,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         task = Lm1bTask(load_lm1b(directory))
     result = run(task, args.steps, args.noise_seeds, tuple(args.budgets))
     result["flax_commit"] = _git_commit(Path(directory).expanduser(), file)
+    return finish(result, start, args.out)
+
+
+def finish(result: dict[str, Any], start: float, out: str | None, *notes: str) -> dict[str, Any]:
+    """A client's `result` completed (jax version, wall time since `start`), printed
+    (the table, `notes`) and written to `out` as JSON."""
     result["jax"] = jax.__version__
     result["wall_s"] = time.perf_counter() - start
-    print(format_table(result))
-    print(f"wall time {result['wall_s']:.0f} s")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1, default=float) + "\n")
+    print("\n".join([format_table(result), *notes, f"wall time {result['wall_s']:.0f} s"]))
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1, default=float) + "\n")
     return result
 
 
