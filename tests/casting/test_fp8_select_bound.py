@@ -121,3 +121,17 @@ def test_with_other_batches_the_kept_set_holds_its_bound_and_round_trips():
     assert bound <= chosen.budget and chosen.common == pytest.approx(estimate, rel=1e-9)
     back = jaxamp.types.Fp8Selection.from_dict(json.loads(json.dumps(chosen.to_dict())))
     assert back.to_dict() == chosen.to_dict() and str(back) == str(chosen)
+
+
+def test_a_varying_part_over_its_threshold_names_the_threshold_and_repeats():
+    params, x = _args()
+    others = [_other_batch(s) for s in (11, 12)]
+    kw = dict(budget=0.01, first_last_bf16=False, other_batches=others)
+    chosen = jaxamp.fp8_select(_loss, **kw)(params, x)
+    varying = chosen.reasons["l1"].split("varying")[1]
+    t = f"{chosen.threshold:.3g}"
+    assert f"> threshold {t} (budget 0.01 beside noise {chosen.noise:.3g})" in varying
+    # The header names the same threshold.
+    assert f"varying within {t}" in str(chosen).splitlines()[0]
+    # The same selection again (another draw of nothing: no randomness).
+    assert jaxamp.fp8_select(_loss, **kw)(params, x).to_dict() == chosen.to_dict()

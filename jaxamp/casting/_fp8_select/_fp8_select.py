@@ -302,8 +302,8 @@ def _select(
         return fits, e, (
             f"error {e:.3g}: common to the batches {common:.3g} of the mean gradient "
             f"(at most {bound:.3g}) {'<=' if bound <= budget else '> budget'} {budget:g}, "
-            f"varying {varying:.3g} {'<=' if varying <= limit else '> budget'} {limit:.3g} "
-            f"({budget:g} beside noise {noise:.3g})"
+            f"varying {varying:.3g} {'<=' if varying <= limit else '> threshold'} "
+            f"{limit:.3g} (budget {budget:g} beside noise {noise:.3g})"
         )  # fmt: skip
 
     modules, reasons, alone, kept = _choose(paths, judge)
