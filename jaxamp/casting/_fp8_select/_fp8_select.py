@@ -12,16 +12,16 @@ product in bfloat16): the FP8 error on top of bfloat16's, the comparison the
 wrong (its loss is bfloat16's until the next step), and a per-layer output
 error does not say how much of the gradient a layer moves.
 
-The errors of single modules do not add up to the error of a set (a layer's
-FP8 error reaches every layer before it through dgrad, and errors of
-different layers may cancel or compound), so the procedure measures the set it
-keeps: every candidate alone, then, in the order of least error alone (ties by
-path), each one joins the set if the set's error with it stays within the
-budget. Layers (``_fp8_layers``: module paths, or the weight a product reads
-where module paths do not tell layers apart), not program order, name the
-candidates: a model called twice is one set of layers, and the result is the
-same for the same program and arguments (no randomness; XLA's CPU and GPU
-products are deterministic).
+The errors of single modules do not add up to the error of a set (a layer's FP8
+error reaches every layer before it through dgrad, and errors of different layers
+may cancel or compound), so the procedure measures the set it keeps: every
+candidate alone, then, in the order of least error alone (ties by path), each one
+joins the set if the set's error with it stays within the budget, in one pass (a
+refused layer may fit with later ones: each reason is the verdict on one set).
+Layers (``_fp8_layers``: module paths, or the weight a product reads where module
+paths do not tell layers apart), not program order, name the candidates: a model
+called twice is one set of layers, and the result is the same for the same program
+and arguments (no randomness; XLA's CPU and GPU products are deterministic).
 
 With ``other_batches`` the budget is measured beside the gradient's sampling noise,
 which a step on a fresh batch carries anyway. FP8's error d on a batch is split into
@@ -98,10 +98,10 @@ def fp8_select(
     ``||g - g_bf16|| / ||g_bf16||``, the gradient with only their products in
     FP8 against bfloat16 autocast's. Each candidate is measured alone; then, in
     order of least error alone (ties by module path), each joins the kept set
-    if the set's error with it is within `budget`. It compiles the gradient
-    once per candidate and once per one that could join (at most twice the
-    candidates, plus the reference; with `other_batches`, each runs on every
-    batch): a calibration, not a train step.
+    if the set's error with it is within `budget` (one pass; all where all fit).
+    It compiles the gradient once per candidate and once per one that could join
+    (at most twice the candidates, plus the reference; with `other_batches`, each
+    runs on every batch): a calibration, not a train step.
 
     FP8 costs the gradient least at init: calibrate at parameters like the ones
     it will train (a checkpoint part way through; after a few hundred bfloat16
