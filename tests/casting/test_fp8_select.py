@@ -229,7 +229,7 @@ def test_other_batches_at_other_parameters_are_refused_not_read_as_noise():
     params, x = _args()
     moved = [w * 3 for w in params]
     with pytest.raises(ValueError, match=r"other_batches\[1\].*same parameters"):
-        jaxamp.fp8_select(_loss, other_batches=[(params, x[::-1]), (moved, x)])(params, x)
+        jaxamp.fp8_select(_loss, other_batches=[_other_batch(11), (moved, x)])(params, x)
 
 
 def test_a_batch_passed_by_keyword_with_other_batches_is_refused():

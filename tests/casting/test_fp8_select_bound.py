@@ -135,3 +135,16 @@ def test_a_varying_part_over_its_threshold_names_the_threshold_and_repeats():
     assert f"varying within {t}" in str(chosen).splitlines()[0]
     # The same selection again (another draw of nothing: no randomness).
     assert jaxamp.fp8_select(_loss, **kw)(params, x).to_dict() == chosen.to_dict()
+
+
+def test_the_calibration_batch_in_another_order_is_refused_as_no_other_batch():
+    # The same examples reshuffled (a loader's next epoch) pass the check on equal
+    # arrays, but a mean loss's gradient is the calibration's: no noise was measured
+    # (it read 0.0, every error common), the rule without other batches in disguise.
+    params, x = _args()
+    turned = (params, x[np.r_[1 : len(x), 0]])
+    with pytest.raises(ValueError, match=r"other_batches\[1\] gives the calibration batch's"):
+        jaxamp.fp8_select(_loss, other_batches=[_other_batch(11), turned])(params, x)
+    with pytest.raises(ValueError, match=r"other_batches\[1\] gives other_batches\[0\]'s"):
+        fresh = _other_batch(11)[1]
+        jaxamp.fp8_select(_loss, other_batches=[(params, fresh), (params, fresh[::-1])])(params, x)

@@ -153,7 +153,7 @@ def fp8_select(
       ValueError: `budget` is not a number >= 0; `argnums` is out of range; `fun`
         returns no scalar; the bfloat16 gradient is zero or not finite (nothing to
         compare against); another batch is shaped otherwise, at other parameters
-        (its `argnums` arrays differ) or given twice; only one other batch.
+        (its `argnums` arrays differ), given twice or reordered; one other batch.
     """
     if not callable(fun):
         raise TypeError(

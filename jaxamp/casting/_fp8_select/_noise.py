@@ -63,6 +63,17 @@ def noise_of(
                 "at the same parameters: other_batches=[(params, batch_2), (params, batch_3)]"
             )
         grads.append(at(other))
+        # The same examples in another order (a loader's next epoch) pass the check on
+        # equal arrays, but a mean loss's gradient is the same: no noise to measure.
+        same = [j for j, g in enumerate([ref, *grads[:-1]]) if np.array_equal(g, grads[-1])]
+        if same:
+            was = "the calibration batch" if same[0] == 0 else f"other_batches[{same[0] - 1}]"
+            raise ValueError(
+                f"jaxamp.fp8_select: other_batches[{k}] gives {was}'s bfloat16 gradient "
+                "exactly (the same examples in another order?): no sampling noise to "
+                "measure; give each other batch other examples of the training data: "
+                "other_batches=[(params, batch_2), (params, batch_3)]"
+            )
         sq.append(float(np.sum((ref - grads[-1]) ** 2)))
     noise = math.sqrt(sum(sq) / len(sq) / 2) / float(np.linalg.norm(ref)) if sq else 0.0
     return noise, grads
