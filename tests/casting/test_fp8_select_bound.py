@@ -143,8 +143,9 @@ def test_the_calibration_batch_in_another_order_is_refused_as_no_other_batch():
     # (it read 0.0, every error common), the rule without other batches in disguise.
     params, x = _args()
     turned = (params, x[np.r_[1 : len(x), 0]])
-    with pytest.raises(ValueError, match=r"other_batches\[1\] gives the calibration batch's"):
+    again = r"other_batches\[1\] is {} again.*another order"
+    with pytest.raises(ValueError, match=again.format("the calibration batch")):
         jaxamp.fp8_select(_loss, other_batches=[_other_batch(11), turned])(params, x)
-    with pytest.raises(ValueError, match=r"other_batches\[1\] gives other_batches\[0\]'s"):
+    with pytest.raises(ValueError, match=again.format(r"other_batches\[0\]")):
         fresh = _other_batch(11)[1]
         jaxamp.fp8_select(_loss, other_batches=[(params, fresh), (params, fresh[::-1])])(params, x)

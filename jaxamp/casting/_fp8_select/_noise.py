@@ -52,53 +52,50 @@ def noise_of(
                 "each other batch at the same parameters: other_batches=[(params, batch_2)]"
             )
         # A batch given twice is not an independent batch: it would read as no noise
-        # between the two and as FP8 error common to them, each estimate off.
-        seen = [args, *others[:k]]
-        same = [j for j, o in enumerate(seen) if _same_arrays(o, other)]
-        if same:
-            was = "the calibration batch" if same[0] == 0 else f"other_batches[{same[0] - 1}]"
-            raise ValueError(
-                f"jaxamp.fp8_select: other_batches[{k}] is {was} again (every array equal); "
-                "give each other batch once, each a different batch of the training data "
-                "at the same parameters: other_batches=[(params, batch_2), (params, batch_3)]"
-            )
+        # between the two and as FP8 error common to them, each estimate off. Equal
+        # arrays are caught before the gradient runs (where reductions are not bitwise
+        # deterministic too); the same examples in another order (a loader's next
+        # epoch) by a mean loss's gradient, equal bit for bit.
+        _once(k, [j for j, o in enumerate([args, *others[:k]]) if _same_arrays(o, other)])
         grads.append(at(other))
-        # The same examples in another order (a loader's next epoch) pass the check on
-        # equal arrays, but a mean loss's gradient is the same: no noise to measure.
-        same = [j for j, g in enumerate([ref, *grads[:-1]]) if np.array_equal(g, grads[-1])]
-        if same:
-            was = "the calibration batch" if same[0] == 0 else f"other_batches[{same[0] - 1}]"
-            raise ValueError(
-                f"jaxamp.fp8_select: other_batches[{k}] gives {was}'s bfloat16 gradient "
-                "exactly (the same examples in another order?): no sampling noise to "
-                "measure; give each other batch other examples of the training data: "
-                "other_batches=[(params, batch_2), (params, batch_3)]"
-            )
+        _once(k, [j for j, g in enumerate([ref, *grads[:-1]]) if np.array_equal(g, grads[-1])])
         sq.append(float(np.sum((ref - grads[-1]) ** 2)))
     noise = math.sqrt(sum(sq) / len(sq) / 2) / float(np.linalg.norm(ref)) if sq else 0.0
     return noise, grads
 
 
+def _once(k: int, same: list[int]) -> None:
+    """Refuses ``other_batches[k]`` where it repeats the batches `same` names (0: the
+    calibration batch, j: ``other_batches[j - 1]``)."""
+    if same:
+        was = "the calibration batch" if same[0] == 0 else f"other_batches[{same[0] - 1}]"
+        raise ValueError(
+            f"jaxamp.fp8_select: other_batches[{k}] is {was} again (every array, or the "
+            "bfloat16 gradient, equal: the same examples, perhaps in another order): no "
+            "sampling noise between them; give each other batch other examples of the "
+            "training data: other_batches=[(params, batch_2), (params, batch_3)]"
+        )
+
+
 def split(ds: list[np.ndarray]) -> tuple[float, float]:
     """``(||c||, ||v||)``: FP8's errors `ds` on independent batches (the calibration's
-    first) as the part common to them, ``||c||**2 = mean_{i<j} d_i . d_j`` (0 where the
-    estimate is negative), and the part that changes, ``||v||**2 = mean ||d_i||**2 -
-    ||c||**2``: the one the calibration batch's error has besides the common part."""
-    pairs = [ds[i] @ ds[j] for i in range(len(ds)) for j in range(i + 1, len(ds))]
-    c2 = max(float(np.mean(pairs)), 0.0)
+    first) as the part common to them, ``||c||**2 = mean_{i<j} d_i . d_j`` (``pair_means``;
+    0 where the estimate is negative), and the part that changes, ``||v||**2 = mean
+    ||d_i||**2 - ||c||**2``: the one the calibration batch's error has besides it."""
+    c2 = max(pair_means(ds)[0], 0.0)
     v2 = max(float(np.mean([d @ d for d in ds])) - c2, 0.0)
     return math.sqrt(c2), math.sqrt(v2)
 
 
 def pair_means(vs: list[np.ndarray]) -> tuple[float, np.ndarray]:
     """``mean_{i<j} v_i . v_j`` over the independent batches' `vs`, and the same with each
-    batch left out in turn (the jackknife's samples; at least 3 batches), signed: a
+    batch left out in turn (the jackknife's samples; none under 3 batches), signed: a
     negative one is the noise of the estimate, which a clamp at 0 would hide."""
     n = len(vs)
     gram = np.array([[a @ b for b in vs] for a in vs])
     off = gram - np.diag(np.diag(gram))
     total = off.sum() / 2
-    loo = (total - off.sum(1)) / ((n - 1) * (n - 2) / 2)
+    loo = (total - off.sum(1)) / ((n - 1) * (n - 2) / 2) if n >= 3 else np.zeros(0)
     return float(total / (n * (n - 1) / 2)), loo
 
 
